@@ -1,0 +1,230 @@
+//! The claim: one atomic transition Queued -> Leased that issues a fresh token.
+//!
+//! A claimer picks a Queued job from its watch cache ([`pick`]), builds the Leased status from
+//! that same snapshot ([`claimed_status`]) and replaces the status under the snapshot's
+//! resourceVersion (optimistic concurrency, Kubernetes API conventions: "Concurrency Control and
+//! Consistency"). The "is it still Queued?" check and the write therefore use one snapshot: if
+//! anyone wrote the job since, the API server answers 409 Conflict and the claimer moves on.
+
+use std::sync::Arc;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::PostParams;
+use kube::{Api, ResourceExt};
+use rand::Rng;
+use thiserror::Error;
+
+use crate::crd::{LeasedJob, LeasedJobStatus, Phase};
+use crate::lease::{is_status, lease_name};
+use crate::token::Token;
+
+/// Errors of [`claim`].
+#[derive(Debug, Error)]
+pub enum ClaimError {
+    /// Someone wrote the job since the snapshot (another claimer won, or the controller
+    /// initialised its status): pick again.
+    #[error("LeasedJob {job} changed since it was read (409 Conflict); another claimer won")]
+    Conflict {
+        /// `namespace/name`.
+        job: String,
+    },
+    /// The job was deleted.
+    #[error("LeasedJob {job} no longer exists")]
+    Gone {
+        /// `namespace/name`.
+        job: String,
+    },
+    /// The snapshot is not claimable (not Queued, or being deleted).
+    #[error("LeasedJob {job} is {phase}, not Queued")]
+    NotQueued {
+        /// `namespace/name`.
+        job: String,
+        /// Its phase in the snapshot.
+        phase: Phase,
+    },
+    /// Any other API failure; nothing was written.
+    #[error("claim of LeasedJob {job} failed")]
+    Api {
+        /// `namespace/name`.
+        job: String,
+        /// The underlying error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// True when `job` may be claimed from `queue` now: Queued, in that queue, not being deleted.
+pub fn claimable(job: &LeasedJob, queue: &str) -> bool {
+    job.phase() == Phase::Queued
+        && job.spec.queue == queue
+        && job.metadata.deletion_timestamp.is_none()
+}
+
+/// Chooses which job to try to claim. Candidates are the claimable jobs of the highest priority
+/// present, in FIFO order (creationTimestamp, then name); the choice is random among the first
+/// `spread` of them, so that many idle claimers woken by the same event do not all race for the
+/// same job. `spread` 1 gives strict FIFO. `skip` filters out snapshots already tried.
+pub fn pick<R: Rng>(
+    jobs: &[Arc<LeasedJob>],
+    queue: &str,
+    spread: usize,
+    skip: impl Fn(&LeasedJob) -> bool,
+    rng: &mut R,
+) -> Option<Arc<LeasedJob>> {
+    let mut candidates: Vec<&Arc<LeasedJob>> = jobs
+        .iter()
+        .filter(|j| claimable(j, queue) && !skip(j))
+        .collect();
+    let top = candidates.iter().map(|j| j.spec.priority).max()?;
+    candidates.retain(|j| j.spec.priority == top);
+    candidates.sort_by(|a, b| {
+        let key = |j: &LeasedJob| {
+            (
+                j.metadata.creation_timestamp.clone().map(|t| t.0),
+                j.name_any(),
+            )
+        };
+        key(a).cmp(&key(b))
+    });
+    let window = candidates.len().min(spread.max(1));
+    let chosen = rng.random_range(0..window);
+    Some(Arc::clone(candidates[chosen]))
+}
+
+/// The status a successful claim writes: Leased, attempt + 1, the new token and holder, the
+/// claim time, the Lease's name. Everything else (failures, checkpoint, conditions) is kept.
+pub fn claimed_status(
+    job: &LeasedJob,
+    token: &Token,
+    holder: &str,
+    now: Timestamp,
+) -> LeasedJobStatus {
+    let mut status = job.status.clone().unwrap_or_default();
+    status.phase = Some(Phase::Leased);
+    status.attempt = token.attempt();
+    status.token = Some(token.as_str().to_string());
+    status.holder = Some(holder.to_string());
+    status.claimed_time = Some(Time(now));
+    status.lease_name = Some(lease_name(&job.name_any()));
+    if status.queued_time.is_none() {
+        status.queued_time = job.metadata.creation_timestamp.clone();
+    }
+    status
+}
+
+/// Claims `snapshot` for `holder`: replaces its status with [`claimed_status`] under the
+/// snapshot's resourceVersion. Returns the claimed job (as the API server stored it) and the
+/// token. Does not touch the Lease: see [`crate::lease::acquire`].
+///
+/// # Errors
+/// [`ClaimError::Conflict`] when anyone wrote the job since the snapshot;
+/// [`ClaimError::NotQueued`] when the snapshot is not claimable; [`ClaimError::Gone`];
+/// [`ClaimError::Api`].
+pub async fn claim(
+    api: &Api<LeasedJob>,
+    snapshot: &LeasedJob,
+    holder: &str,
+) -> Result<(LeasedJob, Token), ClaimError> {
+    let job = snapshot.reference();
+    if snapshot.phase() != Phase::Queued || snapshot.metadata.deletion_timestamp.is_some() {
+        return Err(ClaimError::NotQueued {
+            job,
+            phase: snapshot.phase(),
+        });
+    }
+    let token = Token::issue(snapshot.attempt() + 1);
+    let mut next = snapshot.clone();
+    next.status = Some(claimed_status(snapshot, &token, holder, Timestamp::now()));
+    match api
+        .replace_status(&snapshot.name_any(), &PostParams::default(), &next)
+        .await
+    {
+        Ok(stored) => Ok((stored, token)),
+        Err(e) if is_status(&e, 409) => Err(ClaimError::Conflict { job }),
+        Err(e) if is_status(&e, 404) => Err(ClaimError::Gone { job }),
+        Err(source) => Err(ClaimError::Api { job, source }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::LeasedJobSpec;
+    use rand::SeedableRng;
+    use serde_json::Value;
+
+    fn job(
+        name: &str,
+        queue: &str,
+        priority: i32,
+        created: i64,
+        phase: Option<Phase>,
+    ) -> Arc<LeasedJob> {
+        let mut j = LeasedJob::new(
+            name,
+            LeasedJobSpec {
+                queue: queue.into(),
+                payload: Value::Null,
+                lease_duration_seconds: 60,
+                max_attempts: 3,
+                priority,
+            },
+        );
+        j.metadata.creation_timestamp = Some(Time(Timestamp::from_second(created).unwrap()));
+        j.status = phase.map(|p| LeasedJobStatus {
+            phase: Some(p),
+            ..Default::default()
+        });
+        Arc::new(j)
+    }
+
+    #[test]
+    fn strict_fifo_within_the_highest_priority() {
+        let jobs = vec![
+            job("old-low", "q", 0, 1, None),
+            job("new-high", "q", 5, 30, None),
+            job("old-high", "q", 5, 20, Some(Phase::Queued)),
+            job("leased-high", "q", 9, 1, Some(Phase::Leased)),
+            job("other-queue", "r", 9, 1, None),
+        ];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let got = pick(&jobs, "q", 1, |_| false, &mut rng).unwrap();
+        assert_eq!(got.name_any(), "old-high");
+        let got = pick(&jobs, "q", 1, |j| j.name_any() == "old-high", &mut rng).unwrap();
+        assert_eq!(got.name_any(), "new-high");
+        assert!(pick(&jobs, "none", 1, |_| false, &mut rng).is_none());
+    }
+
+    #[test]
+    fn spread_stays_inside_the_window_and_uses_it() {
+        let jobs: Vec<_> = (0..10)
+            .map(|i| job(&format!("j{i}"), "q", 0, i, None))
+            .collect();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            seen.insert(pick(&jobs, "q", 4, |_| false, &mut rng).unwrap().name_any());
+        }
+        assert_eq!(
+            seen.into_iter().collect::<Vec<_>>(),
+            ["j0", "j1", "j2", "j3"]
+        );
+    }
+
+    #[test]
+    fn claimed_status_moves_exactly_one_attempt() {
+        let mut j = (*job("j", "q", 0, 5, Some(Phase::Queued))).clone();
+        j.status.as_mut().unwrap().attempt = 2;
+        j.status.as_mut().unwrap().checkpoint = Some(serde_json::json!({"offset": 9}));
+        let t = Token::issue(3);
+        let s = claimed_status(&j, &t, "pod-a", Timestamp::UNIX_EPOCH);
+        assert_eq!(s.phase, Some(Phase::Leased));
+        assert_eq!(s.attempt, 3);
+        assert_eq!(s.token.as_deref(), Some(t.as_str()));
+        assert_eq!(s.holder.as_deref(), Some("pod-a"));
+        assert_eq!(s.checkpoint, Some(serde_json::json!({"offset": 9})));
+        assert_eq!(s.queued_time, j.metadata.creation_timestamp);
+        assert_eq!(s.lease_name.as_deref(), Some("ljob-j"));
+    }
+}

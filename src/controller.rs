@@ -1,0 +1,500 @@
+//! The controller: initialises new jobs, requeues jobs whose lease expired, cleans up Leases of
+//! ended attempts, and records Events.
+//!
+//! Shape: [`reconcile`] reads the job (from the watch cache) and its Lease (from a second watch
+//! cache), asks the pure core ([`crate::expiry`], [`crate::fence`]) what to do, then writes.
+//! Every write is conditional: initialisation under the job's resourceVersion, the requeue as a
+//! JSON Patch that tests the expired token and the Leased phase, Lease releases as JSON Patches
+//! that test holderIdentity. When a worker's result lands first, the requeue is refused by the
+//! API server and dropped.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Client, Resource, ResourceExt};
+use thiserror::Error;
+use tracing::{info, warn};
+
+use crate::crd::{LeasedJob, LeasedJobStatus, Phase, MANAGED_BY, MANAGED_BY_LABEL};
+use crate::expiry::{self, Observation, Record, Verdict};
+use crate::fence::{self, Outcome, REASON_LEASE_EXPIRED};
+use crate::lease::{self, is_status};
+use crate::token::Token;
+
+/// Name under which the controller reports Events.
+pub const REPORTER: &str = "leasehold-controller";
+
+/// Extra time added to a computed expiry before looking again, so the look lands after it.
+const EXPIRY_SLACK: Duration = Duration::from_millis(20);
+/// Requeue delay after a failed reconcile.
+const ERROR_REQUEUE: Duration = Duration::from_secs(2);
+
+/// Errors of one reconcile; each has a stable category.
+#[derive(Debug, Error)]
+pub enum ReconcileError {
+    /// A write or read of the job failed.
+    #[error("LeasedJob {job}: {action} failed")]
+    Job {
+        /// `namespace/name`.
+        job: String,
+        /// What was being done.
+        action: &'static str,
+        /// The underlying error.
+        #[source]
+        source: kube::Error,
+    },
+    /// A Lease operation failed.
+    #[error("LeasedJob {job}: Lease {action} failed")]
+    Lease {
+        /// `namespace/name`.
+        job: String,
+        /// What was being done.
+        action: &'static str,
+        /// The underlying error.
+        #[source]
+        source: lease::LeaseError,
+    },
+}
+
+impl ReconcileError {
+    /// Stable category, for logs, metrics and Event reasons.
+    pub fn category(&self) -> &'static str {
+        match self {
+            ReconcileError::Job { .. } => "job_write",
+            ReconcileError::Lease { .. } => "lease_write",
+        }
+    }
+}
+
+/// Errors that stop the controller.
+#[derive(Debug, Error)]
+pub enum ControllerError {
+    /// The Lease watch never synced.
+    #[error("the Lease watch did not sync: {0}")]
+    LeaseWatch(String),
+}
+
+/// Options of [`run`].
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Watch only this namespace; all namespaces when None.
+    pub namespace: Option<String>,
+    /// This replica's name, reported as the Events' reportingInstance.
+    pub identity: String,
+}
+
+/// Shared state of the reconciler.
+pub struct Context {
+    client: Client,
+    leases: Store<Lease>,
+    recorder: Recorder,
+    /// What the controller has seen of each leased job's Lease, and when (see [`crate::expiry`]).
+    observations: Mutex<HashMap<ObjectRef<LeasedJob>, Observation>>,
+    /// The (attempt, phase) last seen per job, to record Events for transitions.
+    transitions: Mutex<HashMap<ObjectRef<LeasedJob>, (i32, Phase)>>,
+}
+
+/// Runs the controller until SIGTERM/SIGINT.
+///
+/// # Errors
+/// [`ControllerError::LeaseWatch`] if the Lease cache never becomes ready.
+pub async fn run(client: Client, config: Config) -> Result<(), ControllerError> {
+    let (jobs, leases): (Api<LeasedJob>, Api<Lease>) = match &config.namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let (lease_store, lease_writer) = reflector::store();
+    let lease_selector = format!("{MANAGED_BY_LABEL}={MANAGED_BY}");
+    let lease_stream = watcher(leases, watcher::Config::default().labels(&lease_selector))
+        .default_backoff()
+        .reflect(lease_writer)
+        .applied_objects();
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: REPORTER.into(),
+            instance: Some(config.identity.clone()),
+        },
+    );
+    let ctx = Arc::new(Context {
+        client,
+        leases: lease_store.clone(),
+        recorder,
+        observations: Mutex::default(),
+        transitions: Mutex::default(),
+    });
+    let controller = Controller::new(jobs, watcher::Config::default())
+        .owns_stream(lease_stream)
+        .shutdown_on_signal();
+    let job_store = controller.store();
+    // Forget what we knew of deleted jobs now and then.
+    let prune_ctx = Arc::clone(&ctx);
+    let pruner = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(60));
+        loop {
+            tick.tick().await;
+            prune_ctx.forget_missing(&job_store);
+        }
+    });
+    let wait_leases = async {
+        lease_store
+            .wait_until_ready()
+            .await
+            .map_err(|e| ControllerError::LeaseWatch(e.to_string()))
+    };
+    info!(namespace = ?config.namespace, "Started leasehold controller");
+    let run = controller
+        .run(reconcile, error_policy, Arc::clone(&ctx))
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                warn!(error = %e, "reconcile failed");
+            }
+        });
+    // The Lease stream only flows while the controller runs, so wait for both together; judge
+    // nothing before the Lease cache is ready (reconcile checks readiness itself).
+    let (ready, ()) = tokio::join!(wait_leases, run);
+    pruner.abort();
+    ready
+}
+
+impl Context {
+    fn forget_missing(&self, jobs: &Store<LeasedJob>) {
+        let keep = |k: &ObjectRef<LeasedJob>| jobs.get(k).is_some();
+        self.observations.lock().unwrap().retain(|k, _| keep(k));
+        self.transitions.lock().unwrap().retain(|k, _| keep(k));
+    }
+
+    async fn event(&self, job: &LeasedJob, type_: EventType, reason: &str, note: String) {
+        let ev = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: reason.into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, &job.object_ref(&())).await {
+            warn!(job = %job.reference(), error = %e, "recording Event {reason} failed");
+        }
+    }
+}
+
+fn error_policy(job: Arc<LeasedJob>, err: &ReconcileError, _ctx: Arc<Context>) -> Action {
+    warn!(job = %job.reference(), category = err.category(), error = %err, "reconcile failed; retrying");
+    Action::requeue(ERROR_REQUEUE)
+}
+
+/// One pass over one job.
+///
+/// # Errors
+/// [`ReconcileError`] when a write or read failed; the job is retried after a short delay.
+pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
+    if job.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::await_change());
+    }
+    if !crate::worker::store_ready(&ctx.leases) {
+        // Without the Lease cache every record would look new; try again shortly.
+        return Ok(Action::requeue(Duration::from_millis(200)));
+    }
+    let ns = job.namespace().unwrap_or_default();
+    let jobs: Api<LeasedJob> = Api::namespaced(ctx.client.clone(), &ns);
+    let leases: Api<Lease> = Api::namespaced(ctx.client.clone(), &ns);
+    record_transitions(&job, &ctx).await;
+    let Some(status) = job.status.as_ref().filter(|s| s.phase.is_some()) else {
+        initialise(&jobs, &job).await?;
+        return Ok(Action::await_change());
+    };
+    let lease_name = status
+        .lease_name
+        .clone()
+        .unwrap_or_else(|| lease::lease_name(&job.name_any()));
+    let lease = ctx.leases.get(&ObjectRef::new(&lease_name).within(&ns));
+    match job.phase() {
+        Phase::Leased => {
+            check_expiry(&job, &ctx, &jobs, &leases, &lease_name, lease.as_deref()).await
+        }
+        _ => {
+            ctx.observations
+                .lock()
+                .unwrap()
+                .remove(&ObjectRef::from_obj(&*job));
+            // An ended attempt whose Lease still names its token (the holder's release did not
+            // get through): release it on the holder's behalf.
+            let held = lease.as_deref().and_then(lease::holder_identity);
+            if let (Some(held), Some(token)) = (held, job.token()) {
+                if held == token {
+                    lease::release(&leases, &lease_name, token)
+                        .await
+                        .map_err(|source| ReconcileError::Lease {
+                            job: job.reference(),
+                            action: "release",
+                            source,
+                        })?;
+                }
+            }
+            Ok(Action::await_change())
+        }
+    }
+}
+
+/// Gives a job applied without status its Queued status, under its resourceVersion.
+async fn initialise(jobs: &Api<LeasedJob>, job: &LeasedJob) -> Result<(), ReconcileError> {
+    let mut next = job.clone();
+    next.status = Some(LeasedJobStatus {
+        phase: Some(Phase::Queued),
+        queued_time: job.metadata.creation_timestamp.clone(),
+        lease_name: Some(lease::lease_name(&job.name_any())),
+        observed_generation: job.metadata.generation,
+        ..job.status.clone().unwrap_or_default()
+    });
+    match jobs
+        .replace_status(&job.name_any(), &PostParams::default(), &next)
+        .await
+    {
+        Ok(_) => {
+            info!(job = %job.reference(), "Queued LeasedJob {}", job.reference());
+            Ok(())
+        }
+        // A claimer (or another write) got there first: the watch brings the new version.
+        Err(e) if is_status(&e, 409) || is_status(&e, 404) => Ok(()),
+        Err(source) => Err(ReconcileError::Job {
+            job: job.reference(),
+            action: "initialise status",
+            source,
+        }),
+    }
+}
+
+fn record_of(token: &str, lease: Option<&Lease>) -> Record {
+    let spec = lease.and_then(|l| l.spec.as_ref());
+    Record {
+        token: token.to_string(),
+        holder_identity: spec.and_then(|s| s.holder_identity.clone()),
+        renew_time: spec
+            .and_then(|s| s.renew_time.as_ref())
+            .map(|t| t.0.to_string()),
+    }
+}
+
+async fn check_expiry(
+    job: &Arc<LeasedJob>,
+    ctx: &Context,
+    jobs: &Api<LeasedJob>,
+    leases: &Api<Lease>,
+    lease_name: &str,
+    lease: Option<&Lease>,
+) -> Result<Action, ReconcileError> {
+    let key = ObjectRef::from_obj(&**job);
+    let token = job.token().unwrap_or_default().to_string();
+    let duration = lease_duration(job, lease, &token);
+    let now = Instant::now();
+    let observation = {
+        let mut seen = ctx.observations.lock().unwrap();
+        let o = expiry::observe(seen.get(&key), record_of(&token, lease), now);
+        seen.insert(key.clone(), o.clone());
+        o
+    };
+    let silent_for = match expiry::judge(&observation, duration, now) {
+        Verdict::Live { expires_in } => return Ok(Action::requeue(expires_in + EXPIRY_SLACK)),
+        Verdict::Expired { silent_for } => silent_for,
+    };
+    // The watch may lag (a restarted API server, a slow connection): confirm with a fresh read
+    // before taking a job away. A renewal we had not seen restarts the clock.
+    let fresh = leases
+        .get_opt(lease_name)
+        .await
+        .map_err(|source| ReconcileError::Lease {
+            job: job.reference(),
+            action: "read",
+            source: lease::LeaseError::Api(source),
+        })?;
+    let fresh_record = record_of(&token, fresh.as_ref());
+    if fresh_record != observation.record {
+        let o = expiry::observe(Some(&observation), fresh_record, Instant::now());
+        ctx.observations.lock().unwrap().insert(key, o);
+        return Ok(Action::requeue(duration + EXPIRY_SLACK));
+    }
+    expire(
+        job,
+        ctx,
+        jobs,
+        leases,
+        lease_name,
+        fresh.as_ref(),
+        silent_for,
+        duration,
+    )
+    .await
+}
+
+/// The lease duration in force: the Lease's while it names the current token, else the job's.
+fn lease_duration(job: &LeasedJob, lease: Option<&Lease>, token: &str) -> Duration {
+    let from_lease = lease
+        .and_then(|l| l.spec.as_ref())
+        .filter(|s| s.holder_identity.as_deref() == Some(token))
+        .and_then(|s| s.lease_duration_seconds);
+    let secs = from_lease.unwrap_or(job.spec.lease_duration_seconds).max(1);
+    Duration::from_secs(u64::try_from(secs).unwrap_or(1))
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn expire(
+    job: &Arc<LeasedJob>,
+    ctx: &Context,
+    jobs: &Api<LeasedJob>,
+    leases: &Api<Lease>,
+    lease_name: &str,
+    lease: Option<&Lease>,
+    silent_for: Duration,
+    duration: Duration,
+) -> Result<Action, ReconcileError> {
+    let key = ObjectRef::from_obj(&**job);
+    let job_ref = job.reference();
+    let token_text = job.token().unwrap_or_default();
+    let Ok(token) = Token::parse(token_text) else {
+        warn!(job = %job_ref, "LeasedJob {job_ref} is Leased with a malformed token; leaving it to a human");
+        return Ok(Action::await_change());
+    };
+    let holder = job
+        .status
+        .as_ref()
+        .and_then(|s| s.holder.clone())
+        .unwrap_or_default();
+    let checkpoint = lease
+        .filter(|l| lease::holder_identity(l) == Some(token.as_str()))
+        .and_then(lease::checkpoint);
+    let message = format!(
+        "no heartbeat from {holder} for {:.1}s (leaseDurationSeconds {}), attempt {} expired",
+        silent_for.as_secs_f64(),
+        duration.as_secs(),
+        token.attempt()
+    );
+    let outcome = Outcome::Fail {
+        reason: REASON_LEASE_EXPIRED.into(),
+        message: message.clone(),
+        retryable: true,
+        checkpoint,
+    };
+    let patch = fence::end_attempt_patch(job, &token, &holder, &outcome, Timestamp::now());
+    let next = fence::next_phase(&outcome, job.failed_attempts(), job.spec.max_attempts);
+    match jobs
+        .patch_status(
+            &job.name_any(),
+            &PatchParams::default(),
+            &Patch::Json::<()>(patch),
+        )
+        .await
+    {
+        Ok(_) => {}
+        // The token or phase changed since our snapshot: a result (or a release, or a newer
+        // claim) landed first. It stands; the requeue is dropped.
+        Err(e) if is_status(&e, 422) || is_status(&e, 409) || is_status(&e, 404) => {
+            info!(job = %job_ref, attempt = token.attempt(), "Dropped requeue of LeasedJob {job_ref}: it changed before the lease expiry was written");
+            ctx.observations.lock().unwrap().remove(&key);
+            return Ok(Action::await_change());
+        }
+        Err(source) => {
+            return Err(ReconcileError::Job {
+                job: job_ref,
+                action: "requeue after lease expiry",
+                source,
+            })
+        }
+    }
+    ctx.observations.lock().unwrap().remove(&key);
+    info!(job = %job_ref, attempt = token.attempt(), "Expired lease of LeasedJob {job_ref} (attempt {}); now {next}", token.attempt());
+    let (type_, reason) = if next == Phase::Failed {
+        (EventType::Warning, "LeaseExpiredFailed")
+    } else {
+        (EventType::Warning, REASON_LEASE_EXPIRED)
+    };
+    let note = if next == Phase::Failed {
+        format!(
+            "{message}; failed attempts reached maxAttempts {}, job Failed",
+            job.spec.max_attempts
+        )
+    } else {
+        format!("{message}; requeued")
+    };
+    ctx.event(job, type_, reason, note).await;
+    lease::release(leases, lease_name, token.as_str())
+        .await
+        .map_err(|source| ReconcileError::Lease {
+            job: job.reference(),
+            action: "release after expiry",
+            source,
+        })?;
+    Ok(Action::await_change())
+}
+
+/// Records Events for the transitions seen since the last look at this job: claims,
+/// completions, failures and releases. The first sight of a job records nothing (after a
+/// controller restart, history is not replayed).
+async fn record_transitions(job: &LeasedJob, ctx: &Context) {
+    let key = ObjectRef::from_obj(job);
+    let now = (job.attempt(), job.phase());
+    let before = ctx.transitions.lock().unwrap().insert(key, now);
+    let Some((was_attempt, was_phase)) = before else {
+        return;
+    };
+    if (was_attempt, was_phase) == now {
+        return;
+    }
+    let status = job.status.clone().unwrap_or_default();
+    let holder = status.holder.clone().unwrap_or_default();
+    let (attempt, phase) = now;
+    if attempt > was_attempt {
+        let note = format!("Claimed by {holder} (attempt {attempt})");
+        ctx.event(job, EventType::Normal, "Claimed", note).await;
+    }
+    let last_failure = status.failures.last().filter(|f| f.attempt == attempt);
+    match phase {
+        Phase::Succeeded => {
+            let note = format!("Completed by {holder} (attempt {attempt})");
+            ctx.event(job, EventType::Normal, "Completed", note).await;
+        }
+        Phase::Failed => {
+            let why = status
+                .conditions
+                .last()
+                .map(|c| format!("{}: {}", c.reason, c.message))
+                .unwrap_or_default();
+            if last_failure.is_none_or(|f| f.reason != REASON_LEASE_EXPIRED) {
+                ctx.event(
+                    job,
+                    EventType::Warning,
+                    "Failed",
+                    format!("Failed (attempt {attempt}): {why}"),
+                )
+                .await;
+            }
+        }
+        Phase::Queued if attempt > 0 => match last_failure {
+            Some(f) if f.reason == REASON_LEASE_EXPIRED => {}
+            Some(f) => {
+                let note = format!(
+                    "Attempt {attempt} failed on {holder}: {}: {}; requeued",
+                    f.reason, f.message
+                );
+                ctx.event(job, EventType::Warning, "AttemptFailed", note)
+                    .await;
+            }
+            None => {
+                let note = format!("Released by {holder} (attempt {attempt}); requeued");
+                ctx.event(job, EventType::Normal, "Released", note).await;
+            }
+        },
+        _ => {}
+    }
+}

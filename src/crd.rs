@@ -1,0 +1,259 @@
+//! The `LeasedJob` custom resource (`leasedjobs.leasehold.dev/v1alpha1`).
+//!
+//! Types only, plus small helpers: the rules that move a job between phases live in
+//! [`crate::fence`] (writes by the holder), [`crate::claim`] (queued -> leased) and
+//! [`crate::expiry`] (the controller's requeue). Every field carries a doc comment because it
+//! becomes the description that `kubectl explain leasedjob` prints.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, CustomResourceExt, ResourceExt};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// API group of every leasehold resource.
+pub const GROUP: &str = "leasehold.dev";
+/// Label put on every Lease leasehold manages; its value is the LeasedJob's name (or a hash of
+/// it when the name is longer than a label value may be).
+pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
+/// Value of [`MANAGED_BY_LABEL`].
+pub const MANAGED_BY: &str = "leasehold";
+/// Finished condition types, as batch/v1 Job names them.
+pub const CONDITION_COMPLETE: &str = "Complete";
+/// See [`CONDITION_COMPLETE`].
+pub const CONDITION_FAILED: &str = "Failed";
+
+/// What to do, and how to lease it. Workers never write the spec.
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "leasehold.dev",
+    version = "v1alpha1",
+    kind = "LeasedJob",
+    plural = "leasedjobs",
+    shortname = "ljob",
+    namespaced,
+    status = "LeasedJobStatus",
+    doc = "A job that workers lease: claimed by one worker at a time with a fresh fencing token, kept alive by heartbeats on its Lease, and requeued by the controller when the heartbeats stop.",
+    selectable = ".spec.queue",
+    printcolumn = r#"{"name":"Queue","type":"string","jsonPath":".spec.queue"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Attempt","type":"integer","jsonPath":".status.attempt"}"#,
+    printcolumn = r#"{"name":"Holder","type":"string","jsonPath":".status.holder"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct LeasedJobSpec {
+    /// Queue this job waits in. Sidecars claim only from the queue they serve (`leasehold
+    /// sidecar --queue`). A DNS label: lowercase letters, digits and '-', at most 63 characters.
+    #[serde(default = "default_queue")]
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub queue: String,
+
+    /// The work itself: any JSON value, handed to the worker exactly as given.
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    #[schemars(schema_with = "any_json")]
+    pub payload: Value,
+
+    /// How long, in seconds, a claim stays valid without a heartbeat. The controller requeues a
+    /// job whose Lease it has not seen renewed for this long. 5 to 86400; default 60.
+    #[serde(default = "default_lease_duration_seconds")]
+    #[schemars(range(min = 5, max = 86400))]
+    pub lease_duration_seconds: i32,
+
+    /// How many attempts may fail (an explicit failure or an expired lease) before the job ends
+    /// Failed. A release (the worker hands the job back) does not count. At least 1; default 3.
+    #[serde(default = "default_max_attempts")]
+    #[schemars(range(min = 1))]
+    pub max_attempts: i32,
+
+    /// Higher priorities are claimed first; among equal priorities, older jobs first. Default 0.
+    #[serde(default)]
+    pub priority: i32,
+}
+
+/// Where a job stands. Only the holder of the current token moves it out of `Leased` by a write
+/// of its own; only the controller moves it back to `Queued` when its lease expires.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum Phase {
+    /// Waiting to be claimed.
+    Queued,
+    /// Claimed: a worker holds the token of the current attempt.
+    Leased,
+    /// Finished with a result.
+    Succeeded,
+    /// Finished without one: a non-retryable failure, or no attempts left.
+    Failed,
+}
+
+impl Phase {
+    /// True for `Succeeded` and `Failed`: no write changes the job after that.
+    pub fn is_finished(self) -> bool {
+        matches!(self, Phase::Succeeded | Phase::Failed)
+    }
+
+    /// The name as it is stored in `status.phase`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Queued => "Queued",
+            Phase::Leased => "Leased",
+            Phase::Succeeded => "Succeeded",
+            Phase::Failed => "Failed",
+        }
+    }
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What the control plane knows about a job's attempts.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LeasedJobStatus {
+    /// Queued, Leased, Succeeded or Failed. A job without a status is Queued.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+
+    /// Number of claims so far: grows by exactly one per claim and never decreases.
+    #[serde(default)]
+    pub attempt: i32,
+
+    /// Identity (pod name) of the worker that made the latest claim. Valid as the owner only
+    /// while the phase is Leased.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
+
+    /// Fencing token of the latest claim, `<attempt>.<32 hex digits>`. Every write by a worker
+    /// must present it; it is the current Lease's holderIdentity while the phase is Leased.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+
+    /// Name of the coordination.k8s.io/v1 Lease that carries this job's heartbeats.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_name: Option<String>,
+
+    /// When the job became claimable (its creation time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued_time: Option<Time>,
+
+    /// When the latest claim was made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claimed_time: Option<Time>,
+
+    /// When the job reached Succeeded or Failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_time: Option<Time>,
+
+    /// The worker's result: any JSON value, set once, by the holder, with the phase Succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "any_json")]
+    pub result: Option<Value>,
+
+    /// One entry per failed attempt: explicit failures and expired leases, oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failures: Vec<AttemptFailure>,
+
+    /// Progress saved by the last attempt that did not finish (moved here from the Lease when
+    /// the job was requeued), handed to the next claim so it can resume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "any_json")]
+    pub checkpoint: Option<Value>,
+
+    /// Standard conditions: `Complete` or `Failed` (True once finished), as batch/v1 Job has.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+
+    /// The metadata.generation the controller last initialised this status from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// One failed attempt.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AttemptFailure {
+    /// The attempt that failed (status.attempt at the time).
+    pub attempt: i32,
+    /// Identity of the worker that held that attempt.
+    #[serde(default)]
+    pub holder: String,
+    /// A short CamelCase cause: `LeaseExpired` for an expired lease, else the worker's reason.
+    pub reason: String,
+    /// What happened, in words.
+    #[serde(default)]
+    pub message: String,
+    /// When the failure was recorded.
+    pub time: Time,
+}
+
+fn default_queue() -> String {
+    "default".to_string()
+}
+
+fn default_lease_duration_seconds() -> i32 {
+    60
+}
+
+fn default_max_attempts() -> i32 {
+    3
+}
+
+/// Schema for a field that holds any JSON value, kept unpruned
+/// (`x-kubernetes-preserve-unknown-fields`, see the CustomResourceDefinition docs on pruning).
+fn any_json(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "x-kubernetes-preserve-unknown-fields": true,
+    })
+}
+
+impl LeasedJob {
+    /// `namespace/name`, for messages and log fields.
+    pub fn reference(&self) -> String {
+        format!(
+            "{}/{}",
+            self.namespace().unwrap_or_default(),
+            self.name_any()
+        )
+    }
+
+    /// The phase, treating a job without status (just applied) as Queued.
+    pub fn phase(&self) -> Phase {
+        self.status
+            .as_ref()
+            .and_then(|s| s.phase)
+            .unwrap_or(Phase::Queued)
+    }
+
+    /// status.attempt, 0 before the first claim.
+    pub fn attempt(&self) -> i32 {
+        self.status.as_ref().map_or(0, |s| s.attempt)
+    }
+
+    /// status.token, if a claim was ever made.
+    pub fn token(&self) -> Option<&str> {
+        self.status.as_ref().and_then(|s| s.token.as_deref())
+    }
+
+    /// Number of failed attempts so far (status.failures).
+    pub fn failed_attempts(&self) -> usize {
+        self.status.as_ref().map_or(0, |s| s.failures.len())
+    }
+}
+
+/// The CustomResourceDefinition as YAML, exactly what `leasehold crd` prints and what
+/// `crds/leasedjob.yaml` holds.
+///
+/// # Errors
+/// Only if serialization fails, which would be a bug.
+pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
+    let crd = LeasedJob::crd();
+    let yaml = serde_yaml::to_string(&crd)?;
+    Ok(format!(
+        "# Generated by `leasehold crd`; do not edit by hand.\n{yaml}"
+    ))
+}

@@ -1,0 +1,520 @@
+//! Fencing: the conditional writes that end an attempt, and where a stale token is refused.
+//!
+//! Every write that ends an attempt — complete, fail, release by the holder, expiry by the
+//! controller — is one JSON Patch on the LeasedJob's status subresource whose first two
+//! operations `test` that `/status/token` is the attempt's token and `/status/phase` is
+//! `Leased`. The API server applies a JSON Patch to the object it holds, atomically, so the check
+//! and the write use the same snapshot: a token from an older attempt, or a result that arrives
+//! after the controller requeued the job, is refused by the API server itself, whatever the
+//! sidecar believed. (The fencing-token rule of distributed locking: the resource checks the
+//! token on every write.)
+//!
+//! The patches are built by pure functions; [`apply`] sends one and, when it is refused,
+//! [`refusal`] explains why from a fresh read, without ever revealing the current token.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::Api;
+use serde_json::{json, Value};
+use thiserror::Error;
+
+use crate::crd::{AttemptFailure, LeasedJob, Phase, CONDITION_COMPLETE, CONDITION_FAILED};
+use crate::lease::is_status;
+use crate::token::Token;
+
+/// Reason recorded when the controller requeues a job whose lease expired.
+pub const REASON_LEASE_EXPIRED: &str = "LeaseExpired";
+/// Reason of the Failed condition when failed attempts used up maxAttempts.
+pub const REASON_ATTEMPTS_EXHAUSTED: &str = "AttemptsExhausted";
+
+/// How an attempt ends.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// The worker finished: Succeeded with this result.
+    Complete {
+        /// Any JSON value.
+        result: Value,
+    },
+    /// The attempt failed (a worker's report, or an expired lease). Requeued when `retryable`
+    /// and failed attempts remain under maxAttempts, else Failed.
+    Fail {
+        /// Short CamelCase cause.
+        reason: String,
+        /// What happened.
+        message: String,
+        /// False ends the job now.
+        retryable: bool,
+        /// Progress to hand to the next attempt, if any.
+        checkpoint: Option<Value>,
+    },
+    /// The holder gives the job back unfinished; it does not count as a failed attempt.
+    Release {
+        /// Progress to hand to the next attempt, if any.
+        checkpoint: Option<Value>,
+    },
+}
+
+/// Why a write that names a job and a token was refused.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// No such LeasedJob.
+    #[error("LeasedJob {job} not found")]
+    NotFound {
+        /// `namespace/name`.
+        job: String,
+    },
+    /// The job is Succeeded or Failed: nothing changes it any more.
+    #[error(
+        "LeasedJob {job} is already {phase} (attempt {attempt}); nothing more can be written to it"
+    )]
+    Finished {
+        /// `namespace/name`.
+        job: String,
+        /// Succeeded or Failed.
+        phase: Phase,
+        /// The attempt that finished it.
+        attempt: i32,
+    },
+    /// The token is not the current holder's.
+    #[error("lease lost: {job} {detail}; stop working on it and claim again")]
+    LeaseLost {
+        /// `namespace/name`.
+        job: String,
+        /// Which way the token is stale, without revealing the current one.
+        detail: String,
+    },
+}
+
+impl Refusal {
+    /// Stable error code, as the sidecar's HTTP API returns it.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Refusal::NotFound { .. } => "job_not_found",
+            Refusal::Finished { .. } => "job_finished",
+            Refusal::LeaseLost { .. } => "lease_lost",
+        }
+    }
+}
+
+/// Explains why `presented` may not write to `job` (as freshly read), or `None` when it may:
+/// the job is Leased and its token is `presented`.
+pub fn refusal(job_ref: &str, job: Option<&LeasedJob>, presented: &Token) -> Option<Refusal> {
+    let job_ref = job_ref.to_string();
+    let Some(job) = job else {
+        return Some(Refusal::NotFound { job: job_ref });
+    };
+    let phase = job.phase();
+    let current = job.attempt();
+    let ours = job.token() == Some(presented.as_str());
+    if phase.is_finished() && (ours || presented.attempt() <= current) {
+        return Some(Refusal::Finished {
+            job: job_ref,
+            phase,
+            attempt: current,
+        });
+    }
+    if ours && phase == Phase::Leased {
+        return None;
+    }
+    let detail = if ours {
+        format!(
+            "is {phase} again: attempt {current} ended (its lease expired or it was given back)"
+        )
+    } else if presented.attempt() < current {
+        format!(
+            "is on attempt {current}, your token is from attempt {}",
+            presented.attempt()
+        )
+    } else {
+        format!(
+            "is on attempt {current}; the token presented is not the token of that attempt (is it another job's?)"
+        )
+    };
+    Some(Refusal::LeaseLost {
+        job: job_ref,
+        detail,
+    })
+}
+
+/// The phase an attempt's outcome leads to, given the failed attempts recorded before it and
+/// maxAttempts (the number of failed attempts that ends the job).
+pub fn next_phase(outcome: &Outcome, failures_before: usize, max_attempts: i32) -> Phase {
+    match outcome {
+        Outcome::Complete { .. } => Phase::Succeeded,
+        Outcome::Release { .. } => Phase::Queued,
+        Outcome::Fail { retryable, .. } => {
+            let failed = failures_before as i64 + 1;
+            if *retryable && failed < i64::from(max_attempts) {
+                Phase::Queued
+            } else {
+                Phase::Failed
+            }
+        }
+    }
+}
+
+/// The JSON Patch that ends attempt `token` of `job` with `outcome`, made by `holder` at `now`.
+/// Its first operations test the token and the Leased phase; the token and holder themselves
+/// stay (they name the latest attempt's owner), and attempt is never touched.
+pub fn end_attempt_patch(
+    job: &LeasedJob,
+    token: &Token,
+    holder: &str,
+    outcome: &Outcome,
+    now: Timestamp,
+) -> json_patch::Patch {
+    let failures_before = job.failed_attempts();
+    let phase = next_phase(outcome, failures_before, job.spec.max_attempts);
+    let time = Time(now);
+    let mut ops = vec![
+        json!({"op": "test", "path": "/status/token", "value": token.as_str()}),
+        json!({"op": "test", "path": "/status/phase", "value": Phase::Leased}),
+        json!({"op": "add", "path": "/status/phase", "value": phase}),
+    ];
+    let mut conditions = job
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    match outcome {
+        Outcome::Complete { result } => {
+            ops.push(json!({"op": "add", "path": "/status/result", "value": result}));
+        }
+        Outcome::Fail {
+            reason,
+            message,
+            checkpoint,
+            ..
+        } => {
+            let failure = AttemptFailure {
+                attempt: token.attempt(),
+                holder: holder.to_string(),
+                reason: reason.clone(),
+                message: message.clone(),
+                time: time.clone(),
+            };
+            // `/status/failures/-` appends; the array may not exist yet, so write it whole.
+            let mut failures = job
+                .status
+                .as_ref()
+                .map(|s| s.failures.clone())
+                .unwrap_or_default();
+            failures.push(failure);
+            ops.push(json!({"op": "add", "path": "/status/failures", "value": failures}));
+            if let Some(c) = checkpoint {
+                ops.push(json!({"op": "add", "path": "/status/checkpoint", "value": c}));
+            }
+        }
+        Outcome::Release { checkpoint } => {
+            if let Some(c) = checkpoint {
+                ops.push(json!({"op": "add", "path": "/status/checkpoint", "value": c}));
+            }
+        }
+    }
+    if phase.is_finished() {
+        ops.push(json!({"op": "add", "path": "/status/finishedTime", "value": time}));
+        let (kind, reason, message) = match outcome {
+            Outcome::Complete { .. } => (
+                CONDITION_COMPLETE,
+                "Succeeded".to_string(),
+                format!("attempt {} completed", token.attempt()),
+            ),
+            Outcome::Fail {
+                reason,
+                message,
+                retryable,
+                ..
+            } => {
+                if *retryable {
+                    (
+                        CONDITION_FAILED,
+                        REASON_ATTEMPTS_EXHAUSTED.to_string(),
+                        format!(
+                            "{} failed attempts reached maxAttempts {}; the last: {reason}: {message}",
+                            failures_before + 1,
+                            job.spec.max_attempts
+                        ),
+                    )
+                } else {
+                    (CONDITION_FAILED, reason.clone(), message.clone())
+                }
+            }
+            Outcome::Release { .. } => unreachable!("a release never finishes a job"),
+        };
+        conditions.retain(|c| c.type_ != CONDITION_COMPLETE && c.type_ != CONDITION_FAILED);
+        conditions.push(Condition {
+            type_: kind.to_string(),
+            status: "True".to_string(),
+            reason: condition_reason(&reason),
+            message,
+            last_transition_time: time,
+            observed_generation: job.metadata.generation,
+        });
+        ops.push(json!({"op": "add", "path": "/status/conditions", "value": conditions}));
+    }
+    serde_json::from_value(Value::Array(ops)).expect("static JSON Patch shape")
+}
+
+/// A condition reason must match `^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$`; worker reasons are
+/// checked before they get here, this only guards the shape.
+fn condition_reason(reason: &str) -> String {
+    let cleaned: String = reason
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect();
+    match cleaned.chars().next() {
+        Some(c) if c.is_ascii_alphabetic() => cleaned,
+        _ => format!("Reason{cleaned}"),
+    }
+}
+
+/// Errors of [`apply`].
+#[derive(Debug, Error)]
+pub enum FenceError {
+    /// The write was refused: see the refusal.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    /// The API server could not be asked, or failed (5xx, 403, timeouts); nothing was written.
+    #[error("LeasedJob {job} status write failed; nothing was written")]
+    Api {
+        /// `namespace/name`.
+        job: String,
+        /// The underlying error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl FenceError {
+    /// Stable category for metrics and the HTTP error code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            FenceError::Refused(r) => r.code(),
+            FenceError::Api { .. } => "unavailable",
+        }
+    }
+}
+
+/// Ends attempt `token` of job `name` with `outcome` (the failure entry, if any, names the
+/// holder recorded by the claim): reads the job, checks the token (so a
+/// refusal comes with a clear reason), and sends the [`end_attempt_patch`], whose `test`
+/// operations make the API server refuse it if the token or phase changed since the read.
+///
+/// # Errors
+/// [`FenceError::Refused`] when the token is not the current holder's (stale, another job's,
+/// the job requeued or finished, or no such job); [`FenceError::Api`] on API faults.
+pub async fn apply(
+    api: &Api<LeasedJob>,
+    namespace: &str,
+    name: &str,
+    token: &Token,
+    outcome: &Outcome,
+) -> Result<LeasedJob, FenceError> {
+    let job_ref = format!("{namespace}/{name}");
+    let api_err = |source| FenceError::Api {
+        job: job_ref.clone(),
+        source,
+    };
+    let job = api.get_opt(name).await.map_err(api_err)?;
+    if let Some(r) = refusal(&job_ref, job.as_ref(), token) {
+        return Err(r.into());
+    }
+    let job = job.expect("refusal() refuses a missing job");
+    let holder = job
+        .status
+        .as_ref()
+        .and_then(|s| s.holder.clone())
+        .unwrap_or_default();
+    let patch = end_attempt_patch(&job, token, &holder, outcome, Timestamp::now());
+    match api
+        .patch_status(name, &PatchParams::default(), &Patch::Json::<()>(patch))
+        .await
+    {
+        Ok(job) => Ok(job),
+        Err(e) if is_status(&e, 422) || is_status(&e, 409) || is_status(&e, 404) => {
+            // The test operations failed: something changed since our read. Say what.
+            let fresh = api.get_opt(name).await.map_err(api_err)?;
+            match refusal(&job_ref, fresh.as_ref(), token) {
+                Some(r) => Err(r.into()),
+                None => Err(api_err(e)),
+            }
+        }
+        Err(e) => Err(api_err(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::{LeasedJobSpec, LeasedJobStatus};
+
+    fn job(phase: Phase, attempt: i32, token: Option<&Token>, failures: usize) -> LeasedJob {
+        let mut j = LeasedJob::new(
+            "j",
+            LeasedJobSpec {
+                queue: "default".into(),
+                payload: Value::Null,
+                lease_duration_seconds: 60,
+                max_attempts: 3,
+                priority: 0,
+            },
+        );
+        j.status = Some(LeasedJobStatus {
+            phase: Some(phase),
+            attempt,
+            token: token.map(|t| t.as_str().to_string()),
+            failures: (0..failures)
+                .map(|i| AttemptFailure {
+                    attempt: i as i32 + 1,
+                    holder: "w".into(),
+                    reason: "X".into(),
+                    message: String::new(),
+                    time: Time(Timestamp::UNIX_EPOCH),
+                })
+                .collect(),
+            ..Default::default()
+        });
+        j
+    }
+
+    #[test]
+    fn refusals_name_the_cause_and_never_the_current_token() {
+        let t1 = Token::issue(1);
+        let t2 = Token::issue(2);
+        let other2 = Token::issue(2);
+        let cases: Vec<(LeasedJob, &Token, Option<&str>)> = vec![
+            (job(Phase::Leased, 2, Some(&t2), 1), &t2, None),
+            (job(Phase::Leased, 2, Some(&t2), 1), &t1, Some("lease_lost")),
+            (
+                job(Phase::Leased, 2, Some(&t2), 1),
+                &other2,
+                Some("lease_lost"),
+            ),
+            (job(Phase::Queued, 2, Some(&t2), 1), &t2, Some("lease_lost")),
+            (
+                job(Phase::Succeeded, 2, Some(&t2), 1),
+                &t2,
+                Some("job_finished"),
+            ),
+            (
+                job(Phase::Failed, 2, Some(&t2), 1),
+                &t1,
+                Some("job_finished"),
+            ),
+            (job(Phase::Leased, 1, Some(&t1), 0), &t2, Some("lease_lost")),
+        ];
+        for (j, presented, want) in cases {
+            let got = refusal("ns/j", Some(&j), presented);
+            assert_eq!(got.as_ref().map(Refusal::code), want, "{j:?} {presented:?}");
+            if let Some(r) = got {
+                let msg = r.to_string();
+                assert!(
+                    !msg.contains(t2.as_str()) && !msg.contains(other2.as_str()),
+                    "{msg}"
+                );
+                assert!(msg.contains("ns/j"), "{msg}");
+            }
+        }
+        let stale = refusal("ns/j", Some(&job(Phase::Leased, 2, Some(&t2), 1)), &t1).unwrap();
+        assert_eq!(
+            stale.to_string(),
+            "lease lost: ns/j is on attempt 2, your token is from attempt 1; stop working on it and claim again"
+        );
+        assert_eq!(refusal("ns/j", None, &t1).unwrap().code(), "job_not_found");
+    }
+
+    #[test]
+    fn phase_after_each_outcome() {
+        let fail = |retryable| Outcome::Fail {
+            reason: "R".into(),
+            message: "m".into(),
+            retryable,
+            checkpoint: None,
+        };
+        let done = Outcome::Complete { result: json!(1) };
+        let release = Outcome::Release { checkpoint: None };
+        let cases = [
+            (&done, 0, 3, Phase::Succeeded),
+            (&release, 2, 3, Phase::Queued),
+            (&fail(true), 0, 3, Phase::Queued),
+            (&fail(true), 1, 3, Phase::Queued),
+            (&fail(true), 2, 3, Phase::Failed),
+            (&fail(true), 0, 1, Phase::Failed),
+            (&fail(false), 0, 3, Phase::Failed),
+        ];
+        for (outcome, before, max, want) in cases {
+            assert_eq!(
+                next_phase(outcome, before, max),
+                want,
+                "{outcome:?} {before} {max}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_patch_tests_token_and_phase_first() {
+        let t = Token::issue(2);
+        let j = job(Phase::Leased, 2, Some(&t), 2);
+        let outcomes = [
+            Outcome::Complete {
+                result: json!({"a": [1, "ü"]}),
+            },
+            Outcome::Release {
+                checkpoint: Some(json!({"offset": 3})),
+            },
+            Outcome::Fail {
+                reason: "LeaseExpired".into(),
+                message: "m".into(),
+                retryable: true,
+                checkpoint: None,
+            },
+        ];
+        for o in &outcomes {
+            let p = serde_json::to_value(end_attempt_patch(&j, &t, "w", o, Timestamp::UNIX_EPOCH))
+                .unwrap();
+            assert_eq!(
+                p[0],
+                json!({"op": "test", "path": "/status/token", "value": t.as_str()})
+            );
+            assert_eq!(
+                p[1],
+                json!({"op": "test", "path": "/status/phase", "value": "Leased"})
+            );
+            let touched: Vec<&str> = p
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|o| o["path"].as_str().unwrap())
+                .collect();
+            assert!(!touched.contains(&"/status/attempt"), "{touched:?}");
+        }
+        // The third failure of a maxAttempts-3 job ends it Failed, with a condition saying why.
+        let p = serde_json::to_value(end_attempt_patch(
+            &j,
+            &t,
+            "w",
+            &outcomes[2],
+            Timestamp::UNIX_EPOCH,
+        ))
+        .unwrap();
+        let ops = p.as_array().unwrap();
+        assert!(ops
+            .iter()
+            .any(|o| o["path"] == "/status/phase" && o["value"] == "Failed"));
+        let cond = ops
+            .iter()
+            .find(|o| o["path"] == "/status/conditions")
+            .unwrap();
+        assert_eq!(cond["value"][0]["reason"], "AttemptsExhausted");
+        assert!(cond["value"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("LeaseExpired"));
+        let failures = ops
+            .iter()
+            .find(|o| o["path"] == "/status/failures")
+            .unwrap();
+        assert_eq!(failures["value"].as_array().unwrap().len(), 3);
+    }
+}

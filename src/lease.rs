@@ -1,0 +1,420 @@
+//! The per-job `coordination.k8s.io/v1` Lease: its name, and the three writes a holder makes to
+//! it — acquire (create or take over), renew (the heartbeat, optionally with a checkpoint) and
+//! release.
+//!
+//! Field meanings follow client-go's leader election (`tools/leaderelection/resourcelock`):
+//! `holderIdentity` is the current fencing token, `acquireTime` the claim time, `renewTime` the
+//! last heartbeat, `leaseDurationSeconds` the job's, and `leaseTransitions` counts owners.
+//!
+//! Every write is conditional. Acquire replaces the Lease under the resourceVersion it read, and
+//! never takes a Lease from a holder of a newer attempt. Renew and release are JSON Patches whose
+//! first operation `test`s that holderIdentity is still the caller's token, so the API server
+//! applies them atomically or not at all: a renewal never re-creates or re-takes a Lease that
+//! expired or went to someone else.
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::{Api, Resource, ResourceExt};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+use crate::crd::{LeasedJob, MANAGED_BY, MANAGED_BY_LABEL};
+use crate::token::Token;
+
+/// Annotation on the Lease that holds the latest checkpoint, as JSON text.
+pub const CHECKPOINT_ANNOTATION: &str = "leasehold.dev/checkpoint";
+/// Annotation on the Lease naming its LeasedJob (the full name, which a label could not hold).
+pub const JOB_ANNOTATION: &str = "leasehold.dev/job";
+/// Largest checkpoint accepted, in bytes of JSON text. Annotations of one object may hold
+/// 256 KiB in all (Kubernetes' `TotalAnnotationSizeLimitB`); a checkpoint is meant to be small.
+pub const MAX_CHECKPOINT_BYTES: usize = 64 * 1024;
+
+const PREFIX: &str = "ljob-";
+/// Longest object name Kubernetes accepts (a DNS subdomain, RFC 1123).
+const MAX_NAME: usize = 253;
+const HASH_HEX: usize = 16;
+
+/// Errors of Lease writes.
+#[derive(Debug, Error)]
+pub enum LeaseError {
+    /// The Lease is held by another token (or is gone): this caller no longer holds it.
+    #[error("Lease {lease} is no longer held by this token")]
+    Lost {
+        /// `namespace/name` of the Lease.
+        lease: String,
+    },
+    /// The checkpoint is larger than [`MAX_CHECKPOINT_BYTES`].
+    #[error("checkpoint is {size} bytes of JSON; at most {MAX_CHECKPOINT_BYTES} are accepted")]
+    CheckpointTooLarge {
+        /// Size of the checkpoint's JSON text, in bytes.
+        size: usize,
+    },
+    /// The API server could not be reached or answered with an error that says nothing about
+    /// who holds the Lease (5xx, 403, timeouts): retry.
+    #[error("Lease write failed")]
+    Api(#[source] kube::Error),
+}
+
+impl LeaseError {
+    /// Stable category, for metrics and logs.
+    pub fn category(&self) -> &'static str {
+        match self {
+            LeaseError::Lost { .. } => "lease_lost",
+            LeaseError::CheckpointTooLarge { .. } => "too_large",
+            LeaseError::Api(_) => "api",
+        }
+    }
+}
+
+/// The name of a job's Lease: `ljob-<job name>`, or, when that would pass the 253 characters an
+/// object name may have, the job name cut short, then `-` and 16 hex digits of the SHA-256 of
+/// the whole job name (so that two long names sharing a prefix still get distinct Leases). The
+/// result is always a valid DNS subdomain when the job name is one.
+pub fn lease_name(job_name: &str) -> String {
+    let plain = format!("{PREFIX}{job_name}");
+    if plain.len() <= MAX_NAME {
+        return plain;
+    }
+    let digest = Sha256::digest(job_name.as_bytes());
+    let hash: String = digest
+        .iter()
+        .take(HASH_HEX / 2)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let keep = MAX_NAME - PREFIX.len() - 1 - HASH_HEX;
+    // Names are ASCII (DNS subdomains), so byte slicing is safe; trim so each dot-separated
+    // label still ends with an alphanumeric character.
+    let cut = job_name[..keep].trim_end_matches(['-', '.']);
+    format!("{PREFIX}{cut}-{hash}")
+}
+
+/// `renewTime` (or `acquireTime`) as the API server stores it.
+pub fn micro_time(now: Timestamp) -> MicroTime {
+    MicroTime(now)
+}
+
+/// The holderIdentity of a Lease, if any.
+pub fn holder_identity(lease: &Lease) -> Option<&str> {
+    lease.spec.as_ref()?.holder_identity.as_deref()
+}
+
+/// The checkpoint stored on a Lease, if it has a valid one.
+pub fn checkpoint(lease: &Lease) -> Option<Value> {
+    let text = lease.annotations().get(CHECKPOINT_ANNOTATION)?;
+    serde_json::from_str(text).ok()
+}
+
+/// The checkpoint as annotation text.
+///
+/// # Errors
+/// [`LeaseError::CheckpointTooLarge`] past [`MAX_CHECKPOINT_BYTES`].
+pub fn checkpoint_text(checkpoint: &Value) -> Result<String, LeaseError> {
+    let text = checkpoint.to_string();
+    if text.len() > MAX_CHECKPOINT_BYTES {
+        return Err(LeaseError::CheckpointTooLarge { size: text.len() });
+    }
+    Ok(text)
+}
+
+/// Whether a holder with `ours` may take over a Lease now held by `current`: yes when it is
+/// free or held by an older attempt; never from the same or a newer attempt (that would let a
+/// delayed claimer steal the Lease of the owner that replaced it).
+pub fn may_take_over(current: Option<&str>, ours: &Token) -> bool {
+    match current.map(Token::parse) {
+        None => true,
+        Some(Ok(held)) => held == *ours || held.attempt() < ours.attempt(),
+        // Not one of our tokens (edited by hand): the job's claim is the authority.
+        Some(Err(_)) => true,
+    }
+}
+
+/// The Lease object for a fresh claim of `job` with `token`: holderIdentity is the token,
+/// acquireTime and renewTime are `now`, leaseTransitions is `transitions`, and the job owns it
+/// (so it is garbage-collected with the job).
+pub fn lease_for_claim(
+    job: &LeasedJob,
+    token: &Token,
+    now: Timestamp,
+    transitions: i32,
+    previous: Option<&Lease>,
+) -> Lease {
+    let name = lease_name(&job.name_any());
+    let mut meta = previous
+        .map(|l| l.metadata.clone())
+        .unwrap_or_else(|| ObjectMeta {
+            name: Some(name),
+            namespace: job.namespace(),
+            ..ObjectMeta::default()
+        });
+    meta.owner_references = job.controller_owner_ref(&()).map(|o| vec![o]);
+    meta.labels
+        .get_or_insert_with(Default::default)
+        .insert(MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string());
+    let annotations = meta.annotations.get_or_insert_with(Default::default);
+    annotations.insert(JOB_ANNOTATION.to_string(), job.name_any());
+    annotations.remove(CHECKPOINT_ANNOTATION);
+    Lease {
+        metadata: meta,
+        spec: Some(LeaseSpec {
+            holder_identity: Some(token.as_str().to_string()),
+            lease_duration_seconds: Some(job.spec.lease_duration_seconds),
+            acquire_time: Some(micro_time(now)),
+            renew_time: Some(micro_time(now)),
+            lease_transitions: Some(transitions),
+            ..LeaseSpec::default()
+        }),
+    }
+}
+
+/// The JSON Patch of a renewal: test holderIdentity, set renewTime, and store the checkpoint if
+/// one is given (text from [`checkpoint_text`]).
+pub fn renew_patch(token: &Token, now: Timestamp, checkpoint: Option<&str>) -> json_patch::Patch {
+    let mut ops = vec![
+        json!({"op": "test", "path": "/spec/holderIdentity", "value": token.as_str()}),
+        json!({"op": "add", "path": "/spec/renewTime", "value": micro_time(now)}),
+    ];
+    if let Some(text) = checkpoint {
+        ops.push(json!({
+            "op": "add",
+            "path": format!("/metadata/annotations/{}", escape_pointer(CHECKPOINT_ANNOTATION)),
+            "value": text,
+        }));
+    }
+    serde_json::from_value(Value::Array(ops)).expect("static JSON Patch shape")
+}
+
+/// The JSON Patch of a release: test holderIdentity, then clear it.
+pub fn release_patch(holder: &str) -> json_patch::Patch {
+    serde_json::from_value(json!([
+        {"op": "test", "path": "/spec/holderIdentity", "value": holder},
+        {"op": "remove", "path": "/spec/holderIdentity"},
+    ]))
+    .expect("static JSON Patch shape")
+}
+
+/// Escapes a JSON Pointer segment (RFC 6901: `~` -> `~0`, `/` -> `~1`).
+pub fn escape_pointer(segment: &str) -> String {
+    segment.replace('~', "~0").replace('/', "~1")
+}
+
+fn lease_ref(api_ns: &str, name: &str) -> String {
+    format!("{api_ns}/{name}")
+}
+
+/// Acquires the Lease of `job` for `token`, right after the claim that issued it: creates it,
+/// or takes it over from an older attempt with a resourceVersion precondition, adding one to
+/// leaseTransitions. Retries on conflict a few times; the claim already made this caller the
+/// owner, so a conflict only means someone (the controller releasing, an old holder's last
+/// renewal) wrote in between.
+///
+/// # Errors
+/// [`LeaseError::Lost`] when the Lease is held by the same or a newer attempt;
+/// [`LeaseError::Api`] otherwise.
+pub async fn acquire(
+    api: &Api<Lease>,
+    job: &LeasedJob,
+    token: &Token,
+) -> Result<Lease, LeaseError> {
+    let name = lease_name(&job.name_any());
+    let ns = job.namespace().unwrap_or_default();
+    let mut last_err = None;
+    for _ in 0..8 {
+        let now = Timestamp::now();
+        match api.get_opt(&name).await.map_err(LeaseError::Api)? {
+            None => {
+                let lease = lease_for_claim(job, token, now, 0, None);
+                match api.create(&PostParams::default(), &lease).await {
+                    Ok(l) => return Ok(l),
+                    Err(e) if is_status(&e, 409) => last_err = Some(e),
+                    Err(e) => return Err(LeaseError::Api(e)),
+                }
+            }
+            Some(current) => {
+                if !may_take_over(holder_identity(&current), token) {
+                    return Err(LeaseError::Lost {
+                        lease: lease_ref(&ns, &name),
+                    });
+                }
+                if holder_identity(&current) == Some(token.as_str()) {
+                    return Ok(current);
+                }
+                let transitions = current
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.lease_transitions)
+                    .unwrap_or(0)
+                    + 1;
+                let lease = lease_for_claim(job, token, now, transitions, Some(&current));
+                match api.replace(&name, &PostParams::default(), &lease).await {
+                    Ok(l) => return Ok(l),
+                    Err(e) if is_status(&e, 409) => last_err = Some(e),
+                    Err(e) => return Err(LeaseError::Api(e)),
+                }
+            }
+        }
+    }
+    Err(LeaseError::Api(last_err.expect("loop ran")))
+}
+
+/// Renews the Lease `name` held by `token` (the heartbeat), storing `checkpoint` with it if
+/// given. One PATCH request; on a refusal, one GET to tell a lost Lease from a passing fault.
+///
+/// # Errors
+/// [`LeaseError::Lost`] when holderIdentity is no longer `token` or the Lease is gone;
+/// [`LeaseError::CheckpointTooLarge`]; [`LeaseError::Api`] for faults worth retrying.
+pub async fn renew(
+    api: &Api<Lease>,
+    name: &str,
+    token: &Token,
+    checkpoint: Option<&Value>,
+) -> Result<Lease, LeaseError> {
+    let text = checkpoint.map(checkpoint_text).transpose()?;
+    let patch = renew_patch(token, Timestamp::now(), text.as_deref());
+    match api
+        .patch(name, &PatchParams::default(), &Patch::Json::<()>(patch))
+        .await
+    {
+        Ok(lease) => Ok(lease),
+        Err(e) => Err(classify_refusal(api, name, token.as_str(), e).await),
+    }
+}
+
+/// Releases the Lease `name` if `holder` still holds it. A Lease already released, re-taken or
+/// gone counts as released.
+///
+/// # Errors
+/// [`LeaseError::Api`] when the API server could not be asked.
+pub async fn release(api: &Api<Lease>, name: &str, holder: &str) -> Result<(), LeaseError> {
+    match api
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Json::<()>(release_patch(holder)),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) => match classify_refusal(api, name, holder, e).await {
+            LeaseError::Lost { .. } => Ok(()),
+            other => Err(other),
+        },
+    }
+}
+
+/// After a refused conditional Lease write: Lost if a fresh read shows another (or no) holder
+/// or no Lease, else the original error.
+async fn classify_refusal(
+    api: &Api<Lease>,
+    name: &str,
+    holder: &str,
+    err: kube::Error,
+) -> LeaseError {
+    if is_status(&err, 404) {
+        return LeaseError::Lost {
+            lease: name.to_string(),
+        };
+    }
+    match api.get_opt(name).await {
+        Ok(None) => LeaseError::Lost {
+            lease: name.to_string(),
+        },
+        Ok(Some(l)) if holder_identity(&l) != Some(holder) => LeaseError::Lost {
+            lease: format!("{}/{}", l.namespace().unwrap_or_default(), name),
+        },
+        _ => LeaseError::Api(err),
+    }
+}
+
+/// True when `err` is an API error with HTTP status `code`.
+pub fn is_status(err: &kube::Error, code: u16) -> bool {
+    matches!(err, kube::Error::Api(s) if s.code == code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn is_dns_subdomain(s: &str) -> bool {
+        s.len() <= 253
+            && s.split('.').all(|label| {
+                !label.is_empty()
+                    && label
+                        .bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                    && !label.starts_with('-')
+                    && !label.ends_with('-')
+            })
+    }
+
+    #[test]
+    fn short_names_are_prefixed() {
+        assert_eq!(lease_name("transcode-42"), "ljob-transcode-42");
+    }
+
+    #[test]
+    fn long_names_stay_valid_and_unique() {
+        let a = format!("{}a", "x".repeat(252));
+        let b = format!("{}b", "x".repeat(252));
+        let dotted = format!("{}.{}", "y".repeat(226), "z".repeat(26));
+        let dashed = format!("{}-{}", "q".repeat(225), "r".repeat(27));
+        for name in [&a, &b, &dotted, &dashed] {
+            let l = lease_name(name);
+            assert!(is_dns_subdomain(&l), "{l}");
+            assert!(l.len() <= 253);
+        }
+        assert_ne!(lease_name(&a), lease_name(&b));
+        // Exactly at the boundary: no hashing needed.
+        let edge = "e".repeat(253 - PREFIX.len());
+        assert_eq!(lease_name(&edge), format!("{PREFIX}{edge}"));
+        let over = "e".repeat(253 - PREFIX.len() + 1);
+        assert_ne!(lease_name(&over), format!("{PREFIX}{over}"));
+        assert!(is_dns_subdomain(&lease_name(&over)));
+    }
+
+    #[test]
+    fn take_over_only_from_older_attempts() {
+        let t3 = Token::issue(3);
+        let cases = [
+            (None, true),
+            (Some(Token::issue(2).as_str().to_string()), true),
+            (Some(t3.as_str().to_string()), true),
+            (Some(Token::issue(3).as_str().to_string()), false),
+            (Some(Token::issue(4).as_str().to_string()), false),
+            (Some("someone".to_string()), true),
+        ];
+        for (current, want) in cases {
+            assert_eq!(may_take_over(current.as_deref(), &t3), want, "{current:?}");
+        }
+    }
+
+    #[test]
+    fn renew_patch_tests_the_holder_first() {
+        let t = Token::issue(1);
+        let p = serde_json::to_value(renew_patch(&t, Timestamp::UNIX_EPOCH, Some("{\"o\":1}")))
+            .unwrap();
+        assert_eq!(p[0]["op"], "test");
+        assert_eq!(p[0]["path"], "/spec/holderIdentity");
+        assert_eq!(p[0]["value"], t.as_str());
+        assert_eq!(p[1]["path"], "/spec/renewTime");
+        assert_eq!(
+            p[2]["path"],
+            "/metadata/annotations/leasehold.dev~1checkpoint"
+        );
+        assert_eq!(p.as_array().unwrap().len(), 3);
+        let p = serde_json::to_value(renew_patch(&t, Timestamp::UNIX_EPOCH, None)).unwrap();
+        assert_eq!(p.as_array().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn oversized_checkpoints_are_refused() {
+        let big = Value::String("a".repeat(MAX_CHECKPOINT_BYTES));
+        assert!(matches!(
+            checkpoint_text(&big),
+            Err(LeaseError::CheckpointTooLarge { .. })
+        ));
+        assert!(checkpoint_text(&json!({"offset": 10})).is_ok());
+    }
+}

@@ -1,0 +1,25 @@
+//! leasehold: a Kubernetes-native job queue in which workers never own a job — they lease it,
+//! and prove the lease on every write.
+//!
+//! Where things live:
+//! - [`crd`]: the `LeasedJob` custom resource.
+//! - [`token`]: the fencing token a claim issues.
+//! - [`claim`]: the atomic Queued -> Leased transition.
+//! - [`lease`]: the per-job `coordination.k8s.io/v1` Lease: acquire, renew (heartbeat), release.
+//! - [`fence`]: the conditional writes that end an attempt; where a stale token is refused.
+//! - [`expiry`]: how the controller judges a lease expired (on its own clock).
+//! - [`controller`]: the reconciler that requeues expired jobs and records Events.
+//! - [`worker`]: the client library a worker (or the sidecar) uses.
+//! - [`sidecar`]: that library over local HTTP, for workers in any language.
+//! - [`telemetry`]: logging set-up.
+
+pub mod claim;
+pub mod controller;
+pub mod crd;
+pub mod expiry;
+pub mod fence;
+pub mod lease;
+pub mod sidecar;
+pub mod telemetry;
+pub mod token;
+pub mod worker;

@@ -1,0 +1,374 @@
+//! The sidecar: the worker client ([`crate::worker`]) served as JSON over local HTTP, so that a
+//! worker in any language can lease jobs.
+//!
+//! Routes (all JSON; see docs/protocol.md):
+//! - `POST /v1/claim?wait=SECONDS` -> 200 claimed job, or 204 when nothing was claimable in time
+//! - `POST /v1/jobs/{name}/heartbeat` `{token, checkpoint?}` -> 200 renewal
+//! - `POST /v1/jobs/{name}/complete` `{token, result}` -> 200
+//! - `POST /v1/jobs/{name}/fail` `{token, reason, message, retryable}` -> 200
+//! - `POST /v1/jobs/{name}/release` `{token}` -> 200
+//! - `GET /healthz`
+//!
+//! Errors are `{"error": "<code>", "message": "..."}`: 400 `invalid_json`, `invalid_request`,
+//! `invalid_token`, `invalid_name`; 404 `job_not_found` (and `not_found` for unknown routes);
+//! 405 `method_not_allowed`; 409 `lease_lost`, `job_finished`; 413 `too_large`; 503
+//! `unavailable`, `not_ready`. No response ever contains a token other than the one a claim
+//! hands out.
+
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::crd::LeasedJob;
+use crate::worker::{Worker, WorkerError};
+
+/// Largest request body accepted, in bytes (a result is stored in the job's status, and etcd
+/// keeps objects under about 1.5 MiB).
+pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+/// Longest long poll accepted by `/v1/claim?wait=`, in seconds.
+pub const MAX_WAIT_SECONDS: u64 = 300;
+
+/// A JSON error response.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            Json(json!({"error": self.code, "message": self.message})),
+        )
+            .into_response()
+    }
+}
+
+impl From<WorkerError> for ApiError {
+    fn from(e: WorkerError) -> Self {
+        let status = match &e {
+            WorkerError::InvalidToken(_) | WorkerError::Invalid { .. } => StatusCode::BAD_REQUEST,
+            WorkerError::Refused(r) if r.code() == "job_not_found" => StatusCode::NOT_FOUND,
+            WorkerError::Refused(_) | WorkerError::LeaseLost { .. } => StatusCode::CONFLICT,
+            WorkerError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            WorkerError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        ApiError::new(status, e.code(), e.to_string())
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClaimQuery {
+    wait: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HeartbeatBody {
+    token: Option<String>,
+    #[serde(default)]
+    checkpoint: Option<Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompleteBody {
+    token: Option<String>,
+    result: Option<Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FailBody {
+    token: Option<String>,
+    reason: Option<String>,
+    #[serde(default)]
+    message: Option<String>,
+    retryable: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReleaseBody {
+    token: Option<String>,
+}
+
+/// The answer to complete, fail and release.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Ended {
+    namespace: String,
+    name: String,
+    attempt: i32,
+    phase: String,
+}
+
+impl From<LeasedJob> for Ended {
+    fn from(job: LeasedJob) -> Self {
+        use kube::ResourceExt;
+        Ended {
+            namespace: job.namespace().unwrap_or_default(),
+            name: job.name_any(),
+            attempt: job.attempt(),
+            phase: job.phase().to_string(),
+        }
+    }
+}
+
+/// The sidecar's router over `worker`.
+pub fn router(worker: Worker) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/v1/claim", post(claim))
+        .route("/v1/jobs/{name}/heartbeat", post(heartbeat))
+        .route("/v1/jobs/{name}/complete", post(complete))
+        .route("/v1/jobs/{name}/fail", post(fail))
+        .route("/v1/jobs/{name}/release", post(release))
+        .fallback(|| async {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "no such route; see docs/protocol.md for the sidecar's API",
+            )
+        })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "this route takes POST (GET for /healthz)",
+            )
+        })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(worker)
+}
+
+async fn healthz(State(worker): State<Worker>) -> Response {
+    if worker.is_ready() {
+        Json(json!({"status": "ok", "held": worker.held_count()})).into_response()
+    } else {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            "the LeasedJob watch has not synced yet",
+        )
+        .into_response()
+    }
+}
+
+/// Parses a JSON body whatever its Content-Type (curl users forget it), refusing anything
+/// else with 400 and a message that says where it broke.
+fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_large",
+                format!("request body is larger than {MAX_BODY_BYTES} bytes"),
+            )
+        } else {
+            ApiError::new(
+                e.status(),
+                "invalid_request",
+                format!("request body could not be read: {e}"),
+            )
+        }
+    })?;
+    serde_json::from_slice(&body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!("request body is not the expected JSON object: {e}"),
+        )
+    })
+}
+
+/// Checks a job name taken from the URL: a DNS subdomain (RFC 1123) of at most 253 characters.
+fn checked_name(name: &str) -> Result<&str, ApiError> {
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        });
+    if ok {
+        Ok(name)
+    } else {
+        let shown: String = name.chars().take(80).collect();
+        Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_name",
+            format!("job name {shown:?} is not a valid LeasedJob name (a lowercase RFC 1123 subdomain of at most 253 characters)"),
+        ))
+    }
+}
+
+fn required<T>(value: Option<T>, field: &str) -> Result<T, ApiError> {
+    value.ok_or_else(|| {
+        let (code, text) = if field == "token" {
+            (
+                "invalid_token",
+                "token is missing: present the token your claim returned".to_string(),
+            )
+        } else {
+            ("invalid_request", format!("{field} is missing"))
+        };
+        ApiError::new(StatusCode::BAD_REQUEST, code, text)
+    })
+}
+
+async fn claim(
+    State(worker): State<Worker>,
+    query: Result<Query<ClaimQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            format!("bad query string: {e}; the only parameter is wait=SECONDS"),
+        )
+    })?;
+    let wait = match query.wait.as_deref() {
+        None => 0,
+        Some(text) => text
+            .parse::<u64>()
+            .ok()
+            .filter(|w| *w <= MAX_WAIT_SECONDS)
+            .ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request",
+                    format!("wait={text:?} is not a whole number of seconds from 0 to {MAX_WAIT_SECONDS}"),
+                )
+            })?,
+    };
+    match worker.claim(Duration::from_secs(wait)).await? {
+        Some(claimed) => Ok(Json(claimed).into_response()),
+        None => Ok(StatusCode::NO_CONTENT.into_response()),
+    }
+}
+
+async fn heartbeat(
+    State(worker): State<Worker>,
+    Path(name): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let name = checked_name(&name)?;
+    let body: HeartbeatBody = parse(body)?;
+    let token = required(body.token, "token")?;
+    let renewal = worker.heartbeat(name, &token, body.checkpoint).await?;
+    Ok(Json(renewal).into_response())
+}
+
+async fn complete(
+    State(worker): State<Worker>,
+    Path(name): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let name = checked_name(&name)?;
+    let body: CompleteBody = parse(body)?;
+    let token = required(body.token, "token")?;
+    let result = required(body.result, "result")?;
+    let job = worker.complete(name, &token, result).await?;
+    Ok(Json(Ended::from(job)).into_response())
+}
+
+async fn fail(
+    State(worker): State<Worker>,
+    Path(name): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let name = checked_name(&name)?;
+    let body: FailBody = parse(body)?;
+    let token = required(body.token, "token")?;
+    let reason = required(body.reason, "reason")?;
+    let retryable = required(body.retryable, "retryable")?;
+    let message = body.message.unwrap_or_default();
+    let job = worker
+        .fail(name, &token, &reason, &message, retryable)
+        .await?;
+    Ok(Json(Ended::from(job)).into_response())
+}
+
+async fn release(
+    State(worker): State<Worker>,
+    Path(name): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let name = checked_name(&name)?;
+    let body: ReleaseBody = parse(body)?;
+    let token = required(body.token, "token")?;
+    let job = worker.release(name, &token).await?;
+    Ok(Json(Ended::from(job)).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn job_names_from_urls_are_checked() {
+        for ok in ["a", "job-1", "a.b-c", &"x".repeat(253)] {
+            assert!(checked_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "A", "-a", "a-", "a..b", "a_b", &"x".repeat(254), "ü"] {
+            let e = checked_name(bad).unwrap_err();
+            assert_eq!(e.code, "invalid_name", "{bad}");
+        }
+    }
+
+    #[test]
+    fn bodies_must_be_json_of_the_right_shape() {
+        let bad = [
+            &b"not json"[..],
+            b"[1]",
+            b"{\"token\": 5}",
+            b"{\"token\":\"t\",\"extra\":1}",
+        ];
+        for body in bad {
+            let e = parse::<ReleaseBody>(Ok(Bytes::from_static(body))).unwrap_err();
+            assert_eq!(
+                (e.status, e.code),
+                (StatusCode::BAD_REQUEST, "invalid_json")
+            );
+        }
+        let ok: ReleaseBody = parse(Ok(Bytes::from_static(b"{\"token\":\"t\"}"))).unwrap();
+        assert_eq!(ok.token.as_deref(), Some("t"));
+    }
+
+    #[test]
+    fn a_missing_token_is_an_invalid_token() {
+        let e = required::<String>(None, "token").unwrap_err();
+        assert_eq!(
+            (e.status, e.code),
+            (StatusCode::BAD_REQUEST, "invalid_token")
+        );
+        let e = required::<String>(None, "result").unwrap_err();
+        assert_eq!(e.code, "invalid_request");
+    }
+}

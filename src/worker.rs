@@ -1,0 +1,796 @@
+//! The worker client: the library a Rust worker uses, and what the sidecar serves over HTTP.
+//!
+//! A [`Worker`] watches one queue of one namespace, claims jobs from that watch cache
+//! ([`crate::claim`]), acquires their Leases, keeps every held Lease renewed in the background,
+//! and forwards the worker's heartbeats, results, failures and releases as conditional writes.
+//!
+//! Background renewal runs every `leaseDurationSeconds / 3` per held job (client-go's leader
+//! election renews at a similar fraction of its lease). It stops when:
+//! - the attempt ends (complete, fail, release);
+//! - a renewal finds holderIdentity changed or the Lease gone: the lease is lost;
+//! - renewals have failed (network, 5xx, 403) for a whole lease duration, measured on the
+//!   monotonic clock from the last success: the lease is declared lost, since the controller
+//!   may have requeued the job by then;
+//! - the worker has not called for `max(worker_timeout, leaseDurationSeconds)`: a hung worker
+//!   must not keep its lease forever. The sidecar stops renewing; the controller then requeues
+//!   the job once the lease runs out.
+//!
+//! From the moment a lease is declared lost, every call with its token is answered with
+//! [`WorkerError::LeaseLost`], without asking the API server.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Client, ResourceExt};
+use serde::Serialize;
+use serde_json::Value;
+use thiserror::Error;
+use tokio::sync::{watch, Notify};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use crate::claim::{self, ClaimError};
+use crate::crd::{LeasedJob, Phase};
+use crate::fence::{self, FenceError, Outcome, Refusal};
+use crate::lease::{self, LeaseError};
+use crate::token::{Token, TokenError};
+
+/// Default for [`WorkerConfig::worker_timeout`]: five minutes.
+pub const DEFAULT_WORKER_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default for [`WorkerConfig::spread`].
+pub const DEFAULT_SPREAD: usize = 16;
+/// Longest accepted failure message, in bytes.
+pub const MAX_MESSAGE_BYTES: usize = 4096;
+/// Delay before retrying a failed background renewal.
+const RENEW_RETRY: Duration = Duration::from_secs(1);
+
+/// Options of a [`Worker`].
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    /// Namespace whose LeasedJobs this worker claims.
+    pub namespace: String,
+    /// Queue (spec.queue) it claims from.
+    pub queue: String,
+    /// Identity written to status.holder: the pod name.
+    pub identity: String,
+    /// How many of the oldest top-priority jobs a claim chooses among at random (1 = strict
+    /// FIFO). Spreads concurrent claimers over different jobs so fewer claims conflict.
+    pub spread: usize,
+    /// How long the worker may stay silent (no heartbeat or other call) before background
+    /// renewal stops for its jobs. The effective limit is at least the job's lease duration.
+    pub worker_timeout: Duration,
+}
+
+/// A job just claimed: what the worker needs to do it and prove it.
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Claimed {
+    /// The job's namespace.
+    pub namespace: String,
+    /// The job's name.
+    pub name: String,
+    /// This attempt's number (status.attempt).
+    pub attempt: i32,
+    /// The fencing token, to present on every later call.
+    #[serde(serialize_with = "token_text")]
+    pub token: Token,
+    /// spec.payload, exactly as applied.
+    pub payload: Value,
+    /// The lease duration, in seconds.
+    pub lease_duration_seconds: i32,
+    /// The checkpoint left by an earlier attempt, or null.
+    pub checkpoint: Option<Value>,
+}
+
+fn token_text<S: serde::Serializer>(t: &Token, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(t.as_str())
+}
+
+/// A successful renewal.
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Renewal {
+    /// The renewTime written to the Lease (RFC 3339, this host's clock).
+    pub renew_time: Timestamp,
+    /// renewTime + leaseDurationSeconds: when the lease runs out if not renewed again. The
+    /// controller judges expiry on its own clock from when it saw the renewal, so this is a
+    /// guide, not a promise.
+    pub expires_at: Timestamp,
+    /// The lease duration, in seconds.
+    pub lease_duration_seconds: i32,
+}
+
+/// Errors of worker calls; [`WorkerError::code`] is the stable code the sidecar returns.
+#[derive(Debug, Error)]
+pub enum WorkerError {
+    /// The token is missing or malformed.
+    #[error("{0}")]
+    InvalidToken(#[from] TokenError),
+    /// A field of the request breaks a rule.
+    #[error("{field} {problem}")]
+    Invalid {
+        /// The field, e.g. `reason`.
+        field: &'static str,
+        /// What is wrong with its value, and the rule.
+        problem: String,
+    },
+    /// The API server refused the write: see the refusal.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    /// The sidecar itself declared this lease lost earlier.
+    #[error("lease lost: {job}: {why}; stop working on it and claim again")]
+    LeaseLost {
+        /// `namespace/name`.
+        job: String,
+        /// Why it was declared lost.
+        why: String,
+    },
+    /// The checkpoint is too large.
+    #[error("{0}")]
+    TooLarge(String),
+    /// The API server could not be reached or failed; nothing was written. Retry.
+    #[error("{what} failed: {detail}; nothing was written, try again")]
+    Unavailable {
+        /// What was being done, naming the job.
+        what: String,
+        /// The cause.
+        detail: String,
+    },
+}
+
+impl WorkerError {
+    /// Stable error code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            WorkerError::InvalidToken(_) => "invalid_token",
+            WorkerError::Invalid { .. } => "invalid_request",
+            WorkerError::Refused(r) => r.code(),
+            WorkerError::LeaseLost { .. } => "lease_lost",
+            WorkerError::TooLarge(_) => "too_large",
+            WorkerError::Unavailable { .. } => "unavailable",
+        }
+    }
+}
+
+/// One held attempt, as this process knows it.
+struct Held {
+    token: Token,
+    lease_name: String,
+    duration: Duration,
+    state: Mutex<HeldState>,
+    /// Wakes the background renewer when the attempt ends or a renewal moved the schedule.
+    wake: Notify,
+}
+
+struct HeldState {
+    last_renewed: Instant,
+    last_contact: Instant,
+    checkpoint: Option<Value>,
+    lost: Option<String>,
+    ended: bool,
+}
+
+struct Inner {
+    config: WorkerConfig,
+    jobs: Api<LeasedJob>,
+    leases: Api<Lease>,
+    store: Store<LeasedJob>,
+    changes: watch::Receiver<u64>,
+    held: Mutex<HashMap<String, Arc<Held>>>,
+    /// Snapshots (name -> resourceVersion) already tried, so a stale cache entry is not
+    /// claimed twice.
+    tried: Mutex<HashMap<String, String>>,
+}
+
+/// A claimer of one queue. Cheap to clone.
+#[derive(Clone)]
+pub struct Worker {
+    inner: Arc<Inner>,
+}
+
+impl Worker {
+    /// Starts watching the queue. Returns the worker and the watch task's handle, which runs
+    /// until aborted; await or select it so that its end is noticed.
+    pub fn start(client: Client, config: WorkerConfig) -> (Worker, JoinHandle<()>) {
+        let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &config.namespace);
+        let leases: Api<Lease> = Api::namespaced(client, &config.namespace);
+        let (store, writer) = reflector::store();
+        let (tx, changes) = watch::channel(0u64);
+        // spec.queue is a selectable field of the CRD, so the API server filters for us.
+        let selector = format!("spec.queue={}", config.queue);
+        let stream = watcher(jobs.clone(), watcher::Config::default().fields(&selector))
+            .default_backoff()
+            .reflect(writer);
+        let watch_task = tokio::spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            while let Some(event) = stream.next().await {
+                if let Err(e) = event {
+                    warn!(error = %e, "LeasedJob watch failed; retrying");
+                }
+                tx.send_modify(|n| *n = n.wrapping_add(1));
+            }
+        });
+        let inner = Inner {
+            config,
+            jobs,
+            leases,
+            store,
+            changes,
+            held: Mutex::default(),
+            tried: Mutex::default(),
+        };
+        (
+            Worker {
+                inner: Arc::new(inner),
+            },
+            watch_task,
+        )
+    }
+
+    /// The options this worker runs with.
+    pub fn config(&self) -> &WorkerConfig {
+        &self.inner.config
+    }
+
+    /// True once the queue's watch has listed everything.
+    pub fn is_ready(&self) -> bool {
+        store_ready(&self.inner.store)
+    }
+
+    /// Number of attempts this worker holds now.
+    pub fn held_count(&self) -> usize {
+        self.inner.held.lock().unwrap().len()
+    }
+
+    fn job_ref(&self, name: &str) -> String {
+        format!("{}/{}", self.inner.config.namespace, name)
+    }
+
+    /// Claims the best claimable job, waiting up to `wait` for one to appear (woken by the
+    /// watch, not by polling). `Ok(None)` when none could be claimed in time.
+    ///
+    /// # Errors
+    /// [`WorkerError::Unavailable`] when the API server failed a claim write.
+    pub async fn claim(&self, wait: Duration) -> Result<Option<Claimed>, WorkerError> {
+        let deadline = Instant::now() + wait;
+        let mut changes = self.inner.changes.clone();
+        if tokio::time::timeout_at(deadline, self.inner.store.wait_until_ready())
+            .await
+            .is_err()
+        {
+            return Ok(None);
+        }
+        loop {
+            changes.borrow_and_update();
+            while let Some(snapshot) = self.pick() {
+                if let Some(claimed) = self.try_claim(&snapshot).await? {
+                    return Ok(Some(claimed));
+                }
+            }
+            tokio::select! {
+                changed = changes.changed() => {
+                    if changed.is_err() {
+                        return Err(WorkerError::Unavailable {
+                            what: "claim".into(),
+                            detail: "the LeasedJob watch stopped".into(),
+                        });
+                    }
+                }
+                () = tokio::time::sleep_until(deadline) => return Ok(None),
+            }
+        }
+    }
+
+    fn pick(&self) -> Option<Arc<LeasedJob>> {
+        let jobs = self.inner.store.state();
+        let tried = self.inner.tried.lock().unwrap();
+        claim::pick(
+            &jobs,
+            &self.inner.config.queue,
+            self.inner.config.spread,
+            |j| tried.get(&j.name_any()) == j.resource_version().as_ref(),
+            &mut rand::rng(),
+        )
+    }
+
+    fn mark_tried(&self, job: &LeasedJob) {
+        let mut tried = self.inner.tried.lock().unwrap();
+        if tried.len() > 10_000 {
+            tried.clear();
+        }
+        tried.insert(job.name_any(), job.resource_version().unwrap_or_default());
+    }
+
+    async fn try_claim(&self, snapshot: &LeasedJob) -> Result<Option<Claimed>, WorkerError> {
+        self.mark_tried(snapshot);
+        let identity = &self.inner.config.identity;
+        let (job, token) = match claim::claim(&self.inner.jobs, snapshot, identity).await {
+            Ok(claimed) => claimed,
+            Err(
+                ClaimError::Conflict { .. }
+                | ClaimError::NotQueued { .. }
+                | ClaimError::Gone { .. },
+            ) => return Ok(None),
+            Err(e @ ClaimError::Api { .. }) => {
+                return Err(WorkerError::Unavailable {
+                    what: format!("claim of LeasedJob {}", snapshot.reference()),
+                    detail: error_chain(&e),
+                })
+            }
+        };
+        let job_ref = job.reference();
+        match lease::acquire(&self.inner.leases, &job, &token).await {
+            Ok(_) => {}
+            Err(LeaseError::Lost { .. }) => {
+                warn!(job = %job_ref, attempt = token.attempt(), "Lease of LeasedJob {job_ref} is held by a newer attempt; giving the claim up");
+                return Ok(None);
+            }
+            Err(e) => {
+                // Hand the job straight back rather than let it wait out a lease duration.
+                let released = fence::apply(
+                    &self.inner.jobs,
+                    &self.inner.config.namespace,
+                    &job.name_any(),
+                    &token,
+                    &Outcome::Release { checkpoint: None },
+                )
+                .await;
+                warn!(job = %job_ref, error = %error_chain(&e), released = released.is_ok(), "Lease acquisition failed after claiming LeasedJob {job_ref}");
+                return Err(WorkerError::Unavailable {
+                    what: format!("Lease acquisition for LeasedJob {job_ref}"),
+                    detail: error_chain(&e),
+                });
+            }
+        }
+        info!(job = %job_ref, attempt = token.attempt(), "Claimed LeasedJob {job_ref} (attempt {})", token.attempt());
+        let status = job.status.clone().unwrap_or_default();
+        self.hold(
+            &job.name_any(),
+            token.clone(),
+            job.spec.lease_duration_seconds,
+        );
+        Ok(Some(Claimed {
+            namespace: self.inner.config.namespace.clone(),
+            name: job.name_any(),
+            attempt: token.attempt(),
+            token,
+            payload: job.spec.payload.clone(),
+            lease_duration_seconds: job.spec.lease_duration_seconds,
+            checkpoint: status.checkpoint,
+        }))
+    }
+
+    /// Starts holding an attempt: records it and spawns its background renewer.
+    fn hold(&self, name: &str, token: Token, duration_s: i32) -> Arc<Held> {
+        let now = Instant::now();
+        let held = Arc::new(Held {
+            token,
+            lease_name: lease::lease_name(name),
+            duration: Duration::from_secs(u64::try_from(duration_s.max(1)).unwrap_or(1)),
+            state: Mutex::new(HeldState {
+                last_renewed: now,
+                last_contact: now,
+                checkpoint: None,
+                lost: None,
+                ended: false,
+            }),
+            wake: Notify::new(),
+        });
+        let previous = self
+            .inner
+            .held
+            .lock()
+            .unwrap()
+            .insert(name.to_string(), Arc::clone(&held));
+        if let Some(p) = previous {
+            end(&p);
+        }
+        let worker = self.clone();
+        let name = name.to_string();
+        let renewer = Arc::clone(&held);
+        tokio::spawn(async move { worker.renew_in_background(&name, &renewer).await });
+        held
+    }
+
+    async fn renew_in_background(&self, name: &str, held: &Held) {
+        let job_ref = self.job_ref(name);
+        let interval = held.duration / 3;
+        let silence_limit = self.inner.config.worker_timeout.max(held.duration);
+        let mut due = Instant::now() + interval;
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep_until(due) => {}
+                () = held.wake.notified() => {}
+            }
+            let now = Instant::now();
+            {
+                let st = held.state.lock().unwrap();
+                if st.ended || st.lost.is_some() {
+                    return;
+                }
+                if st.last_renewed + interval > now {
+                    // A worker heartbeat renewed it meanwhile.
+                    due = st.last_renewed + interval;
+                    continue;
+                }
+                if now.duration_since(st.last_contact) >= silence_limit {
+                    drop(st);
+                    let why = format!(
+                        "the worker made no call for {}s, so the sidecar stopped renewing the lease",
+                        silence_limit.as_secs()
+                    );
+                    warn!(job = %job_ref, attempt = held.token.attempt(), "Stopped renewing LeasedJob {job_ref}: {why}");
+                    self.lose(held, why);
+                    return;
+                }
+            }
+            match lease::renew(&self.inner.leases, &held.lease_name, &held.token, None).await {
+                Ok(_) => {
+                    held.state.lock().unwrap().last_renewed = Instant::now();
+                    due = Instant::now() + interval;
+                }
+                Err(LeaseError::Lost { .. }) => {
+                    warn!(job = %job_ref, attempt = held.token.attempt(), "Lost lease of LeasedJob {job_ref}: holderIdentity changed");
+                    self.lose(held, "the Lease is held by another attempt".into());
+                    return;
+                }
+                Err(e) => {
+                    if self.renewals_failed_too_long(held) {
+                        warn!(job = %job_ref, error = %error_chain(&e), "Lost lease of LeasedJob {job_ref}: renewals failed for a whole lease duration");
+                        return;
+                    }
+                    warn!(job = %job_ref, error = %error_chain(&e), "Renewal of LeasedJob {job_ref} failed; retrying");
+                    due = Instant::now() + RENEW_RETRY.min(interval);
+                }
+            }
+        }
+    }
+
+    /// After a failed renewal: declares the lease lost once renewals have failed for a whole
+    /// lease duration since the last success (monotonic clock).
+    fn renewals_failed_too_long(&self, held: &Held) -> bool {
+        let since = held.state.lock().unwrap().last_renewed.elapsed();
+        if since >= held.duration {
+            self.lose(
+                held,
+                format!(
+                    "renewals failed for {}s, a whole lease duration",
+                    since.as_secs()
+                ),
+            );
+            true
+        } else {
+            false
+        }
+    }
+
+    fn lose(&self, held: &Held, why: String) {
+        let mut st = held.state.lock().unwrap();
+        if st.lost.is_none() {
+            st.lost = Some(why);
+        }
+        drop(st);
+        held.wake.notify_one();
+    }
+
+    /// The held attempt of `name` if it is this token's, after checking it was not declared
+    /// lost; records the worker's call.
+    fn held_for(&self, name: &str, token: &Token) -> Result<Option<Arc<Held>>, WorkerError> {
+        let held = self.inner.held.lock().unwrap().get(name).cloned();
+        let Some(held) = held.filter(|h| h.token == *token) else {
+            return Ok(None);
+        };
+        let mut st = held.state.lock().unwrap();
+        if let Some(why) = &st.lost {
+            return Err(WorkerError::LeaseLost {
+                job: self.job_ref(name),
+                why: why.clone(),
+            });
+        }
+        st.last_contact = Instant::now();
+        drop(st);
+        Ok(Some(held))
+    }
+
+    /// Renews the lease now, storing `checkpoint` (any JSON up to
+    /// [`lease::MAX_CHECKPOINT_BYTES`]) with it for the next attempt should this one not finish.
+    /// Writes only the Lease, never the LeasedJob.
+    ///
+    /// # Errors
+    /// [`WorkerError::InvalidToken`]; [`WorkerError::TooLarge`]; [`WorkerError::LeaseLost`] or
+    /// [`WorkerError::Refused`] when the token no longer holds the job;
+    /// [`WorkerError::Unavailable`] when the API server failed (retry).
+    pub async fn heartbeat(
+        &self,
+        name: &str,
+        token: &str,
+        checkpoint: Option<Value>,
+    ) -> Result<Renewal, WorkerError> {
+        let token = Token::parse(token)?;
+        if let Some(c) = &checkpoint {
+            lease::checkpoint_text(c).map_err(|e| WorkerError::TooLarge(e.to_string()))?;
+        }
+        let held = self.held_for(name, &token)?;
+        let lease_name = lease::lease_name(name);
+        match lease::renew(&self.inner.leases, &lease_name, &token, checkpoint.as_ref()).await {
+            Ok(lease) => {
+                // The Lease may lag the job by one write (requeued, not yet released): the
+                // job itself must still be Leased to this token.
+                if let Some(why) = self.cached_job_moved_on(name, &token) {
+                    if let Some(h) = &held {
+                        self.lose(h, why.clone());
+                    }
+                    return Err(WorkerError::LeaseLost {
+                        job: self.job_ref(name),
+                        why,
+                    });
+                }
+                let duration_s = lease
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.lease_duration_seconds)
+                    .unwrap_or(60);
+                let held = held.unwrap_or_else(|| self.hold(name, token.clone(), duration_s));
+                {
+                    let mut st = held.state.lock().unwrap();
+                    st.last_renewed = Instant::now();
+                    if checkpoint.is_some() {
+                        st.checkpoint = checkpoint;
+                    }
+                }
+                let renew_time = lease
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.renew_time.as_ref())
+                    .map_or_else(Timestamp::now, |t| t.0);
+                Ok(Renewal {
+                    renew_time,
+                    expires_at: renew_time + SignedDuration::from_secs(i64::from(duration_s)),
+                    lease_duration_seconds: duration_s,
+                })
+            }
+            Err(LeaseError::Lost { .. }) => {
+                let err = self.explain_lost(name, &token).await;
+                if let Some(h) = &held {
+                    self.lose(h, err.to_string());
+                }
+                Err(err)
+            }
+            Err(LeaseError::CheckpointTooLarge { size }) => Err(WorkerError::TooLarge(format!(
+                "checkpoint is {size} bytes of JSON; at most {} are accepted",
+                lease::MAX_CHECKPOINT_BYTES
+            ))),
+            Err(e @ LeaseError::Api(_)) => {
+                if let Some(h) = &held {
+                    if self.renewals_failed_too_long(h) {
+                        return Err(self.held_for(name, &token).err().unwrap_or_else(|| {
+                            WorkerError::Unavailable {
+                                what: format!("heartbeat of LeasedJob {}", self.job_ref(name)),
+                                detail: error_chain(&e),
+                            }
+                        }));
+                    }
+                }
+                Err(WorkerError::Unavailable {
+                    what: format!("heartbeat of LeasedJob {}", self.job_ref(name)),
+                    detail: error_chain(&e),
+                })
+            }
+        }
+    }
+
+    /// Why the watch cache says the job no longer belongs to `token`, if it does.
+    fn cached_job_moved_on(&self, name: &str, token: &Token) -> Option<String> {
+        let key = ObjectRef::new(name).within(&self.inner.config.namespace);
+        let job = self.inner.store.get(&key)?;
+        if job.attempt() > token.attempt() {
+            return Some(format!(
+                "is on attempt {}, your token is from attempt {}",
+                job.attempt(),
+                token.attempt()
+            ));
+        }
+        if job.token() == Some(token.as_str()) && job.phase() != Phase::Leased {
+            return Some(format!(
+                "attempt {} ended: the job is {}",
+                token.attempt(),
+                job.phase()
+            ));
+        }
+        None
+    }
+
+    /// After the Lease refused a renewal: the refusal as the job explains it.
+    async fn explain_lost(&self, name: &str, token: &Token) -> WorkerError {
+        let job_ref = self.job_ref(name);
+        match self.inner.jobs.get_opt(name).await {
+            Ok(job) => match fence::refusal(&job_ref, job.as_ref(), token) {
+                Some(r) => WorkerError::Refused(r),
+                None => WorkerError::LeaseLost {
+                    job: job_ref,
+                    why: "its Lease no longer names this token".into(),
+                },
+            },
+            Err(e) => WorkerError::LeaseLost {
+                job: job_ref,
+                why: format!("its Lease no longer names this token ({})", error_chain(&e)),
+            },
+        }
+    }
+
+    /// Completes the attempt with `result`: Succeeded, if and only if the API server still
+    /// shows this token as the holder of a Leased job. Then releases the Lease.
+    ///
+    /// # Errors
+    /// As [`Worker::heartbeat`], plus [`Refusal::Finished`] for a job already finished.
+    pub async fn complete(
+        &self,
+        name: &str,
+        token: &str,
+        result: Value,
+    ) -> Result<LeasedJob, WorkerError> {
+        self.end_attempt(name, token, |_| Outcome::Complete { result })
+            .await
+    }
+
+    /// Reports a failed attempt. `reason` is a short CamelCase word (`^[A-Za-z][A-Za-z0-9]*$`,
+    /// at most 64 characters), `message` at most [`MAX_MESSAGE_BYTES`]. Requeues when
+    /// `retryable` and failed attempts remain under maxAttempts (handing the last checkpoint to
+    /// the next attempt); otherwise the job ends Failed.
+    ///
+    /// # Errors
+    /// [`WorkerError::Invalid`] for a bad reason or message; otherwise as [`Worker::complete`].
+    pub async fn fail(
+        &self,
+        name: &str,
+        token: &str,
+        reason: &str,
+        message: &str,
+        retryable: bool,
+    ) -> Result<LeasedJob, WorkerError> {
+        validate_reason(reason)?;
+        if message.len() > MAX_MESSAGE_BYTES {
+            return Err(WorkerError::Invalid {
+                field: "message",
+                problem: format!(
+                    "is {} bytes; at most {MAX_MESSAGE_BYTES} are accepted",
+                    message.len()
+                ),
+            });
+        }
+        let (reason, message) = (reason.to_string(), message.to_string());
+        self.end_attempt(name, token, |checkpoint| Outcome::Fail {
+            reason,
+            message,
+            retryable,
+            checkpoint,
+        })
+        .await
+    }
+
+    /// Gives the job back to the queue now, with the last checkpoint; not a failed attempt.
+    ///
+    /// # Errors
+    /// As [`Worker::complete`].
+    pub async fn release(&self, name: &str, token: &str) -> Result<LeasedJob, WorkerError> {
+        self.end_attempt(name, token, |checkpoint| Outcome::Release { checkpoint })
+            .await
+    }
+
+    async fn end_attempt(
+        &self,
+        name: &str,
+        token: &str,
+        outcome: impl FnOnce(Option<Value>) -> Outcome,
+    ) -> Result<LeasedJob, WorkerError> {
+        let token = Token::parse(token)?;
+        let held = self.held_for(name, &token)?;
+        let checkpoint = held
+            .as_ref()
+            .and_then(|h| h.state.lock().unwrap().checkpoint.clone());
+        let outcome = outcome(checkpoint);
+        let ns = &self.inner.config.namespace;
+        let job = match fence::apply(&self.inner.jobs, ns, name, &token, &outcome).await {
+            Ok(job) => job,
+            Err(FenceError::Refused(r)) => {
+                if let Some(h) = &held {
+                    self.lose(h, r.to_string());
+                }
+                return Err(WorkerError::Refused(r));
+            }
+            Err(e @ FenceError::Api { .. }) => {
+                return Err(WorkerError::Unavailable {
+                    what: format!("write to LeasedJob {}", self.job_ref(name)),
+                    detail: error_chain(&e),
+                })
+            }
+        };
+        if let Some(h) = self.inner.held.lock().unwrap().remove(name) {
+            end(&h);
+        }
+        let job_ref = self.job_ref(name);
+        info!(job = %job_ref, attempt = token.attempt(), phase = %job.phase(), "Ended attempt {} of LeasedJob {job_ref}: {}", token.attempt(), job.phase());
+        if let Err(e) =
+            lease::release(&self.inner.leases, &lease::lease_name(name), token.as_str()).await
+        {
+            // The controller releases Leases of ended attempts too.
+            warn!(job = %job_ref, error = %error_chain(&e), "Lease release failed; the controller will release it");
+        }
+        Ok(job)
+    }
+}
+
+/// True once a reflector store has received its first complete listing.
+pub(crate) fn store_ready<K: kube::Resource + Clone>(store: &Store<K>) -> bool
+where
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    use futures::FutureExt;
+    store
+        .wait_until_ready()
+        .now_or_never()
+        .is_some_and(|r| r.is_ok())
+}
+
+fn end(held: &Held) {
+    held.state.lock().unwrap().ended = true;
+    held.wake.notify_one();
+}
+
+/// Checks a failure reason: `^[A-Za-z][A-Za-z0-9]*$`, 1 to 64 characters (it becomes a
+/// condition reason, whose rule is stricter than free text).
+///
+/// # Errors
+/// [`WorkerError::Invalid`] naming the field, the value and the rule.
+pub fn validate_reason(reason: &str) -> Result<(), WorkerError> {
+    let ok = (1..=64).contains(&reason.len())
+        && reason.starts_with(|c: char| c.is_ascii_alphabetic())
+        && reason.chars().all(|c| c.is_ascii_alphanumeric());
+    if ok {
+        Ok(())
+    } else {
+        let shown: String = reason.chars().take(80).collect();
+        Err(WorkerError::Invalid {
+            field: "reason",
+            problem: format!(
+                "{shown:?} is not a CamelCase word: expected 1 to 64 ASCII letters and digits, starting with a letter"
+            ),
+        })
+    }
+}
+
+/// An error and its sources, joined with ": ".
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_must_be_camel_case_words() {
+        for ok in ["Timeout", "BadPayload", "E42", "x"] {
+            assert!(validate_reason(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "9Lives", "has space", "dash-ed", "ünï", &"a".repeat(65)] {
+            let e = validate_reason(bad).unwrap_err();
+            assert_eq!(e.code(), "invalid_request");
+            assert!(e.to_string().starts_with("reason "), "{e}");
+        }
+    }
+}
