@@ -1,0 +1,335 @@
+//! Shared harness of the integration tests: a client for the local control plane, a namespace
+//! per test, and the real `leasehold` binary run as controller and sidecar processes.
+//!
+//! The control plane is started by `scripts/test`, which exports LEASEHOLD_TEST_KUBECONFIG (and
+//! LEASEHOLD_CONTROLPLANE_BIN, the directory of its kubectl). The tests never read KUBECONFIG,
+//! so they never touch whatever cluster the user's kubeconfig points at.
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+use leasehold::crd::LeasedJob;
+use serde_json::{json, Value};
+
+/// Path of the test control plane's kubeconfig.
+pub fn kubeconfig_path() -> PathBuf {
+    match std::env::var_os("LEASEHOLD_TEST_KUBECONFIG") {
+        Some(p) => PathBuf::from(p),
+        None => panic!(
+            "LEASEHOLD_TEST_KUBECONFIG is not set: integration tests run against the local \
+             control plane that scripts/test starts; run `scripts/test`"
+        ),
+    }
+}
+
+/// The directory holding the control plane's kubectl.
+pub fn kubectl_path() -> PathBuf {
+    let dir = std::env::var_os("LEASEHOLD_CONTROLPLANE_BIN")
+        .expect("LEASEHOLD_CONTROLPLANE_BIN is not set; run `scripts/test`");
+    Path::new(&dir).join("kubectl")
+}
+
+/// A client for the test control plane.
+pub async fn client() -> Client {
+    let kc = Kubeconfig::read_from(kubeconfig_path()).expect("read test kubeconfig");
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .expect("test kubeconfig");
+    Client::try_from(config).expect("client")
+}
+
+/// Installs the committed CRD (server-side apply; idempotent) and waits until it is Established.
+pub async fn install_crd(client: &Client) {
+    let text =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("crds/leasedjob.yaml"))
+            .expect("crds/leasedjob.yaml");
+    let crd: CustomResourceDefinition = serde_yaml::from_str(&text).expect("CRD YAML");
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    api.patch(
+        "leasedjobs.leasehold.dev",
+        &PatchParams::apply("leasehold-tests").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .expect("apply CRD");
+    wait_for("CRD Established", Duration::from_secs(30), || async {
+        let crd = api.get("leasedjobs.leasehold.dev").await.ok()?;
+        let established = crd
+            .status?
+            .conditions?
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True");
+        established.then_some(())
+    })
+    .await;
+    // Discovery can lag Established by a moment.
+    let jobs: Api<LeasedJob> = Api::all(client.clone());
+    wait_for("LeasedJob API served", Duration::from_secs(30), || async {
+        jobs.list(&Default::default()).await.ok().map(|_| ())
+    })
+    .await;
+}
+
+/// A namespace for one test, named after it plus a random suffix; deleted on drop (the
+/// namespace controller removes its contents).
+pub struct TestNamespace {
+    pub name: String,
+    client: Client,
+}
+
+impl TestNamespace {
+    pub async fn new(client: &Client, test: &str) -> TestNamespace {
+        install_crd(client).await;
+        let suffix: u32 = rand::random();
+        let name = format!("{test}-{:08x}", suffix);
+        let api: Api<Namespace> = Api::all(client.clone());
+        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+        api.create(&PostParams::default(), &ns)
+            .await
+            .expect("create namespace");
+        TestNamespace {
+            name,
+            client: client.clone(),
+        }
+    }
+}
+
+impl Drop for TestNamespace {
+    fn drop(&mut self) {
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        let name = self.name.clone();
+        // Best effort, without blocking the runtime that is shutting the test down.
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                let _ = api.delete(&name, &DeleteParams::default()).await;
+            });
+        }
+    }
+}
+
+/// Polls `probe` until it returns Some, panicking with `what` after `timeout`.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = probe().await {
+            return v;
+        }
+        if start.elapsed() > timeout {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Creates a LeasedJob from a JSON manifest (namespace filled in).
+pub async fn create_job(client: &Client, ns: &str, manifest: Value) -> LeasedJob {
+    let api: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
+    let mut manifest = manifest;
+    manifest["apiVersion"] = json!("leasehold.dev/v1alpha1");
+    manifest["kind"] = json!("LeasedJob");
+    manifest["metadata"]["namespace"] = json!(ns);
+    let job: LeasedJob = serde_json::from_value(manifest).expect("job manifest");
+    api.create(&PostParams::default(), &job)
+        .await
+        .expect("create job")
+}
+
+/// Directory for the logs of processes the tests start.
+pub fn log_dir() -> PathBuf {
+    let dir = std::env::var_os("LEASEHOLD_TEST_LOGS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_TARGET_TMPDIR")).join("logs"));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A process the test started; killed on drop.
+pub struct Proc {
+    pub child: Child,
+    pub name: String,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `program args` with the test kubeconfig, logging to a file named `name`.
+    pub fn spawn(name: &str, program: &Path, args: &[&str], stdout: Stdio) -> Proc {
+        let log = log_dir().join(format!("{name}.log"));
+        let err = File::create(&log).unwrap();
+        let child = Command::new(program)
+            .args(args)
+            .env("KUBECONFIG", kubeconfig_path())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {name}: {e}"));
+        Proc {
+            child,
+            name: name.to_string(),
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal (STOP, CONT, KILL, TERM) with kill(1).
+    pub fn signal(&self, sig: &str) {
+        signal(self.pid(), sig);
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        signal(self.pid(), "CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends `sig` to `pid` with kill(1).
+pub fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status();
+}
+
+pub fn leasehold_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_leasehold"))
+}
+
+/// Starts `leasehold controller` for one namespace.
+pub fn controller(ns: &str) -> Proc {
+    Proc::spawn(
+        &format!("{ns}-controller"),
+        &leasehold_bin(),
+        &[
+            "controller",
+            "--namespace",
+            ns,
+            "--identity",
+            "test-controller",
+        ],
+        Stdio::null(),
+    )
+}
+
+/// A free loopback port (bound, then released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A running `leasehold sidecar` and an HTTP client for it.
+pub struct Sidecar {
+    pub proc: Proc,
+    pub base: String,
+    http: reqwest::Client,
+}
+
+impl Sidecar {
+    /// Starts a sidecar for `queue` in `ns` with identity `id` and waits until it is ready.
+    pub async fn start(ns: &str, queue: &str, id: &str, extra: &[&str]) -> Sidecar {
+        let port = free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let mut args = vec![
+            "sidecar",
+            "--queue",
+            queue,
+            "--namespace",
+            ns,
+            "--listen",
+            &listen,
+            "--identity",
+            id,
+        ];
+        args.extend_from_slice(extra);
+        let proc = Proc::spawn(
+            &format!("{ns}-{id}"),
+            &leasehold_bin(),
+            &args,
+            Stdio::null(),
+        );
+        let sidecar = Sidecar {
+            proc,
+            base: format!("http://{listen}"),
+            http: reqwest::Client::new(),
+        };
+        let http = sidecar.http.clone();
+        let url = format!("{}/healthz", sidecar.base);
+        wait_for("sidecar ready", Duration::from_secs(30), || {
+            let http = http.clone();
+            let url = url.clone();
+            async move {
+                let r = http.get(&url).send().await.ok()?;
+                r.status().is_success().then_some(())
+            }
+        })
+        .await;
+        sidecar
+    }
+
+    /// POSTs a raw body; returns the status and the JSON body (Null when empty).
+    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .body(body)
+            .send()
+            .await
+            .expect("sidecar reachable");
+        let status = r.status().as_u16();
+        let bytes = r.bytes().await.unwrap();
+        let value = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes)
+                .unwrap_or_else(|_| json!({"raw": String::from_utf8_lossy(&bytes)}))
+        };
+        (status, value)
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.post_raw(path, serde_json::to_vec(&body).unwrap())
+            .await
+    }
+
+    pub async fn claim(&self, wait: u64) -> (u16, Value) {
+        self.post(&format!("/v1/claim?wait={wait}"), json!(null))
+            .await
+    }
+
+    pub async fn heartbeat(&self, name: &str, body: Value) -> (u16, Value) {
+        self.post(&format!("/v1/jobs/{name}/heartbeat"), body).await
+    }
+
+    pub async fn complete(&self, name: &str, token: &str, result: Value) -> (u16, Value) {
+        self.post(
+            &format!("/v1/jobs/{name}/complete"),
+            json!({"token": token, "result": result}),
+        )
+        .await
+    }
+}

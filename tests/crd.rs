@@ -1,0 +1,140 @@
+//! The CRD as committed, as installed, and as it judges manifests (the API server's own
+//! validation and kubectl's strict field validation).
+
+mod common;
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use common::*;
+use kube::Api;
+use leasehold::crd::LeasedJob;
+use serde_json::json;
+
+#[test]
+fn committed_crd_equals_leasehold_crd_output() {
+    let out = Command::new(leasehold_bin()).arg("crd").output().unwrap();
+    assert!(out.status.success());
+    let committed =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/leasedjob.yaml"))
+            .unwrap();
+    assert!(
+        committed == String::from_utf8(out.stdout).unwrap(),
+        "crds/leasedjob.yaml is stale: regenerate it with `cargo run -- crd > crds/leasedjob.yaml`"
+    );
+}
+
+/// Runs the control plane's kubectl with the test kubeconfig, feeding `stdin`.
+fn kubectl(args: &[&str], stdin: &str) -> (bool, String) {
+    let mut child = Command::new(kubectl_path())
+        .args(args)
+        .env("KUBECONFIG", kubeconfig_path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn manifest(name: &str, spec: &str) -> String {
+    format!("apiVersion: leasehold.dev/v1alpha1\nkind: LeasedJob\nmetadata:\n  name: {name}\nspec:\n{spec}\n")
+}
+
+#[tokio::test]
+async fn bad_manifests_are_rejected_with_messages_naming_the_field() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "crd-bad").await;
+    let cases = [
+        (
+            "zero-lease",
+            "  leaseDurationSeconds: 0",
+            "spec.leaseDurationSeconds",
+        ),
+        (
+            "negative-lease",
+            "  leaseDurationSeconds: -5",
+            "spec.leaseDurationSeconds",
+        ),
+        (
+            "long-lease",
+            "  leaseDurationSeconds: 86401",
+            "spec.leaseDurationSeconds",
+        ),
+        ("zero-attempts", "  maxAttempts: 0", "spec.maxAttempts"),
+        (
+            "string-attempts",
+            "  maxAttempts: three",
+            "spec.maxAttempts",
+        ),
+        ("string-priority", "  priority: high", "spec.priority"),
+        ("bad-queue", "  queue: Not_A_Label", "spec.queue"),
+        ("unknown-field", "  leaseDuration: 30", "leaseDuration"),
+    ];
+    for (name, spec, field) in cases {
+        let (ok, out) = kubectl(
+            &["apply", "--validate=strict", "-n", &ns.name, "-f", "-"],
+            &manifest(name, spec),
+        );
+        assert!(!ok, "{name} was accepted: {out}");
+        assert!(
+            out.contains(field),
+            "{name}: message does not name {field}: {out}"
+        );
+    }
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    assert!(
+        jobs.list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty(),
+        "a rejected manifest was half-written"
+    );
+}
+
+#[tokio::test]
+async fn defaults_apply_and_the_payload_comes_back_unchanged() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "crd-payload").await;
+    let payload = json!({
+        "nested": {"deeper": {"list": [1, 2.5, -3, 1e300, {"k": null}], "flag": true}},
+        "unicode": "전사 — transcription ✓ 🎧",
+        "empty": {},
+        "array": [[], [[]], "x"],
+        "big": 9007199254740991i64
+    });
+    let manifest = json!({
+        "apiVersion": "leasehold.dev/v1alpha1",
+        "kind": "LeasedJob",
+        "metadata": {"name": "payload"},
+        "spec": {"payload": payload}
+    });
+    // `kubectl create`, not `apply`: client-side apply reads a null as "delete this key".
+    let (ok, out) = kubectl(
+        &["create", "--validate=strict", "-n", &ns.name, "-f", "-"],
+        &manifest.to_string(),
+    );
+    assert!(ok, "{out}");
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let job = jobs.get("payload").await.unwrap();
+    assert_eq!(job.spec.payload, payload);
+    assert_eq!(job.spec.queue, "default");
+    assert_eq!(job.spec.lease_duration_seconds, 60);
+    assert_eq!(job.spec.max_attempts, 3);
+    assert_eq!(job.spec.priority, 0);
+    let (ok, out) = kubectl(&["explain", "leasedjob.spec.leaseDurationSeconds"], "");
+    assert!(ok && out.contains("heartbeat"), "{out}");
+}

@@ -1,0 +1,464 @@
+//! The sidecar and the controller as real processes, driven over HTTP as a worker drives them,
+//! with real faults: SIGKILL and SIGSTOP.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::jiff::Timestamp;
+use kube::Api;
+use leasehold::crd::{LeasedJob, Phase};
+use leasehold::fence::REASON_LEASE_EXPIRED;
+use leasehold::lease;
+use serde_json::{json, Value};
+
+fn token_of(claim: &Value) -> String {
+    claim["token"]
+        .as_str()
+        .expect("claim has a token")
+        .to_string()
+}
+
+#[tokio::test]
+async fn sidecar_refuses_bad_tokens_unknown_jobs_and_bad_bodies_and_keeps_serving() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "refusals").await;
+    let _controller = controller(&ns.name);
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "x"}, "spec": {"queue": "q"}}),
+    )
+    .await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "y"}, "spec": {"queue": "q"}}),
+    )
+    .await;
+    let (s, cx) = sc.claim(10).await;
+    assert_eq!(s, 200, "{cx}");
+    let (s, cy) = sc.claim(10).await;
+    assert_eq!(s, 200, "{cy}");
+    let (x, y) = (
+        cx["name"].as_str().unwrap().to_string(),
+        cy["name"].as_str().unwrap().to_string(),
+    );
+    let (tx, ty) = (token_of(&cx), token_of(&cy));
+    assert_ne!(x, y);
+    assert_eq!(cx["attempt"], 1);
+    assert_eq!(cx["leaseDurationSeconds"], 60);
+
+    // Release x and claim it again: tx is now stale.
+    let (s, _) = sc
+        .post(&format!("/v1/jobs/{x}/release"), json!({"token": tx}))
+        .await;
+    assert_eq!(s, 200);
+    let (s, cx2) = sc.claim(10).await;
+    assert_eq!((s, cx2["name"].as_str().unwrap()), (200, x.as_str()));
+    assert_eq!(cx2["attempt"], 2);
+    let tx2 = token_of(&cx2);
+
+    let hb = |name: &str| format!("/v1/jobs/{name}/heartbeat");
+    let cases: Vec<(String, Vec<u8>, u16, &str)> = vec![
+        (hb(&x), br#"{}"#.to_vec(), 400, "invalid_token"),
+        (hb(&x), br#"{"token": ""}"#.to_vec(), 400, "invalid_token"),
+        (
+            hb(&x),
+            br#"{"token": "not-a-token"}"#.to_vec(),
+            400,
+            "invalid_token",
+        ),
+        (
+            hb(&x),
+            json!({"token": tx}).to_string().into_bytes(),
+            409,
+            "lease_lost",
+        ),
+        (
+            hb(&x),
+            json!({"token": ty}).to_string().into_bytes(),
+            409,
+            "lease_lost",
+        ),
+        (
+            hb("no-such-job"),
+            json!({"token": tx2}).to_string().into_bytes(),
+            404,
+            "job_not_found",
+        ),
+        (hb(&x), b"this is not json".to_vec(), 400, "invalid_json"),
+        (
+            hb("Bad_Name"),
+            json!({"token": tx2}).to_string().into_bytes(),
+            400,
+            "invalid_name",
+        ),
+        (
+            format!("/v1/jobs/{x}/complete"),
+            json!({"token": tx, "result": "stale"})
+                .to_string()
+                .into_bytes(),
+            409,
+            "lease_lost",
+        ),
+        (
+            format!("/v1/jobs/{x}/complete"),
+            json!({"token": ty, "result": "other job"})
+                .to_string()
+                .into_bytes(),
+            409,
+            "lease_lost",
+        ),
+        (
+            format!("/v1/jobs/{x}/fail"),
+            json!({"token": tx2, "reason": "has space", "message": "m", "retryable": true})
+                .to_string()
+                .into_bytes(),
+            400,
+            "invalid_request",
+        ),
+        (
+            hb(&x),
+            json!({"token": tx2, "checkpoint": "a".repeat(70_000)})
+                .to_string()
+                .into_bytes(),
+            413,
+            "too_large",
+        ),
+        (
+            hb(&x),
+            vec![b' '; leasehold::sidecar::MAX_BODY_BYTES + 1024],
+            413,
+            "too_large",
+        ),
+        (
+            "/v1/claim?wait=forever".to_string(),
+            vec![],
+            400,
+            "invalid_request",
+        ),
+    ];
+    for (path, body, want_status, want_code) in cases {
+        let (status, answer) = sc.post_raw(&path, body).await;
+        assert_eq!(status, want_status, "{path}: {answer}");
+        assert_eq!(answer["error"], want_code, "{path}: {answer}");
+        let text = answer.to_string();
+        for secret in [&tx2, &ty] {
+            assert!(
+                !text.contains(secret.as_str()),
+                "{path}: a refusal revealed a current token: {text}"
+            );
+        }
+        assert!(
+            answer["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{answer}"
+        );
+    }
+    // Still serving; the rightful holders still work, and nothing refused was written.
+    let (s, r) = sc
+        .heartbeat(&x, json!({"token": tx2, "checkpoint": {"offset": 1}}))
+        .await;
+    assert_eq!(s, 200, "{r}");
+    assert!(r["expiresAt"].is_string() && r["renewTime"].is_string());
+    let (s, r) = sc.complete(&y, &ty, json!({"ok": "y"})).await;
+    assert_eq!((s, r["phase"].as_str()), (200, Some("Succeeded")), "{r}");
+    let (s, r) = sc.complete(&y, &ty, json!({"again": true})).await;
+    assert_eq!((s, r["error"].as_str()), (409, Some("job_finished")), "{r}");
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let xj = jobs.get(&x).await.unwrap();
+    assert_eq!(xj.phase(), Phase::Leased);
+    assert!(xj.status.unwrap().result.is_none());
+    assert_eq!(
+        jobs.get(&y).await.unwrap().status.unwrap().result,
+        Some(json!({"ok": "y"}))
+    );
+}
+
+#[tokio::test]
+async fn heartbeats_keep_a_30s_job_alive_without_touching_the_job() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "alive").await;
+    let _controller = controller(&ns.name);
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "long"}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
+    )
+    .await;
+    let (s, c) = sc.claim(10).await;
+    assert_eq!(s, 200, "{c}");
+    let token = token_of(&c);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    let rv_after_claim = jobs.get("long").await.unwrap().metadata.resource_version;
+    let first_renew = leases
+        .get(&lease::lease_name("long"))
+        .await
+        .unwrap()
+        .spec
+        .unwrap()
+        .renew_time;
+    // 30 s of work: a heartbeat with a checkpoint every 2 s from the worker, and the
+    // sidecar's own background renewals in between.
+    for step in 0..15 {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (s, r) = sc
+            .heartbeat(
+                "long",
+                json!({"token": token, "checkpoint": {"step": step}}),
+            )
+            .await;
+        assert_eq!(s, 200, "step {step}: {r}");
+    }
+    let job = jobs.get("long").await.unwrap();
+    assert_eq!(job.phase(), Phase::Leased);
+    assert_eq!(job.attempt(), 1);
+    assert!(job.status.as_ref().unwrap().failures.is_empty());
+    assert_eq!(
+        job.metadata.resource_version, rv_after_claim,
+        "heartbeats wrote to the LeasedJob"
+    );
+    let l = leases.get(&lease::lease_name("long")).await.unwrap();
+    assert_ne!(l.spec.as_ref().unwrap().renew_time, first_renew);
+    assert_eq!(lease::checkpoint(&l), Some(json!({"step": 14})));
+    let (s, _) = sc.complete("long", &token, json!("done")).await;
+    assert_eq!(s, 200);
+}
+
+/// Kills the sidecar (and so the pod's worker) with SIGKILL; returns the renewTime of the last
+/// heartbeat the Lease recorded.
+async fn kill_holder(sc: Sidecar, leases: &Api<Lease>, job: &str) -> Timestamp {
+    sc.proc.signal("KILL");
+    drop(sc);
+    let l = leases.get(&lease::lease_name(job)).await.unwrap();
+    l.spec.unwrap().renew_time.unwrap().0
+}
+
+#[tokio::test]
+async fn a_killed_worker_loses_its_job_within_the_lease_and_max_attempts_deaths_fail_it() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "death").await;
+    let _controller = controller(&ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    create_job(&client, &ns.name, json!({"metadata": {"name": "doomed"}, "spec": {"queue": "q", "leaseDurationSeconds": 5, "maxAttempts": 2}})).await;
+    for death in 1..=2 {
+        let sc = Sidecar::start(&ns.name, "q", &format!("pod-{death}"), &[]).await;
+        let (s, c) = sc.claim(15).await;
+        assert_eq!((s, c["attempt"].as_i64()), (200, Some(death)), "{c}");
+        tokio::time::sleep(Duration::from_secs(3)).await; // a background renewal or two
+        let last_heartbeat = kill_holder(sc, &leases, "doomed").await;
+        // status.failures[].time is a metav1.Time, stored to the second: time the requeue
+        // on this side instead, polling every 50 ms.
+        let (job, seen_at) = wait_for("the expiry", Duration::from_secs(20), || async {
+            let j = jobs.get("doomed").await.ok()?;
+            (j.failed_attempts() as i64 == death).then(|| (j, Timestamp::now()))
+        })
+        .await;
+        let status = job.status.clone().unwrap();
+        let failure = status.failures.last().unwrap();
+        assert_eq!(failure.reason, REASON_LEASE_EXPIRED);
+        assert_eq!(failure.attempt as i64, death);
+        let waited = seen_at.duration_since(last_heartbeat).as_secs_f64();
+        println!("death {death}: requeued {waited:.2}s after the last heartbeat (lease 5s)");
+        assert!(
+            waited <= 5.0 + 2.0,
+            "requeued {waited:.2}s after the last heartbeat"
+        );
+        assert!(
+            waited >= 5.0 - 0.1,
+            "requeued early: {waited:.2}s after the last heartbeat"
+        );
+        if death == 1 {
+            assert_eq!(job.phase(), Phase::Queued);
+        } else {
+            assert_eq!(job.phase(), Phase::Failed);
+            let cond = status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Failed")
+                .expect("Failed condition");
+            assert_eq!(cond.reason, "AttemptsExhausted");
+            assert!(cond.message.contains("LeaseExpired"), "{}", cond.message);
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_checkpoint_written_by_attempt_1_reaches_attempt_2() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "checkpoint").await;
+    let _controller = controller(&ns.name);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "resume"}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
+    )
+    .await;
+    let a = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    let (_, c1) = a.claim(10).await;
+    assert_eq!(c1["checkpoint"], Value::Null);
+    let checkpoint = json!({"offset": 4096, "state": {"words": 612, "inWord": true}, "note": "ü"});
+    let (s, _) = a
+        .heartbeat(
+            "resume",
+            json!({"token": token_of(&c1), "checkpoint": checkpoint}),
+        )
+        .await;
+    assert_eq!(s, 200);
+    // Attempt 1 dies; the controller moves the checkpoint to the job as it requeues.
+    kill_holder(a, &leases, "resume").await;
+    let b = Sidecar::start(&ns.name, "q", "pod-b", &[]).await;
+    let (s, c2) = b.claim(20).await;
+    assert_eq!(s, 200, "{c2}");
+    assert_eq!(c2["attempt"], 2);
+    assert_eq!(c2["checkpoint"], checkpoint);
+}
+
+/// Reads the example worker's JSON events from its stdout.
+fn spawn_events(stdout: std::process::ChildStdout) -> tokio::sync::mpsc::UnboundedReceiver<Value> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                if tx.send(v).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    rx
+}
+
+async fn next_event(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<Value>,
+    pred: impl Fn(&Value) -> bool,
+    what: &str,
+) -> Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let ev = tokio::time::timeout_at(deadline, rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+            .unwrap_or_else(|| panic!("worker exited before {what}"));
+        if pred(&ev) {
+            return ev;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_zombie_worker_woken_after_its_lease_cannot_overwrite_the_new_owner() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "zombie").await;
+    let _controller = controller(&ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    // Slow real work: 4 KiB chunks of the GPL-3 text, 0.5 s each (about 18 s in all).
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "zombie"}, "spec": {"queue": "q", "leaseDurationSeconds": 5,
+            "payload": {"task": "wordcount", "file": "GPL-3", "chunkBytes": 2048, "chunkDelaySeconds": 0.5}}}),
+    )
+    .await;
+    // Worker A: the example Python worker beside its own sidecar. --insist makes it send its
+    // result even after it learns its lease is gone, as a buggy or naive worker would.
+    let sidecar_a = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    let worker_py = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/worker.py");
+    let mut worker_a = Proc::spawn(
+        &format!("{}-worker-a", ns.name),
+        std::path::Path::new("python3"),
+        &[
+            worker_py,
+            "--sidecar",
+            &sidecar_a.base,
+            "--name",
+            "worker-a",
+            "--once",
+            "--insist",
+            "--wait",
+            "10",
+        ],
+        Stdio::piped(),
+    );
+    let mut events = spawn_events(worker_a.child.stdout.take().unwrap());
+    next_event(&mut events, |e| e["event"] == "claimed", "A's claim").await;
+    next_event(
+        &mut events,
+        |e| e["event"] == "heartbeat" && e["status"] == 200 && e["offset"].as_i64() >= Some(4096),
+        "A's progress",
+    )
+    .await;
+    // Freeze A's whole pod: worker and sidecar.
+    worker_a.signal("STOP");
+    sidecar_a.proc.signal("STOP");
+    let frozen_at = tokio::time::Instant::now();
+    // The controller requeues; B claims, resumes from A's checkpoint and completes.
+    let b = Sidecar::start(&ns.name, "q", "pod-b", &[]).await;
+    let (s, c) = b.claim(20).await;
+    assert_eq!(s, 200, "{c}");
+    assert_eq!(c["attempt"], 2);
+    assert!(
+        c["checkpoint"]["offset"].as_i64().unwrap_or(0) >= 4096,
+        "B did not get A's checkpoint: {c}"
+    );
+    let (s, r) = b
+        .complete("zombie", &token_of(&c), json!({"by": "B"}))
+        .await;
+    assert_eq!(s, 200, "{r}");
+    tokio::time::sleep_until(frozen_at + Duration::from_secs(12)).await;
+    sidecar_a.proc.signal("CONT");
+    worker_a.signal("CONT");
+    // A wakes believing it still holds the job: its heartbeat and its result are refused.
+    let hb = next_event(
+        &mut events,
+        |e| e["event"] == "heartbeat" && e["status"] != 200,
+        "A's refused heartbeat",
+    )
+    .await;
+    assert_eq!(hb["status"], 409, "{hb}");
+    let done = next_event(
+        &mut events,
+        |e| e["event"] == "complete",
+        "A's late complete",
+    )
+    .await;
+    assert_eq!(done["status"], 409, "{done}");
+    let job = jobs.get("zombie").await.unwrap();
+    let status = job.status.clone().unwrap();
+    assert_eq!(job.phase(), Phase::Succeeded);
+    assert_eq!(status.result, Some(json!({"by": "B"})));
+    assert_eq!(status.attempt, 2);
+    assert_eq!(status.failures.len(), 1);
+    assert_eq!(status.failures[0].reason, REASON_LEASE_EXPIRED);
+    assert_eq!(
+        status
+            .conditions
+            .iter()
+            .filter(|c| c.type_ == "Complete")
+            .count(),
+        1
+    );
+    // Exactly one completion was recorded as an Event.
+    let events_api: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), &ns.name);
+    let completed = wait_for("the Completed event", Duration::from_secs(10), || async {
+        let list = events_api.list(&Default::default()).await.ok()?;
+        let n = list
+            .items
+            .iter()
+            .filter(|e| e.reason.as_deref() == Some("Completed"))
+            .count();
+        (n >= 1).then_some(n)
+    })
+    .await;
+    assert_eq!(completed, 1);
+}
