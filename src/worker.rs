@@ -124,14 +124,9 @@ pub enum WorkerError {
     /// The API server refused the write: see the refusal.
     #[error(transparent)]
     Refused(#[from] Refusal),
-    /// The sidecar itself declared this lease lost earlier.
-    #[error("lease lost: {job}: {why}; stop working on it and claim again")]
-    LeaseLost {
-        /// `namespace/name`.
-        job: String,
-        /// Why it was declared lost.
-        why: String,
-    },
+    /// The sidecar itself declared this lease lost earlier; the message says why.
+    #[error("{0}")]
+    LeaseLost(String),
     /// The checkpoint is too large.
     #[error("{0}")]
     TooLarge(String),
@@ -152,7 +147,7 @@ impl WorkerError {
             WorkerError::InvalidToken(_) => "invalid_token",
             WorkerError::Invalid { .. } => "invalid_request",
             WorkerError::Refused(r) => r.code(),
-            WorkerError::LeaseLost { .. } => "lease_lost",
+            WorkerError::LeaseLost(_) => "lease_lost",
             WorkerError::TooLarge(_) => "too_large",
             WorkerError::Unavailable { .. } => "unavailable",
         }
@@ -427,7 +422,7 @@ impl Worker {
                         silence_limit.as_secs()
                     );
                     warn!(job = %job_ref, attempt = held.token.attempt(), "Stopped renewing LeasedJob {job_ref}: {why}");
-                    self.lose(held, why);
+                    self.lose(held, lost_message(&job_ref, &why));
                     return;
                 }
             }
@@ -438,11 +433,14 @@ impl Worker {
                 }
                 Err(LeaseError::Lost { .. }) => {
                     warn!(job = %job_ref, attempt = held.token.attempt(), "Lost lease of LeasedJob {job_ref}: holderIdentity changed");
-                    self.lose(held, "the Lease is held by another attempt".into());
+                    self.lose(
+                        held,
+                        lost_message(&job_ref, "its Lease is held by another attempt"),
+                    );
                     return;
                 }
                 Err(e) => {
-                    if self.renewals_failed_too_long(held) {
+                    if self.renewals_failed_too_long(&job_ref, held) {
                         warn!(job = %job_ref, error = %error_chain(&e), "Lost lease of LeasedJob {job_ref}: renewals failed for a whole lease duration");
                         return;
                     }
@@ -455,26 +453,25 @@ impl Worker {
 
     /// After a failed renewal: declares the lease lost once renewals have failed for a whole
     /// lease duration since the last success (monotonic clock).
-    fn renewals_failed_too_long(&self, held: &Held) -> bool {
+    fn renewals_failed_too_long(&self, job_ref: &str, held: &Held) -> bool {
         let since = held.state.lock().unwrap().last_renewed.elapsed();
         if since >= held.duration {
-            self.lose(
-                held,
-                format!(
-                    "renewals failed for {}s, a whole lease duration",
-                    since.as_secs()
-                ),
+            let why = format!(
+                "renewals failed for {}s, a whole lease duration",
+                since.as_secs()
             );
+            self.lose(held, lost_message(job_ref, &why));
             true
         } else {
             false
         }
     }
 
-    fn lose(&self, held: &Held, why: String) {
+    /// Declares the held attempt lost with `message` (the full text later calls get back).
+    fn lose(&self, held: &Held, message: String) {
         let mut st = held.state.lock().unwrap();
         if st.lost.is_none() {
-            st.lost = Some(why);
+            st.lost = Some(message);
         }
         drop(st);
         held.wake.notify_one();
@@ -488,11 +485,8 @@ impl Worker {
             return Ok(None);
         };
         let mut st = held.state.lock().unwrap();
-        if let Some(why) = &st.lost {
-            return Err(WorkerError::LeaseLost {
-                job: self.job_ref(name),
-                why: why.clone(),
-            });
+        if let Some(message) = &st.lost {
+            return Err(WorkerError::LeaseLost(message.clone()));
         }
         st.last_contact = Instant::now();
         drop(st);
@@ -524,13 +518,11 @@ impl Worker {
                 // The Lease may lag the job by one write (requeued, not yet released): the
                 // job itself must still be Leased to this token.
                 if let Some(why) = self.cached_job_moved_on(name, &token) {
+                    let message = lost_message(&self.job_ref(name), &why);
                     if let Some(h) = &held {
-                        self.lose(h, why.clone());
+                        self.lose(h, message.clone());
                     }
-                    return Err(WorkerError::LeaseLost {
-                        job: self.job_ref(name),
-                        why,
-                    });
+                    return Err(WorkerError::LeaseLost(message));
                 }
                 let duration_s = lease
                     .spec
@@ -569,7 +561,7 @@ impl Worker {
             ))),
             Err(e @ LeaseError::Api(_)) => {
                 if let Some(h) = &held {
-                    if self.renewals_failed_too_long(h) {
+                    if self.renewals_failed_too_long(&self.job_ref(name), h) {
                         return Err(self.held_for(name, &token).err().unwrap_or_else(|| {
                             WorkerError::Unavailable {
                                 what: format!("heartbeat of LeasedJob {}", self.job_ref(name)),
@@ -613,15 +605,15 @@ impl Worker {
         match self.inner.jobs.get_opt(name).await {
             Ok(job) => match fence::refusal(&job_ref, job.as_ref(), token) {
                 Some(r) => WorkerError::Refused(r),
-                None => WorkerError::LeaseLost {
-                    job: job_ref,
-                    why: "its Lease no longer names this token".into(),
-                },
+                None => WorkerError::LeaseLost(lost_message(
+                    &job_ref,
+                    "its Lease no longer names this token",
+                )),
             },
-            Err(e) => WorkerError::LeaseLost {
-                job: job_ref,
-                why: format!("its Lease no longer names this token ({})", error_chain(&e)),
-            },
+            Err(e) => WorkerError::LeaseLost(lost_message(
+                &job_ref,
+                &format!("its Lease no longer names this token ({})", error_chain(&e)),
+            )),
         }
     }
 
@@ -737,6 +729,11 @@ where
         .wait_until_ready()
         .now_or_never()
         .is_some_and(|r| r.is_ok())
+}
+
+/// The text of a lease declared lost by this process.
+fn lost_message(job_ref: &str, why: &str) -> String {
+    format!("lease lost: {job_ref}: {why}; stop working on it and claim again")
 }
 
 fn end(held: &Held) {
