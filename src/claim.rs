@@ -35,8 +35,9 @@ pub enum ClaimError {
         /// `namespace/name`.
         job: String,
     },
-    /// The snapshot is not claimable (not Queued, or being deleted).
-    #[error("LeasedJob {job} is {phase}, not Queued")]
+    /// The snapshot is not claimable (not Queued, cancelled, being deleted, or before its
+    /// notBefore or retryAfter).
+    #[error("LeasedJob {job} is not claimable now (phase {phase})")]
     NotQueued {
         /// `namespace/name`.
         job: String,
@@ -54,11 +55,28 @@ pub enum ClaimError {
     },
 }
 
-/// True when `job` may be claimed from `queue` now: Queued, in that queue, not being deleted.
-pub fn claimable(job: &LeasedJob, queue: &str) -> bool {
+/// True when `job` may be claimed from `queue` at `now`: Queued, in that queue, not cancelled,
+/// not being deleted, and past spec.notBefore and status.retryAfter.
+pub fn claimable(job: &LeasedJob, queue: &str, now: Timestamp) -> bool {
     job.phase() == Phase::Queued
         && job.spec.queue == queue
+        && !job.spec.cancel
         && job.metadata.deletion_timestamp.is_none()
+        && job.claimable_at().is_none_or(|t| t <= now)
+}
+
+/// The earliest future time at which a Queued job of `queue` becomes claimable (by notBefore
+/// or retryAfter), so that a waiting claimer can wake up for it.
+pub fn next_claimable_at(
+    jobs: &[Arc<LeasedJob>],
+    queue: &str,
+    now: Timestamp,
+) -> Option<Timestamp> {
+    jobs.iter()
+        .filter(|j| j.phase() == Phase::Queued && j.spec.queue == queue && !j.spec.cancel)
+        .filter_map(|j| j.claimable_at())
+        .filter(|t| *t > now)
+        .min()
 }
 
 /// Chooses which job to try to claim. Candidates are the claimable jobs of the highest priority
@@ -68,13 +86,14 @@ pub fn claimable(job: &LeasedJob, queue: &str) -> bool {
 pub fn pick<R: Rng>(
     jobs: &[Arc<LeasedJob>],
     queue: &str,
+    now: Timestamp,
     spread: usize,
     skip: impl Fn(&LeasedJob) -> bool,
     rng: &mut R,
 ) -> Option<Arc<LeasedJob>> {
     let mut candidates: Vec<&Arc<LeasedJob>> = jobs
         .iter()
-        .filter(|j| claimable(j, queue) && !skip(j))
+        .filter(|j| claimable(j, queue, now) && !skip(j))
         .collect();
     let top = candidates.iter().map(|j| j.spec.priority).max()?;
     candidates.retain(|j| j.spec.priority == top);
@@ -107,6 +126,7 @@ pub fn claimed_status(
     status.holder = Some(holder.to_string());
     status.claimed_time = Some(Time(now));
     status.lease_name = Some(lease_name(&job.name_any()));
+    status.retry_after = None;
     if status.queued_time.is_none() {
         status.queued_time = job.metadata.creation_timestamp.clone();
     }
@@ -127,7 +147,7 @@ pub async fn claim(
     holder: &str,
 ) -> Result<(LeasedJob, Token), ClaimError> {
     let job = snapshot.reference();
-    if snapshot.phase() != Phase::Queued || snapshot.metadata.deletion_timestamp.is_some() {
+    if !claimable(snapshot, &snapshot.spec.queue, Timestamp::now()) {
         return Err(ClaimError::NotQueued {
             job,
             phase: snapshot.phase(),
@@ -152,7 +172,6 @@ mod tests {
     use super::*;
     use crate::crd::LeasedJobSpec;
     use rand::SeedableRng;
-    use serde_json::Value;
 
     fn job(
         name: &str,
@@ -165,10 +184,8 @@ mod tests {
             name,
             LeasedJobSpec {
                 queue: queue.into(),
-                payload: Value::Null,
-                lease_duration_seconds: 60,
-                max_attempts: 3,
                 priority,
+                ..Default::default()
             },
         );
         j.metadata.creation_timestamp = Some(Time(Timestamp::from_second(created).unwrap()));
@@ -189,11 +206,19 @@ mod tests {
             job("other-queue", "r", 9, 1, None),
         ];
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-        let got = pick(&jobs, "q", 1, |_| false, &mut rng).unwrap();
+        let got = pick(&jobs, "q", Timestamp::now(), 1, |_| false, &mut rng).unwrap();
         assert_eq!(got.name_any(), "old-high");
-        let got = pick(&jobs, "q", 1, |j| j.name_any() == "old-high", &mut rng).unwrap();
+        let got = pick(
+            &jobs,
+            "q",
+            Timestamp::now(),
+            1,
+            |j| j.name_any() == "old-high",
+            &mut rng,
+        )
+        .unwrap();
         assert_eq!(got.name_any(), "new-high");
-        assert!(pick(&jobs, "none", 1, |_| false, &mut rng).is_none());
+        assert!(pick(&jobs, "none", Timestamp::now(), 1, |_| false, &mut rng).is_none());
     }
 
     #[test]
@@ -204,11 +229,49 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let mut seen = std::collections::BTreeSet::new();
         for _ in 0..200 {
-            seen.insert(pick(&jobs, "q", 4, |_| false, &mut rng).unwrap().name_any());
+            seen.insert(
+                pick(&jobs, "q", Timestamp::now(), 4, |_| false, &mut rng)
+                    .unwrap()
+                    .name_any(),
+            );
         }
         assert_eq!(
             seen.into_iter().collect::<Vec<_>>(),
             ["j0", "j1", "j2", "j3"]
+        );
+    }
+
+    #[test]
+    fn not_before_retry_after_and_cancel_keep_a_job_unclaimable() {
+        let now = Timestamp::from_second(1000).unwrap();
+        let at = |s| Some(Time(Timestamp::from_second(s).unwrap()));
+        let base = job("j", "q", 0, 5, Some(Phase::Queued));
+        let with = |f: &dyn Fn(&mut LeasedJob)| {
+            let mut j = (*base).clone();
+            f(&mut j);
+            Arc::new(j)
+        };
+        let cases = [
+            (with(&|_| {}), true),
+            (with(&|j| j.spec.not_before = at(1001)), false),
+            (with(&|j| j.spec.not_before = at(1000)), true),
+            (
+                with(&|j| j.status.as_mut().unwrap().retry_after = at(1500)),
+                false,
+            ),
+            (
+                with(&|j| j.status.as_mut().unwrap().retry_after = at(999)),
+                true,
+            ),
+            (with(&|j| j.spec.cancel = true), false),
+        ];
+        for (j, want) in &cases {
+            assert_eq!(claimable(j, "q", now), *want, "{:?} {:?}", j.spec, j.status);
+        }
+        let jobs: Vec<_> = cases.iter().map(|(j, _)| Arc::clone(j)).collect();
+        assert_eq!(
+            next_claimable_at(&jobs, "q", now),
+            Some(Timestamp::from_second(1001).unwrap())
         );
     }
 

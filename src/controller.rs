@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::jiff::Timestamp;
-use kube::api::{Patch, PatchParams, PostParams};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -220,7 +220,11 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
         .clone()
         .unwrap_or_else(|| lease::lease_name(&job.name_any()));
     let lease = ctx.leases.get(&ObjectRef::new(&lease_name).within(&ns));
-    match job.phase() {
+    let phase = job.phase();
+    if job.spec.cancel && matches!(phase, Phase::Queued | Phase::Leased) {
+        return cancel(&job, &ctx, &jobs, &leases, &lease_name).await;
+    }
+    match phase {
         Phase::Leased => {
             check_expiry(&job, &ctx, &jobs, &leases, &lease_name, lease.as_deref()).await
         }
@@ -243,8 +247,114 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
                         })?;
                 }
             }
+            if phase.is_finished() {
+                return delete_after_ttl(&job, &jobs).await;
+            }
             Ok(Action::await_change())
         }
+    }
+}
+
+/// Cancels a Queued or Leased job whose spec.cancel is set, then frees its Lease so that the
+/// holder's next heartbeat is refused with `cancelled`.
+async fn cancel(
+    job: &LeasedJob,
+    ctx: &Context,
+    jobs: &Api<LeasedJob>,
+    leases: &Api<Lease>,
+    lease_name: &str,
+) -> Result<Action, ReconcileError> {
+    let job_ref = job.reference();
+    let was = job.phase();
+    let patch = fence::cancel_patch(job, Timestamp::now());
+    match jobs
+        .patch_status(
+            &job.name_any(),
+            &PatchParams::default(),
+            &Patch::Json::<()>(patch),
+        )
+        .await
+    {
+        Ok(_) => {}
+        // Claimed, finished or changed since our snapshot: the watch brings the new state and
+        // the cancel is judged again.
+        Err(e) if is_status(&e, 422) || is_status(&e, 409) || is_status(&e, 404) => {
+            return Ok(Action::requeue(Duration::from_millis(100)))
+        }
+        Err(source) => {
+            return Err(ReconcileError::Job {
+                job: job_ref,
+                action: "cancel",
+                source,
+            })
+        }
+    }
+    info!(job = %job_ref, attempt = job.attempt(), "Cancelled LeasedJob {job_ref} (was {was})");
+    ctx.observations
+        .lock()
+        .unwrap()
+        .remove(&ObjectRef::from_obj(job));
+    let holder = job
+        .status
+        .as_ref()
+        .and_then(|s| s.holder.clone())
+        .unwrap_or_default();
+    let note = if was == Phase::Leased {
+        format!("Cancelled while leased by {holder} (attempt {}); the holder is told at its next heartbeat", job.attempt())
+    } else {
+        "Cancelled while queued".to_string()
+    };
+    ctx.event(job, EventType::Normal, "Cancelled", note).await;
+    if let (Phase::Leased, Some(token)) = (was, job.token()) {
+        lease::release(leases, lease_name, token)
+            .await
+            .map_err(|source| ReconcileError::Lease {
+                job: job.reference(),
+                action: "release after cancel",
+                source,
+            })?;
+    }
+    Ok(Action::await_change())
+}
+
+/// Deletes a finished job spec.ttlSecondsAfterFinished after status.finishedTime (as batch/v1
+/// Job's TTL-after-finished controller does), or says when to look again.
+async fn delete_after_ttl(
+    job: &LeasedJob,
+    jobs: &Api<LeasedJob>,
+) -> Result<Action, ReconcileError> {
+    let (Some(ttl), Some(finished)) = (
+        job.spec.ttl_seconds_after_finished,
+        job.status.as_ref().and_then(|s| s.finished_time.as_ref()),
+    ) else {
+        return Ok(Action::await_change());
+    };
+    let due = finished.0 + SignedDuration::from_secs(i64::from(ttl.max(0)));
+    let now = Timestamp::now();
+    if due > now {
+        let wait = Duration::try_from(due.duration_since(now)).unwrap_or_default();
+        return Ok(Action::requeue(wait + EXPIRY_SLACK));
+    }
+    let job_ref = job.reference();
+    // Only the object we judged: not a new job that took the same name meanwhile.
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: job.uid(),
+            resource_version: job.resource_version(),
+        }),
+        ..DeleteParams::background()
+    };
+    match jobs.delete(&job.name_any(), &params).await {
+        Ok(_) => {
+            info!(job = %job_ref, "Deleted LeasedJob {job_ref}: {ttl}s after it finished (ttlSecondsAfterFinished)");
+            Ok(Action::await_change())
+        }
+        Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(Action::await_change()),
+        Err(source) => Err(ReconcileError::Job {
+            job: job_ref,
+            action: "delete after ttlSecondsAfterFinished",
+            source,
+        }),
     }
 }
 
@@ -386,7 +496,14 @@ async fn expire(
         retryable: true,
         checkpoint,
     };
-    let patch = fence::end_attempt_patch(job, &token, &holder, &outcome, Timestamp::now());
+    let patch = fence::end_attempt_patch(
+        job,
+        &token,
+        &holder,
+        &outcome,
+        Timestamp::now(),
+        rand::random(),
+    );
     let next = fence::next_phase(&outcome, job.failed_attempts(), job.spec.max_attempts);
     match jobs
         .patch_status(
@@ -464,6 +581,7 @@ async fn record_transitions(job: &LeasedJob, ctx: &Context) {
             let note = format!("Completed by {holder} (attempt {attempt})");
             ctx.event(job, EventType::Normal, "Completed", note).await;
         }
+        Phase::Cancelled => {}
         Phase::Failed => {
             let why = status
                 .conditions

@@ -6,6 +6,7 @@
 //! becomes the description that `kubectl explain leasedjob` prints.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
 use kube::{CustomResource, CustomResourceExt, ResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -22,6 +23,8 @@ pub const MANAGED_BY: &str = "leasehold";
 pub const CONDITION_COMPLETE: &str = "Complete";
 /// See [`CONDITION_COMPLETE`].
 pub const CONDITION_FAILED: &str = "Failed";
+/// See [`CONDITION_COMPLETE`].
+pub const CONDITION_CANCELLED: &str = "Cancelled";
 
 /// What to do, and how to lease it. Workers never write the spec.
 #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -72,6 +75,69 @@ pub struct LeasedJobSpec {
     /// Higher priorities are claimed first; among equal priorities, older jobs first. Default 0.
     #[serde(default)]
     pub priority: i32,
+
+    /// Delay before the next attempt after a retryable failure or an expired lease:
+    /// exponential in the number of failed attempts, with jitter. Without it the job is
+    /// claimable again at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backoff: Option<Backoff>,
+
+    /// Not claimable before this time (RFC 3339, e.g. 2026-12-01T09:00:00Z).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_before: Option<Time>,
+
+    /// Set to true to cancel the job (`kubectl patch ljob NAME --type merge -p
+    /// '{"spec":{"cancel":true}}'`). A Queued job ends Cancelled at once; a Leased job ends
+    /// Cancelled and its holder learns it at its next heartbeat (409, error `cancelled`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cancel: bool,
+
+    /// Delete the job this many seconds after it finished (Succeeded, Failed or Cancelled), as
+    /// batch/v1 Job's field of the same name does. Unset: keep it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub ttl_seconds_after_finished: Option<i32>,
+}
+
+impl Default for LeasedJobSpec {
+    /// The spec a manifest with an empty `spec: {}` gets, after the CRD's defaults.
+    fn default() -> Self {
+        LeasedJobSpec {
+            queue: default_queue(),
+            payload: Value::Null,
+            lease_duration_seconds: default_lease_duration_seconds(),
+            max_attempts: default_max_attempts(),
+            priority: 0,
+            backoff: None,
+            not_before: None,
+            cancel: false,
+            ttl_seconds_after_finished: None,
+        }
+    }
+}
+
+/// Exponential backoff between attempts: the delay after the n-th failed attempt is
+/// `min(maxSeconds, initialSeconds * 2^(n-1))`, of which a random half is taken off ("equal
+/// jitter", so that retries of many jobs failed together spread out).
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Backoff {
+    /// Delay after the first failed attempt, in seconds (before jitter). Default 1.
+    #[serde(default = "default_backoff_initial")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub initial_seconds: i32,
+    /// Largest delay, in seconds. Default 300.
+    #[serde(default = "default_backoff_max")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub max_seconds: i32,
+}
+
+fn default_backoff_initial() -> i32 {
+    1
+}
+
+fn default_backoff_max() -> i32 {
+    300
 }
 
 /// Where a job stands. Only the holder of the current token moves it out of `Leased` by a write
@@ -86,12 +152,14 @@ pub enum Phase {
     Succeeded,
     /// Finished without one: a non-retryable failure, or no attempts left.
     Failed,
+    /// Cancelled by a user (spec.cancel).
+    Cancelled,
 }
 
 impl Phase {
-    /// True for `Succeeded` and `Failed`: no write changes the job after that.
+    /// True for `Succeeded`, `Failed` and `Cancelled`: no write changes the job after that.
     pub fn is_finished(self) -> bool {
-        matches!(self, Phase::Succeeded | Phase::Failed)
+        matches!(self, Phase::Succeeded | Phase::Failed | Phase::Cancelled)
     }
 
     /// The name as it is stored in `status.phase`.
@@ -101,6 +169,7 @@ impl Phase {
             Phase::Leased => "Leased",
             Phase::Succeeded => "Succeeded",
             Phase::Failed => "Failed",
+            Phase::Cancelled => "Cancelled",
         }
     }
 }
@@ -115,7 +184,7 @@ impl std::fmt::Display for Phase {
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct LeasedJobStatus {
-    /// Queued, Leased, Succeeded or Failed. A job without a status is Queued.
+    /// Queued, Leased, Succeeded, Failed or Cancelled. A job without a status is Queued.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<Phase>,
 
@@ -145,9 +214,13 @@ pub struct LeasedJobStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claimed_time: Option<Time>,
 
-    /// When the job reached Succeeded or Failed.
+    /// When the job reached Succeeded, Failed or Cancelled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_time: Option<Time>,
+
+    /// After a failed attempt with spec.backoff: the job is not claimable before this time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<Time>,
 
     /// The worker's result: any JSON value, set once, by the holder, with the phase Succeeded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -164,7 +237,8 @@ pub struct LeasedJobStatus {
     #[schemars(schema_with = "any_json")]
     pub checkpoint: Option<Value>,
 
-    /// Standard conditions: `Complete` or `Failed` (True once finished), as batch/v1 Job has.
+    /// Standard conditions: `Complete`, `Failed` or `Cancelled` (True once finished), as
+    /// batch/v1 Job has `Complete` and `Failed`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
 
@@ -242,6 +316,18 @@ impl LeasedJob {
     /// Number of failed attempts so far (status.failures).
     pub fn failed_attempts(&self) -> usize {
         self.status.as_ref().map_or(0, |s| s.failures.len())
+    }
+
+    /// The earliest time the job may be claimed: the later of spec.notBefore and
+    /// status.retryAfter, if either is set.
+    pub fn claimable_at(&self) -> Option<Timestamp> {
+        let not_before = self.spec.not_before.as_ref().map(|t| t.0);
+        let retry = self
+            .status
+            .as_ref()
+            .and_then(|s| s.retry_after.as_ref())
+            .map(|t| t.0);
+        not_before.max(retry)
     }
 }
 

@@ -13,13 +13,16 @@
 //! [`refusal`] explains why from a fresh read, without ever revealing the current token.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Patch, PatchParams};
 use kube::Api;
 use serde_json::{json, Value};
 use thiserror::Error;
 
-use crate::crd::{AttemptFailure, LeasedJob, Phase, CONDITION_COMPLETE, CONDITION_FAILED};
+use crate::crd::{
+    AttemptFailure, Backoff, LeasedJob, Phase, CONDITION_CANCELLED, CONDITION_COMPLETE,
+    CONDITION_FAILED,
+};
 use crate::lease::is_status;
 use crate::token::Token;
 
@@ -76,6 +79,12 @@ pub enum Refusal {
         /// The attempt that finished it.
         attempt: i32,
     },
+    /// The job was cancelled (spec.cancel).
+    #[error("LeasedJob {job} was cancelled; stop working on it")]
+    Cancelled {
+        /// `namespace/name`.
+        job: String,
+    },
     /// The token is not the current holder's.
     #[error("lease lost: {job} {detail}; stop working on it and claim again")]
     LeaseLost {
@@ -92,6 +101,7 @@ impl Refusal {
         match self {
             Refusal::NotFound { .. } => "job_not_found",
             Refusal::Finished { .. } => "job_finished",
+            Refusal::Cancelled { .. } => "cancelled",
             Refusal::LeaseLost { .. } => "lease_lost",
         }
     }
@@ -107,6 +117,9 @@ pub fn refusal(job_ref: &str, job: Option<&LeasedJob>, presented: &Token) -> Opt
     let phase = job.phase();
     let current = job.attempt();
     let ours = job.token() == Some(presented.as_str());
+    if phase == Phase::Cancelled && (ours || presented.attempt() <= current) {
+        return Some(Refusal::Cancelled { job: job_ref });
+    }
     if phase.is_finished() && (ours || presented.attempt() <= current) {
         return Some(Refusal::Finished {
             job: job_ref,
@@ -154,15 +167,39 @@ pub fn next_phase(outcome: &Outcome, failures_before: usize, max_attempts: i32) 
     }
 }
 
+/// The delay before the next attempt after `failed` failed attempts (>= 1) under `backoff`:
+/// `d = min(maxSeconds, initialSeconds * 2^(failed-1))`, then equal jitter: `d/2 + jitter *
+/// d/2` with `jitter` in [0, 1] (AWS Architecture Blog, "Exponential Backoff And Jitter").
+pub fn retry_delay(backoff: &Backoff, failed: usize, jitter: f64) -> SignedDuration {
+    let initial = f64::from(backoff.initial_seconds.max(0));
+    let max = f64::from(backoff.max_seconds.max(0));
+    let exp = i32::try_from(failed.saturating_sub(1))
+        .unwrap_or(i32::MAX)
+        .min(62);
+    let full = (initial * 2f64.powi(exp)).min(max);
+    let secs = full / 2.0 + jitter.clamp(0.0, 1.0) * full / 2.0;
+    SignedDuration::from_secs_f64(secs)
+}
+
+/// `t` rounded up to a whole second: metav1.Time keeps seconds only, and a retryAfter rounded
+/// down would let a job be claimed before its backoff ran out.
+fn ceil_to_second(t: Timestamp) -> Timestamp {
+    let secs = t.as_second() + i64::from(t.subsec_nanosecond() > 0);
+    Timestamp::from_second(secs).unwrap_or(t)
+}
+
 /// The JSON Patch that ends attempt `token` of `job` with `outcome`, made by `holder` at `now`.
 /// Its first operations test the token and the Leased phase; the token and holder themselves
-/// stay (they name the latest attempt's owner), and attempt is never touched.
+/// stay (they name the latest attempt's owner), and attempt is never touched. A failure that
+/// requeues a job with spec.backoff sets status.retryAfter ([`retry_delay`] with `jitter` in
+/// [0, 1]).
 pub fn end_attempt_patch(
     job: &LeasedJob,
     token: &Token,
     holder: &str,
     outcome: &Outcome,
     now: Timestamp,
+    jitter: f64,
 ) -> json_patch::Patch {
     let failures_before = job.failed_attempts();
     let phase = next_phase(outcome, failures_before, job.spec.max_attempts);
@@ -204,6 +241,11 @@ pub fn end_attempt_patch(
             ops.push(json!({"op": "add", "path": "/status/failures", "value": failures}));
             if let Some(c) = checkpoint {
                 ops.push(json!({"op": "add", "path": "/status/checkpoint", "value": c}));
+            }
+            if let (Phase::Queued, Some(backoff)) = (phase, &job.spec.backoff) {
+                let delay = retry_delay(backoff, failures_before + 1, jitter);
+                let at = Time(ceil_to_second(now + delay));
+                ops.push(json!({"op": "add", "path": "/status/retryAfter", "value": at}));
             }
         }
         Outcome::Release { checkpoint } => {
@@ -253,6 +295,42 @@ pub fn end_attempt_patch(
         });
         ops.push(json!({"op": "add", "path": "/status/conditions", "value": conditions}));
     }
+    serde_json::from_value(Value::Array(ops)).expect("static JSON Patch shape")
+}
+
+/// The JSON Patch that cancels `job` (spec.cancel): Cancelled, finishedTime, and the condition
+/// `Cancelled`. Conditional on what the snapshot shows: for a Leased job, its token and phase
+/// (so a result that lands first stands); for a Queued job, the phase and attempt (so a claim
+/// that lands first wins, and the cancel is judged again against the Leased job).
+pub fn cancel_patch(job: &LeasedJob, now: Timestamp) -> json_patch::Patch {
+    let time = Time(now);
+    let mut ops = match (job.phase(), job.token()) {
+        (Phase::Leased, Some(token)) => vec![
+            json!({"op": "test", "path": "/status/token", "value": token}),
+            json!({"op": "test", "path": "/status/phase", "value": Phase::Leased}),
+        ],
+        _ => vec![
+            json!({"op": "test", "path": "/status/phase", "value": job.phase()}),
+            json!({"op": "test", "path": "/status/attempt", "value": job.attempt()}),
+        ],
+    };
+    let mut conditions = job
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    conditions.retain(|c| c.type_ != CONDITION_CANCELLED);
+    conditions.push(Condition {
+        type_: CONDITION_CANCELLED.to_string(),
+        status: "True".to_string(),
+        reason: "Cancelled".to_string(),
+        message: format!("spec.cancel was set; cancelled in phase {}", job.phase()),
+        last_transition_time: time.clone(),
+        observed_generation: job.metadata.generation,
+    });
+    ops.push(json!({"op": "add", "path": "/status/phase", "value": Phase::Cancelled}));
+    ops.push(json!({"op": "add", "path": "/status/finishedTime", "value": time}));
+    ops.push(json!({"op": "add", "path": "/status/conditions", "value": conditions}));
     serde_json::from_value(Value::Array(ops)).expect("static JSON Patch shape")
 }
 
@@ -326,7 +404,14 @@ pub async fn apply(
         .as_ref()
         .and_then(|s| s.holder.clone())
         .unwrap_or_default();
-    let patch = end_attempt_patch(&job, token, &holder, outcome, Timestamp::now());
+    let patch = end_attempt_patch(
+        &job,
+        token,
+        &holder,
+        outcome,
+        Timestamp::now(),
+        rand::random(),
+    );
     match api
         .patch_status(name, &PatchParams::default(), &Patch::Json::<()>(patch))
         .await
@@ -350,16 +435,7 @@ mod tests {
     use crate::crd::{LeasedJobSpec, LeasedJobStatus};
 
     fn job(phase: Phase, attempt: i32, token: Option<&Token>, failures: usize) -> LeasedJob {
-        let mut j = LeasedJob::new(
-            "j",
-            LeasedJobSpec {
-                queue: "default".into(),
-                payload: Value::Null,
-                lease_duration_seconds: 60,
-                max_attempts: 3,
-                priority: 0,
-            },
-        );
+        let mut j = LeasedJob::new("j", LeasedJobSpec::default());
         j.status = Some(LeasedJobStatus {
             phase: Some(phase),
             attempt,
@@ -425,6 +501,105 @@ mod tests {
     }
 
     #[test]
+    fn backoff_doubles_up_to_its_maximum_with_equal_jitter() {
+        let b = Backoff {
+            initial_seconds: 2,
+            max_seconds: 30,
+        };
+        let secs = |failed, jitter| retry_delay(&b, failed, jitter).as_secs_f64();
+        let cases = [
+            (1, 0.0, 1.0),
+            (1, 1.0, 2.0),
+            (2, 1.0, 4.0),
+            (3, 0.5, 6.0),
+            (4, 1.0, 16.0),
+            (5, 1.0, 30.0),
+            (5, 0.0, 15.0),
+            (200, 1.0, 30.0),
+        ];
+        for (failed, jitter, want) in cases {
+            assert!(
+                (secs(failed, jitter) - want).abs() < 1e-9,
+                "{failed} {jitter}: {}",
+                secs(failed, jitter)
+            );
+        }
+        assert_eq!(
+            ceil_to_second(Timestamp::from_second(5).unwrap()),
+            Timestamp::from_second(5).unwrap()
+        );
+        let t = Timestamp::from_second(5).unwrap() + SignedDuration::from_millis(1);
+        assert_eq!(ceil_to_second(t), Timestamp::from_second(6).unwrap());
+    }
+
+    #[test]
+    fn a_retryable_failure_with_backoff_sets_retry_after() {
+        let t = Token::issue(1);
+        let mut j = job(Phase::Leased, 1, Some(&t), 0);
+        j.spec.backoff = Some(Backoff {
+            initial_seconds: 10,
+            max_seconds: 60,
+        });
+        let fail = Outcome::Fail {
+            reason: "R".into(),
+            message: String::new(),
+            retryable: true,
+            checkpoint: None,
+        };
+        let now = Timestamp::from_second(100).unwrap();
+        let p = serde_json::to_value(end_attempt_patch(&j, &t, "w", &fail, now, 1.0)).unwrap();
+        let retry = p
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["path"] == "/status/retryAfter")
+            .unwrap();
+        assert_eq!(retry["value"], "1970-01-01T00:01:50Z");
+        // Without backoff, or when the job ends, there is no retryAfter.
+        j.spec.backoff = None;
+        let p = serde_json::to_value(end_attempt_patch(&j, &t, "w", &fail, now, 1.0)).unwrap();
+        assert!(!p.to_string().contains("retryAfter"));
+    }
+
+    #[test]
+    fn a_cancel_is_conditional_on_what_was_seen() {
+        let t = Token::issue(2);
+        let leased = serde_json::to_value(cancel_patch(
+            &job(Phase::Leased, 2, Some(&t), 0),
+            Timestamp::UNIX_EPOCH,
+        ))
+        .unwrap();
+        assert_eq!(
+            leased[0],
+            json!({"op": "test", "path": "/status/token", "value": t.as_str()})
+        );
+        assert_eq!(
+            leased[1],
+            json!({"op": "test", "path": "/status/phase", "value": "Leased"})
+        );
+        let queued = serde_json::to_value(cancel_patch(
+            &job(Phase::Queued, 2, Some(&t), 0),
+            Timestamp::UNIX_EPOCH,
+        ))
+        .unwrap();
+        assert_eq!(
+            queued[0],
+            json!({"op": "test", "path": "/status/phase", "value": "Queued"})
+        );
+        assert_eq!(
+            queued[1],
+            json!({"op": "test", "path": "/status/attempt", "value": 2})
+        );
+        assert!(queued.to_string().contains("\"Cancelled\""));
+        assert_eq!(
+            refusal("ns/j", Some(&job(Phase::Cancelled, 2, Some(&t), 0)), &t)
+                .unwrap()
+                .code(),
+            "cancelled"
+        );
+    }
+
+    #[test]
     fn phase_after_each_outcome() {
         let fail = |retryable| Outcome::Fail {
             reason: "R".into(),
@@ -471,8 +646,15 @@ mod tests {
             },
         ];
         for o in &outcomes {
-            let p = serde_json::to_value(end_attempt_patch(&j, &t, "w", o, Timestamp::UNIX_EPOCH))
-                .unwrap();
+            let p = serde_json::to_value(end_attempt_patch(
+                &j,
+                &t,
+                "w",
+                o,
+                Timestamp::UNIX_EPOCH,
+                0.5,
+            ))
+            .unwrap();
             assert_eq!(
                 p[0],
                 json!({"op": "test", "path": "/status/token", "value": t.as_str()})
@@ -496,6 +678,7 @@ mod tests {
             "w",
             &outcomes[2],
             Timestamp::UNIX_EPOCH,
+            0.5,
         ))
         .unwrap();
         let ops = p.as_array().unwrap();

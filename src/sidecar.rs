@@ -70,7 +70,10 @@ impl From<WorkerError> for ApiError {
         let status = match &e {
             WorkerError::InvalidToken(_) | WorkerError::Invalid { .. } => StatusCode::BAD_REQUEST,
             WorkerError::Refused(r) if r.code() == "job_not_found" => StatusCode::NOT_FOUND,
-            WorkerError::Refused(_) | WorkerError::LeaseLost(_) => StatusCode::CONFLICT,
+            WorkerError::LeaseLost { code, .. } if *code == "job_not_found" => {
+                StatusCode::NOT_FOUND
+            }
+            WorkerError::Refused(_) | WorkerError::LeaseLost { .. } => StatusCode::CONFLICT,
             WorkerError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             WorkerError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
         };

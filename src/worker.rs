@@ -124,9 +124,15 @@ pub enum WorkerError {
     /// The API server refused the write: see the refusal.
     #[error(transparent)]
     Refused(#[from] Refusal),
-    /// The sidecar itself declared this lease lost earlier; the message says why.
-    #[error("{0}")]
-    LeaseLost(String),
+    /// The sidecar itself declared this lease lost earlier (or learnt it from the cache); the
+    /// code is the refusal's (`lease_lost`, `cancelled`, `job_finished`, ...).
+    #[error("{message}")]
+    LeaseLost {
+        /// Stable error code.
+        code: &'static str,
+        /// What happened, to which job, what to do.
+        message: String,
+    },
     /// The checkpoint is too large.
     #[error("{0}")]
     TooLarge(String),
@@ -147,7 +153,7 @@ impl WorkerError {
             WorkerError::InvalidToken(_) => "invalid_token",
             WorkerError::Invalid { .. } => "invalid_request",
             WorkerError::Refused(r) => r.code(),
-            WorkerError::LeaseLost(_) => "lease_lost",
+            WorkerError::LeaseLost { code, .. } => code,
             WorkerError::TooLarge(_) => "too_large",
             WorkerError::Unavailable { .. } => "unavailable",
         }
@@ -168,7 +174,8 @@ struct HeldState {
     last_renewed: Instant,
     last_contact: Instant,
     checkpoint: Option<Value>,
-    lost: Option<String>,
+    /// Why the lease was declared lost: (error code, message).
+    lost: Option<(&'static str, String)>,
     ended: bool,
 }
 
@@ -269,7 +276,17 @@ impl Worker {
                     return Ok(Some(claimed));
                 }
             }
+            // Wake for the next job whose notBefore or retryAfter passes, if before the deadline.
+            let now = Timestamp::now();
+            let wake =
+                claim::next_claimable_at(&self.inner.store.state(), &self.inner.config.queue, now)
+                    .map(|t| {
+                        Instant::now()
+                            + Duration::try_from(t.duration_since(now)).unwrap_or_default()
+                    })
+                    .map_or(deadline, |t| t.min(deadline));
             tokio::select! {
+                () = tokio::time::sleep_until(wake), if wake < deadline => {}
                 changed = changes.changed() => {
                     if changed.is_err() {
                         return Err(WorkerError::Unavailable {
@@ -289,6 +306,7 @@ impl Worker {
         claim::pick(
             &jobs,
             &self.inner.config.queue,
+            Timestamp::now(),
             self.inner.config.spread,
             |j| tried.get(&j.name_any()) == j.resource_version().as_ref(),
             &mut rand::rng(),
@@ -422,7 +440,7 @@ impl Worker {
                         silence_limit.as_secs()
                     );
                     warn!(job = %job_ref, attempt = held.token.attempt(), "Stopped renewing LeasedJob {job_ref}: {why}");
-                    self.lose(held, lost_message(&job_ref, &why));
+                    self.lose(held, LEASE_LOST, lost_message(&job_ref, &why));
                     return;
                 }
             }
@@ -435,6 +453,7 @@ impl Worker {
                     warn!(job = %job_ref, attempt = held.token.attempt(), "Lost lease of LeasedJob {job_ref}: holderIdentity changed");
                     self.lose(
                         held,
+                        LEASE_LOST,
                         lost_message(&job_ref, "its Lease is held by another attempt"),
                     );
                     return;
@@ -460,18 +479,18 @@ impl Worker {
                 "renewals failed for {}s, a whole lease duration",
                 since.as_secs()
             );
-            self.lose(held, lost_message(job_ref, &why));
+            self.lose(held, LEASE_LOST, lost_message(job_ref, &why));
             true
         } else {
             false
         }
     }
 
-    /// Declares the held attempt lost with `message` (the full text later calls get back).
-    fn lose(&self, held: &Held, message: String) {
+    /// Declares the held attempt lost with `code` and `message` (what later calls get back).
+    fn lose(&self, held: &Held, code: &'static str, message: String) {
         let mut st = held.state.lock().unwrap();
         if st.lost.is_none() {
-            st.lost = Some(message);
+            st.lost = Some((code, message));
         }
         drop(st);
         held.wake.notify_one();
@@ -485,8 +504,11 @@ impl Worker {
             return Ok(None);
         };
         let mut st = held.state.lock().unwrap();
-        if let Some(message) = &st.lost {
-            return Err(WorkerError::LeaseLost(message.clone()));
+        if let Some((code, message)) = &st.lost {
+            return Err(WorkerError::LeaseLost {
+                code,
+                message: message.clone(),
+            });
         }
         st.last_contact = Instant::now();
         drop(st);
@@ -517,12 +539,12 @@ impl Worker {
             Ok(lease) => {
                 // The Lease may lag the job by one write (requeued, not yet released): the
                 // job itself must still be Leased to this token.
-                if let Some(why) = self.cached_job_moved_on(name, &token) {
+                if let Some((code, why)) = self.cached_job_moved_on(name, &token) {
                     let message = lost_message(&self.job_ref(name), &why);
                     if let Some(h) = &held {
-                        self.lose(h, message.clone());
+                        self.lose(h, code, message.clone());
                     }
-                    return Err(WorkerError::LeaseLost(message));
+                    return Err(WorkerError::LeaseLost { code, message });
                 }
                 let duration_s = lease
                     .spec
@@ -551,7 +573,7 @@ impl Worker {
             Err(LeaseError::Lost { .. }) => {
                 let err = self.explain_lost(name, &token).await;
                 if let Some(h) = &held {
-                    self.lose(h, err.to_string());
+                    self.lose(h, err.code(), err.to_string());
                 }
                 Err(err)
             }
@@ -578,23 +600,36 @@ impl Worker {
         }
     }
 
-    /// Why the watch cache says the job no longer belongs to `token`, if it does.
-    fn cached_job_moved_on(&self, name: &str, token: &Token) -> Option<String> {
+    /// Why the watch cache says the job no longer belongs to `token`, if it does: (error code,
+    /// reason).
+    fn cached_job_moved_on(&self, name: &str, token: &Token) -> Option<(&'static str, String)> {
         let key = ObjectRef::new(name).within(&self.inner.config.namespace);
-        let job = self.inner.store.get(&key)?;
+        let Some(job) = self.inner.store.get(&key) else {
+            // Claimed jobs are in the cache before the claim; gone from a synced cache means
+            // deleted (its Lease follows by garbage collection).
+            return store_ready(&self.inner.store)
+                .then(|| ("job_not_found", "the LeasedJob was deleted".to_string()));
+        };
         if job.attempt() > token.attempt() {
-            return Some(format!(
+            let why = format!(
                 "is on attempt {}, your token is from attempt {}",
                 job.attempt(),
                 token.attempt()
-            ));
+            );
+            return Some((LEASE_LOST, why));
         }
         if job.token() == Some(token.as_str()) && job.phase() != Phase::Leased {
-            return Some(format!(
+            let code = if job.phase() == Phase::Cancelled {
+                "cancelled"
+            } else {
+                LEASE_LOST
+            };
+            let why = format!(
                 "attempt {} ended: the job is {}",
                 token.attempt(),
                 job.phase()
-            ));
+            );
+            return Some((code, why));
         }
         None
     }
@@ -605,15 +640,18 @@ impl Worker {
         match self.inner.jobs.get_opt(name).await {
             Ok(job) => match fence::refusal(&job_ref, job.as_ref(), token) {
                 Some(r) => WorkerError::Refused(r),
-                None => WorkerError::LeaseLost(lost_message(
-                    &job_ref,
-                    "its Lease no longer names this token",
-                )),
+                None => WorkerError::LeaseLost {
+                    code: LEASE_LOST,
+                    message: lost_message(&job_ref, "its Lease no longer names this token"),
+                },
             },
-            Err(e) => WorkerError::LeaseLost(lost_message(
-                &job_ref,
-                &format!("its Lease no longer names this token ({})", error_chain(&e)),
-            )),
+            Err(e) => WorkerError::LeaseLost {
+                code: LEASE_LOST,
+                message: lost_message(
+                    &job_ref,
+                    &format!("its Lease no longer names this token ({})", error_chain(&e)),
+                ),
+            },
         }
     }
 
@@ -693,7 +731,7 @@ impl Worker {
             Ok(job) => job,
             Err(FenceError::Refused(r)) => {
                 if let Some(h) = &held {
-                    self.lose(h, r.to_string());
+                    self.lose(h, r.code(), r.to_string());
                 }
                 return Err(WorkerError::Refused(r));
             }
@@ -730,6 +768,8 @@ where
         .now_or_never()
         .is_some_and(|r| r.is_ok())
 }
+
+const LEASE_LOST: &str = "lease_lost";
 
 /// The text of a lease declared lost by this process.
 fn lost_message(job_ref: &str, why: &str) -> String {

@@ -105,6 +105,7 @@ async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
         "a",
         &Outcome::Complete { result: json!("a") },
         k8s_openapi::jiff::Timestamp::now(),
+        0.5,
     );
     let err = jobs
         .patch_status(

@@ -1,0 +1,238 @@
+//! Production behaviours of a job's life, against the real control plane with the real
+//! controller and sidecar processes: backoff, delayed start, cancellation, deletion and TTL.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::Api;
+use leasehold::crd::{LeasedJob, Phase};
+use serde_json::json;
+
+fn token_of(claim: &serde_json::Value) -> String {
+    claim["token"]
+        .as_str()
+        .expect("claim has a token")
+        .to_string()
+}
+
+#[tokio::test]
+async fn a_retryable_failure_with_backoff_is_not_claimable_before_retry_after() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "backoff").await;
+    let _controller = controller(&ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "flaky"}, "spec": {"queue": "q", "maxAttempts": 3,
+            "backoff": {"initialSeconds": 4, "maxSeconds": 4}}}),
+    )
+    .await;
+    let (s, c) = sc.claim(10).await;
+    assert_eq!(s, 200, "{c}");
+    let (s, r) = sc
+        .post(
+            "/v1/jobs/flaky/fail",
+            json!({"token": token_of(&c), "reason": "ProviderTimeout", "message": "upstream timed out", "retryable": true}),
+        )
+        .await;
+    let failed_at = Timestamp::now();
+    assert_eq!((s, r["phase"].as_str()), (200, Some("Queued")), "{r}");
+    let job = jobs.get("flaky").await.unwrap();
+    let retry_after = job
+        .status
+        .as_ref()
+        .unwrap()
+        .retry_after
+        .clone()
+        .expect("status.retryAfter")
+        .0;
+    // Equal jitter over 4 s: between 2 and 4 s from the failure (rounded up to a second).
+    let delay = retry_after.duration_since(failed_at).as_secs_f64();
+    assert!(
+        (1.0..=5.0).contains(&delay),
+        "retryAfter is {delay:.2}s after the failure"
+    );
+    // A long poll started now returns the job only once retryAfter has passed.
+    let (s, c2) = sc.claim(15).await;
+    let claimed_at = Timestamp::now();
+    assert_eq!(s, 200, "{c2}");
+    assert_eq!(c2["attempt"], 2);
+    assert!(
+        claimed_at >= retry_after,
+        "claimed at {claimed_at}, before retryAfter {retry_after}"
+    );
+    assert!(
+        claimed_at.duration_since(retry_after) < SignedDuration::from_secs(2),
+        "claimed {} after retryAfter",
+        claimed_at.duration_since(retry_after)
+    );
+}
+
+#[tokio::test]
+async fn a_job_is_not_claimable_before_not_before() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "notbefore").await;
+    let _controller = controller(&ns.name);
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    let not_before = Timestamp::from_second(Timestamp::now().as_second() + 4).unwrap();
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "later"}, "spec": {"queue": "q", "notBefore": not_before.to_string()}}),
+    )
+    .await;
+    let (s, _) = sc.claim(1).await;
+    assert_eq!(s, 204, "claimed before notBefore");
+    let (s, c) = sc.claim(10).await;
+    let claimed_at = Timestamp::now();
+    assert_eq!(s, 200, "{c}");
+    assert!(
+        claimed_at >= not_before,
+        "claimed at {claimed_at}, before notBefore {not_before}"
+    );
+    assert!(claimed_at.duration_since(not_before) < SignedDuration::from_secs(2));
+}
+
+async fn set_cancel(jobs: &Api<LeasedJob>, name: &str) {
+    jobs.patch(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"cancel": true}})),
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn cancelling_a_queued_job_ends_it_at_once_and_no_one_claims_it() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "cancel-queued").await;
+    let _controller = controller(&ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "c"}, "spec": {"queue": "q"}}),
+    )
+    .await;
+    wait_for("Queued", Duration::from_secs(10), || async {
+        (jobs.get("c").await.ok()?.status?.phase? == Phase::Queued).then_some(())
+    })
+    .await;
+    set_cancel(&jobs, "c").await;
+    let job = wait_for("Cancelled", Duration::from_secs(10), || async {
+        let j = jobs.get("c").await.ok()?;
+        (j.phase() == Phase::Cancelled).then_some(j)
+    })
+    .await;
+    let status = job.status.unwrap();
+    assert_eq!(status.attempt, 0);
+    assert!(status.finished_time.is_some());
+    assert!(status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == "Cancelled" && c.status == "True"));
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    assert_eq!(sc.claim(1).await.0, 204);
+}
+
+#[tokio::test]
+async fn cancelling_a_leased_job_stops_its_holder_at_the_next_heartbeat() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "cancel-leased").await;
+    let _controller = controller(&ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "c"}, "spec": {"queue": "q"}}),
+    )
+    .await;
+    let (s, c) = sc.claim(10).await;
+    assert_eq!(s, 200, "{c}");
+    let token = token_of(&c);
+    set_cancel(&jobs, "c").await;
+    wait_for("Cancelled", Duration::from_secs(10), || async {
+        (jobs.get("c").await.ok()?.phase() == Phase::Cancelled).then_some(())
+    })
+    .await;
+    let (s, r) = sc.heartbeat("c", json!({"token": token})).await;
+    assert_eq!((s, r["error"].as_str()), (409, Some("cancelled")), "{r}");
+    let (s, r) = sc.complete("c", &token, json!("too late")).await;
+    assert_eq!((s, r["error"].as_str()), (409, Some("cancelled")), "{r}");
+    let job = jobs.get("c").await.unwrap();
+    assert_eq!(job.phase(), Phase::Cancelled);
+    assert!(job.status.unwrap().result.is_none());
+}
+
+#[tokio::test]
+async fn deleting_a_leased_job_stops_its_holder() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "delete-leased").await;
+    let _controller = controller(&ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "d"}, "spec": {"queue": "q"}}),
+    )
+    .await;
+    let (s, c) = sc.claim(10).await;
+    assert_eq!(s, 200, "{c}");
+    jobs.delete("d", &DeleteParams::default()).await.unwrap();
+    let (s, r) = wait_for("the heartbeat refused", Duration::from_secs(10), || async {
+        let (s, r) = sc.heartbeat("d", json!({"token": token_of(&c)})).await;
+        (s != 200).then_some((s, r))
+    })
+    .await;
+    assert!(
+        (s == 404 && r["error"] == "job_not_found") || (s == 409 && r["error"] == "lease_lost"),
+        "{s} {r}"
+    );
+}
+
+#[tokio::test]
+async fn finished_jobs_are_deleted_after_ttl_seconds_after_finished() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "ttl").await;
+    let _controller = controller(&ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    create_job(&client, &ns.name, json!({"metadata": {"name": "short"}, "spec": {"queue": "q", "ttlSecondsAfterFinished": 3}})).await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "kept"}, "spec": {"queue": "q"}}),
+    )
+    .await;
+    for _ in 0..2 {
+        let (s, c) = sc.claim(10).await;
+        assert_eq!(s, 200, "{c}");
+        let (s, _) = sc
+            .complete(c["name"].as_str().unwrap(), &token_of(&c), json!(1))
+            .await;
+        assert_eq!(s, 200);
+    }
+    let finished = Timestamp::now();
+    wait_for("TTL deletion", Duration::from_secs(15), || async {
+        jobs.get_opt("short").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    let after = Timestamp::now().duration_since(finished).as_secs_f64();
+    assert!(
+        after >= 2.0,
+        "deleted {after:.1}s after finishing, before its TTL of 3s"
+    );
+    assert!(
+        jobs.get_opt("kept").await.unwrap().is_some(),
+        "a job without TTL was deleted"
+    );
+}
