@@ -28,6 +28,7 @@ use crate::crd::{LeasedJob, LeasedJobStatus, Phase, MANAGED_BY, MANAGED_BY_LABEL
 use crate::expiry::{self, Observation, Record, Verdict};
 use crate::fence::{self, Outcome, REASON_LEASE_EXPIRED};
 use crate::lease::{self, is_status};
+use crate::metrics::{Health, JobLabels, Metrics};
 use crate::token::Token;
 
 /// Name under which the controller reports Events.
@@ -78,8 +79,8 @@ impl ReconcileError {
 /// Errors that stop the controller.
 #[derive(Debug, Error)]
 pub enum ControllerError {
-    /// The Lease watch never synced.
-    #[error("the Lease watch did not sync: {0}")]
+    /// A watch cache never synced.
+    #[error("a watch did not sync: {0}")]
     LeaseWatch(String),
 }
 
@@ -95,6 +96,7 @@ pub struct Config {
 /// Shared state of the reconciler.
 pub struct Context {
     client: Client,
+    metrics: Arc<Metrics>,
     leases: Store<Lease>,
     recorder: Recorder,
     /// What the controller has seen of each leased job's Lease, and when (see [`crate::expiry`]).
@@ -103,11 +105,17 @@ pub struct Context {
     transitions: Mutex<HashMap<ObjectRef<LeasedJob>, (i32, Phase)>>,
 }
 
-/// Runs the controller until SIGTERM/SIGINT.
+/// Runs the controller until SIGTERM/SIGINT, reporting into `metrics` and `health` (ready
+/// once both watches have synced).
 ///
 /// # Errors
 /// [`ControllerError::LeaseWatch`] if the Lease cache never becomes ready.
-pub async fn run(client: Client, config: Config) -> Result<(), ControllerError> {
+pub async fn run(
+    client: Client,
+    config: Config,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+) -> Result<(), ControllerError> {
     let (jobs, leases): (Api<LeasedJob>, Api<Lease>) = match &config.namespace {
         Some(ns) => (
             Api::namespaced(client.clone(), ns),
@@ -130,6 +138,7 @@ pub async fn run(client: Client, config: Config) -> Result<(), ControllerError> 
     );
     let ctx = Arc::new(Context {
         client,
+        metrics: Arc::clone(&metrics),
         leases: lease_store.clone(),
         recorder,
         observations: Mutex::default(),
@@ -139,20 +148,32 @@ pub async fn run(client: Client, config: Config) -> Result<(), ControllerError> 
         .owns_stream(lease_stream)
         .shutdown_on_signal();
     let job_store = controller.store();
-    // Forget what we knew of deleted jobs now and then.
+    // Count jobs for the metrics every second; forget what we knew of deleted jobs now and
+    // then.
     let prune_ctx = Arc::clone(&ctx);
+    let counted_store = job_store.clone();
+    let synced_store = job_store.clone();
     let pruner = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_secs(60));
-        loop {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        for n in 0u64.. {
             tick.tick().await;
-            prune_ctx.forget_missing(&job_store);
+            count_jobs(&counted_store, &prune_ctx.metrics);
+            if n % 60 == 59 {
+                prune_ctx.forget_missing(&job_store);
+            }
         }
     });
     let wait_leases = async {
         lease_store
             .wait_until_ready()
             .await
-            .map_err(|e| ControllerError::LeaseWatch(e.to_string()))
+            .map_err(|e| ControllerError::LeaseWatch(e.to_string()))?;
+        synced_store
+            .wait_until_ready()
+            .await
+            .map_err(|e| ControllerError::LeaseWatch(e.to_string()))?;
+        health.set_synced();
+        Ok(())
     };
     info!(namespace = ?config.namespace, "Started leasehold controller");
     let run = controller
@@ -167,6 +188,22 @@ pub async fn run(client: Client, config: Config) -> Result<(), ControllerError> 
     let (ready, ()) = tokio::join!(wait_leases, run);
     pruner.abort();
     ready
+}
+
+/// Sets `leasehold_jobs` from the cache: one gauge per (queue, phase) seen.
+fn count_jobs(jobs: &Store<LeasedJob>, metrics: &Metrics) {
+    let mut counts: HashMap<JobLabels, i64> = HashMap::new();
+    for job in jobs.state() {
+        let labels = JobLabels {
+            queue: job.spec.queue.clone(),
+            phase: job.phase().to_string(),
+        };
+        *counts.entry(labels).or_default() += 1;
+    }
+    metrics.jobs.clear();
+    for (labels, n) in counts {
+        metrics.jobs.get_or_create(&labels).set(n);
+    }
 }
 
 impl Context {
@@ -530,6 +567,7 @@ async fn expire(
         }
     }
     ctx.observations.lock().unwrap().remove(&key);
+    ctx.metrics.lease_expiries.inc();
     info!(job = %job_ref, attempt = token.attempt(), "Expired lease of LeasedJob {job_ref} (attempt {}); now {next}", token.attempt());
     let (type_, reason) = if next == Phase::Failed {
         (EventType::Warning, "LeaseExpiredFailed")

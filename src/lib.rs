@@ -11,6 +11,7 @@
 //! - [`controller`]: the reconciler that requeues expired jobs and records Events.
 //! - [`worker`]: the client library a worker (or the sidecar) uses.
 //! - [`sidecar`]: that library over local HTTP, for workers in any language.
+//! - [`metrics`]: Prometheus metrics and health.
 //! - [`telemetry`]: logging set-up.
 
 pub mod claim;
@@ -19,6 +20,7 @@ pub mod crd;
 pub mod expiry;
 pub mod fence;
 pub mod lease;
+pub mod metrics;
 pub mod sidecar;
 pub mod telemetry;
 pub mod token;

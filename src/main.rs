@@ -7,6 +7,10 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 use kube::Client;
+use std::sync::Arc;
+
+use axum::routing::get;
+use leasehold::metrics::{Health, Metrics};
 use leasehold::{controller, crd, sidecar, telemetry, worker};
 
 /// A Kubernetes-native job queue in which workers lease jobs and prove the lease on every write.
@@ -16,6 +20,14 @@ use leasehold::{controller, crd, sidecar, telemetry, worker};
 #[derive(Parser)]
 #[command(name = "leasehold", version, about)]
 struct Cli {
+    /// Log format: `text` (human) or `json` (one object per line, for log pipelines).
+    #[arg(
+        long,
+        global = true,
+        env = "LEASEHOLD_LOG_FORMAT",
+        default_value = "text"
+    )]
+    log_format: telemetry::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -30,6 +42,9 @@ enum Command {
         /// This replica's name in Events (default: POD_NAME, else the hostname).
         #[arg(long, env = "POD_NAME")]
         identity: Option<String>,
+        /// Address for /metrics, /healthz and /readyz.
+        #[arg(long, env = "LEASEHOLD_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+        metrics_addr: SocketAddr,
     },
     /// Serve the worker's HTTP API: claim, heartbeat, complete, fail, release.
     Sidecar {
@@ -52,6 +67,16 @@ enum Command {
         /// A claim picks at random among this many of the oldest top-priority jobs (1 = FIFO).
         #[arg(long, env = "LEASEHOLD_SPREAD", default_value_t = worker::DEFAULT_SPREAD)]
         spread: usize,
+        /// On SIGTERM, how many seconds to keep serving held jobs (heartbeats, results) while
+        /// the worker finishes, before exiting. Keep it under the pod's
+        /// terminationGracePeriodSeconds.
+        #[arg(long, env = "LEASEHOLD_DRAIN_TIMEOUT", default_value_t = 25)]
+        drain_timeout: u64,
+        /// On SIGTERM, release held jobs at once (requeued immediately, with their last
+        /// checkpoint). Only safe when the worker has already exited when the sidecar is told
+        /// to stop, as with a native sidecar (an initContainer with restartPolicy: Always).
+        #[arg(long, env = "LEASEHOLD_RELEASE_ON_SHUTDOWN")]
+        release_on_shutdown: bool,
     },
     /// Print the LeasedJob CustomResourceDefinition as YAML.
     Crd,
@@ -60,6 +85,7 @@ enum Command {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    let log_format = cli.log_format;
     match cli.command {
         Command::Crd => {
             print!("{}", crd::crd_yaml()?);
@@ -68,18 +94,38 @@ async fn main() -> anyhow::Result<()> {
         Command::Controller {
             namespace,
             identity,
+            metrics_addr,
         } => {
-            telemetry::init();
+            telemetry::init(log_format);
             let client = client().await?;
             let identity = identity_or_hostname(identity)?;
-            controller::run(
+            let metrics = Arc::new(Metrics::new());
+            let health = Health::new();
+            let listener = tokio::net::TcpListener::bind(metrics_addr)
+                .await
+                .with_context(|| format!("--metrics-addr {metrics_addr}: cannot bind"))?;
+            let server = axum::serve(
+                listener,
+                observability_router(Arc::clone(&metrics), Arc::clone(&health)),
+            );
+            let draining = Arc::clone(&health);
+            tokio::spawn(async move {
+                shutdown_signal().await;
+                draining.set_shutting_down();
+            });
+            let controller = controller::run(
                 client,
                 controller::Config {
                     namespace,
                     identity,
                 },
-            )
-            .await?;
+                metrics,
+                Arc::clone(&health),
+            );
+            tokio::select! {
+                done = controller => done?,
+                served = server => served.context("metrics server failed")?,
+            }
             Ok(())
         }
         Command::Sidecar {
@@ -89,8 +135,10 @@ async fn main() -> anyhow::Result<()> {
             identity,
             worker_timeout,
             spread,
+            drain_timeout,
+            release_on_shutdown,
         } => {
-            telemetry::init();
+            telemetry::init(log_format);
             check_dns_label("--queue", &queue)?;
             if spread == 0 {
                 bail!("--spread 0 is not allowed: it must be at least 1 (1 means strict FIFO)");
@@ -106,7 +154,11 @@ async fn main() -> anyhow::Result<()> {
                 spread,
                 worker_timeout: Duration::from_secs(worker_timeout),
             };
-            run_sidecar(client, config, listen).await
+            let shutdown = Shutdown {
+                drain_timeout: Duration::from_secs(drain_timeout),
+                release_on_shutdown,
+            };
+            run_sidecar(client, config, listen, shutdown).await
         }
     }
 }
@@ -117,10 +169,17 @@ async fn client() -> anyhow::Result<Client> {
     )
 }
 
+/// What the sidecar does on SIGTERM.
+struct Shutdown {
+    drain_timeout: Duration,
+    release_on_shutdown: bool,
+}
+
 async fn run_sidecar(
     client: Client,
     config: worker::WorkerConfig,
     listen: SocketAddr,
+    shutdown: Shutdown,
 ) -> anyhow::Result<()> {
     let (queue, namespace, identity) = (
         config.queue.clone(),
@@ -132,8 +191,8 @@ async fn run_sidecar(
         .await
         .with_context(|| format!("--listen {listen}: cannot bind"))?;
     tracing::info!(%listen, %queue, %namespace, %identity, "Started leasehold sidecar");
-    let server =
-        axum::serve(listener, sidecar::router(worker)).with_graceful_shutdown(shutdown_signal());
+    let drain = drain_on_signal(worker.clone(), shutdown);
+    let server = axum::serve(listener, sidecar::router(worker)).with_graceful_shutdown(drain);
     tokio::select! {
         served = server => served.context("HTTP server failed"),
         _ = watch_task => bail!("the LeasedJob watch task ended unexpectedly"),
@@ -147,7 +206,40 @@ async fn shutdown_signal() {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
     }
-    tracing::info!("Shutting down leasehold sidecar");
+}
+
+/// Resolves when the sidecar may stop serving: after SIGTERM, once no job is held (the worker
+/// finished, failed or released them) or the drain timeout passed. Claims are refused from the
+/// signal on. Held jobs are released only with --release-on-shutdown (the worker is known to
+/// be gone); otherwise a job still held at the timeout keeps its lease until it expires,
+/// because the worker may still be working on it.
+async fn drain_on_signal(worker: worker::Worker, shutdown: Shutdown) {
+    shutdown_signal().await;
+    worker.start_draining();
+    let held = worker.held_count();
+    tracing::info!(held, "Draining leasehold sidecar: no more claims");
+    if shutdown.release_on_shutdown {
+        let released = worker.release_all().await;
+        tracing::info!(
+            released,
+            "Released held jobs at shutdown (--release-on-shutdown)"
+        );
+    } else if !worker.drained(shutdown.drain_timeout).await {
+        tracing::warn!(
+            held = worker.held_count(),
+            "Drain timeout passed with jobs still held; their leases will expire"
+        );
+    }
+    tracing::info!("Stopped leasehold sidecar");
+}
+
+/// `/metrics`, `/healthz` and `/readyz` for the controller.
+fn observability_router(metrics: Arc<Metrics>, health: Arc<Health>) -> axum::Router {
+    let h = Arc::clone(&health);
+    axum::Router::new()
+        .route("/metrics", get(move || async move { metrics.render() }))
+        .route("/healthz", get(move || async move { health.healthz() }))
+        .route("/readyz", get(move || async move { h.readyz() }))
 }
 
 fn identity_or_hostname(identity: Option<String>) -> anyhow::Result<String> {

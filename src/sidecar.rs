@@ -7,12 +7,13 @@
 //! - `POST /v1/jobs/{name}/complete` `{token, result}` -> 200
 //! - `POST /v1/jobs/{name}/fail` `{token, reason, message, retryable}` -> 200
 //! - `POST /v1/jobs/{name}/release` `{token}` -> 200
-//! - `GET /healthz`
+//! - `GET /healthz` (background tasks alive), `GET /readyz` (watch synced, not shutting
+//!   down), `GET /metrics` (Prometheus text format)
 //!
 //! Errors are `{"error": "<code>", "message": "..."}`: 400 `invalid_json`, `invalid_request`,
 //! `invalid_token`, `invalid_name`; 404 `job_not_found` (and `not_found` for unknown routes);
-//! 405 `method_not_allowed`; 409 `lease_lost`, `job_finished`; 413 `too_large`; 503
-//! `unavailable`, `not_ready`. No response ever contains a token other than the one a claim
+//! 405 `method_not_allowed`; 409 `lease_lost`, `job_finished`, `cancelled`; 413 `too_large`; 503
+//! `unavailable`, `shutting_down`. No response ever contains a token other than the one a claim
 //! hands out.
 
 use std::time::Duration;
@@ -75,7 +76,9 @@ impl From<WorkerError> for ApiError {
             }
             WorkerError::Refused(_) | WorkerError::LeaseLost { .. } => StatusCode::CONFLICT,
             WorkerError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            WorkerError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            WorkerError::Unavailable { .. } | WorkerError::ShuttingDown => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         };
         ApiError::new(status, e.code(), e.to_string())
     }
@@ -143,7 +146,18 @@ impl From<LeasedJob> for Ended {
 /// The sidecar's router over `worker`.
 pub fn router(worker: Worker) -> Router {
     Router::new()
-        .route("/healthz", get(healthz))
+        .route(
+            "/healthz",
+            get(|State(w): State<Worker>| async move { w.health().healthz() }),
+        )
+        .route(
+            "/readyz",
+            get(|State(w): State<Worker>| async move { w.health().readyz() }),
+        )
+        .route(
+            "/metrics",
+            get(|State(w): State<Worker>| async move { w.metrics().render() }),
+        )
         .route("/v1/claim", post(claim))
         .route("/v1/jobs/{name}/heartbeat", post(heartbeat))
         .route("/v1/jobs/{name}/complete", post(complete))
@@ -160,24 +174,11 @@ pub fn router(worker: Worker) -> Router {
             ApiError::new(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",
-                "this route takes POST (GET for /healthz)",
+                "this route takes POST (GET for /healthz, /readyz and /metrics)",
             )
         })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(worker)
-}
-
-async fn healthz(State(worker): State<Worker>) -> Response {
-    if worker.is_ready() {
-        Json(json!({"status": "ok", "held": worker.held_count()})).into_response()
-    } else {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not_ready",
-            "the LeasedJob watch has not synced yet",
-        )
-        .into_response()
-    }
 }
 
 /// Parses a JSON body whatever its Content-Type (curl users forget it), refusing anything

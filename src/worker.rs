@@ -40,6 +40,7 @@ use crate::claim::{self, ClaimError};
 use crate::crd::{LeasedJob, Phase};
 use crate::fence::{self, FenceError, Outcome, Refusal};
 use crate::lease::{self, LeaseError};
+use crate::metrics::{Health, Metrics};
 use crate::token::{Token, TokenError};
 
 /// Default for [`WorkerConfig::worker_timeout`]: five minutes.
@@ -136,6 +137,9 @@ pub enum WorkerError {
     /// The checkpoint is too large.
     #[error("{0}")]
     TooLarge(String),
+    /// The sidecar is shutting down and claims no more jobs.
+    #[error("this sidecar is shutting down and claims no more jobs; held jobs can still be heartbeated, completed, failed or released")]
+    ShuttingDown,
     /// The API server could not be reached or failed; nothing was written. Retry.
     #[error("{what} failed: {detail}; nothing was written, try again")]
     Unavailable {
@@ -156,6 +160,7 @@ impl WorkerError {
             WorkerError::LeaseLost { code, .. } => code,
             WorkerError::TooLarge(_) => "too_large",
             WorkerError::Unavailable { .. } => "unavailable",
+            WorkerError::ShuttingDown => "shutting_down",
         }
     }
 }
@@ -189,6 +194,10 @@ struct Inner {
     /// Snapshots (name -> resourceVersion) already tried, so a stale cache entry is not
     /// claimed twice.
     tried: Mutex<HashMap<String, String>>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    /// Wakes [`Worker::drained`] when a held attempt ends.
+    ended: Notify,
 }
 
 /// A claimer of one queue. Cheap to clone.
@@ -210,6 +219,14 @@ impl Worker {
         let stream = watcher(jobs.clone(), watcher::Config::default().fields(&selector))
             .default_backoff()
             .reflect(writer);
+        let health = Health::new();
+        let synced_store = store.clone();
+        let synced = Arc::clone(&health);
+        tokio::spawn(async move {
+            if synced_store.wait_until_ready().await.is_ok() {
+                synced.set_synced();
+            }
+        });
         let watch_task = tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
             while let Some(event) = stream.next().await {
@@ -227,6 +244,9 @@ impl Worker {
             changes,
             held: Mutex::default(),
             tried: Mutex::default(),
+            metrics: Arc::new(Metrics::new()),
+            health,
+            ended: Notify::new(),
         };
         (
             Worker {
@@ -246,6 +266,68 @@ impl Worker {
         store_ready(&self.inner.store)
     }
 
+    /// This worker's metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
+    }
+
+    /// This worker's health (readiness, dead background tasks).
+    pub fn health(&self) -> &Arc<Health> {
+        &self.inner.health
+    }
+
+    /// Starts a graceful shutdown: claims are refused from now on (and readiness fails), while
+    /// heartbeats, results, failures and releases of held jobs still work.
+    pub fn start_draining(&self) {
+        self.inner.health.set_shutting_down();
+    }
+
+    /// Waits until no attempt is held, for at most `timeout`. True when none is.
+    pub async fn drained(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let ended = self.inner.ended.notified();
+            if self.held_count() == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, ended).await.is_err() {
+                return self.held_count() == 0;
+            }
+        }
+    }
+
+    /// Releases every attempt still held (with its last checkpoint), so that each job is
+    /// requeued at once. Only for when the worker is known to have stopped. Returns how many
+    /// were released.
+    pub async fn release_all(&self) -> usize {
+        let held: Vec<(String, Token)> = self
+            .inner
+            .held
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(name, h)| (name.clone(), h.token.clone()))
+            .collect();
+        let mut released = 0;
+        for (name, token) in held {
+            match self.release(&name, token.as_str()).await {
+                Ok(_) => released += 1,
+                Err(e) => {
+                    warn!(job = %self.job_ref(&name), error = %e, "Release at shutdown failed")
+                }
+            }
+        }
+        released
+    }
+
+    /// Counts refusals of stale or foreign tokens on the way out.
+    fn counted(&self, e: WorkerError) -> WorkerError {
+        if e.code() == LEASE_LOST {
+            self.inner.metrics.stale_token_refusals.inc();
+        }
+        e
+    }
+
     /// Number of attempts this worker holds now.
     pub fn held_count(&self) -> usize {
         self.inner.held.lock().unwrap().len()
@@ -261,6 +343,9 @@ impl Worker {
     /// # Errors
     /// [`WorkerError::Unavailable`] when the API server failed a claim write.
     pub async fn claim(&self, wait: Duration) -> Result<Option<Claimed>, WorkerError> {
+        if self.inner.health.is_shutting_down() {
+            return Err(WorkerError::ShuttingDown);
+        }
         let deadline = Instant::now() + wait;
         let mut changes = self.inner.changes.clone();
         if tokio::time::timeout_at(deadline, self.inner.store.wait_until_ready())
@@ -363,6 +448,14 @@ impl Worker {
             }
         }
         info!(job = %job_ref, attempt = token.attempt(), "Claimed LeasedJob {job_ref} (attempt {})", token.attempt());
+        self.inner.metrics.claims.inc();
+        if let Some(created) = &job.metadata.creation_timestamp {
+            let waited = Timestamp::now().duration_since(created.0).as_secs_f64();
+            self.inner
+                .metrics
+                .queue_wait_seconds
+                .observe(waited.max(0.0));
+        }
         let status = job.status.clone().unwrap_or_default();
         self.hold(
             &job.name_any(),
@@ -406,9 +499,12 @@ impl Worker {
             end(&p);
         }
         let worker = self.clone();
+        let task = format!("renewer of {}", self.job_ref(name));
         let name = name.to_string();
         let renewer = Arc::clone(&held);
-        tokio::spawn(async move { worker.renew_in_background(&name, &renewer).await });
+        self.inner.health.spawn(task, async move {
+            worker.renew_in_background(&name, &renewer).await;
+        });
         held
     }
 
@@ -444,7 +540,10 @@ impl Worker {
                     return;
                 }
             }
-            match lease::renew(&self.inner.leases, &held.lease_name, &held.token, None).await {
+            let renewed =
+                lease::renew(&self.inner.leases, &held.lease_name, &held.token, None).await;
+            self.inner.metrics.heartbeat(renewed.is_ok());
+            match renewed {
                 Ok(_) => {
                     held.state.lock().unwrap().last_renewed = Instant::now();
                     due = Instant::now() + interval;
@@ -529,13 +628,29 @@ impl Worker {
         token: &str,
         checkpoint: Option<Value>,
     ) -> Result<Renewal, WorkerError> {
+        self.heartbeat_inner(name, token, checkpoint)
+            .await
+            .map_err(|e| self.counted(e))
+    }
+
+    async fn heartbeat_inner(
+        &self,
+        name: &str,
+        token: &str,
+        checkpoint: Option<Value>,
+    ) -> Result<Renewal, WorkerError> {
         let token = Token::parse(token)?;
         if let Some(c) = &checkpoint {
             lease::checkpoint_text(c).map_err(|e| WorkerError::TooLarge(e.to_string()))?;
         }
         let held = self.held_for(name, &token)?;
         let lease_name = lease::lease_name(name);
-        match lease::renew(&self.inner.leases, &lease_name, &token, checkpoint.as_ref()).await {
+        let renewed =
+            lease::renew(&self.inner.leases, &lease_name, &token, checkpoint.as_ref()).await;
+        if !matches!(renewed, Err(LeaseError::CheckpointTooLarge { .. })) {
+            self.inner.metrics.heartbeat(renewed.is_ok());
+        }
+        match renewed {
             Ok(lease) => {
                 // The Lease may lag the job by one write (requeued, not yet released): the
                 // job itself must still be Leased to this token.
@@ -720,6 +835,17 @@ impl Worker {
         token: &str,
         outcome: impl FnOnce(Option<Value>) -> Outcome,
     ) -> Result<LeasedJob, WorkerError> {
+        self.end_attempt_inner(name, token, outcome)
+            .await
+            .map_err(|e| self.counted(e))
+    }
+
+    async fn end_attempt_inner(
+        &self,
+        name: &str,
+        token: &str,
+        outcome: impl FnOnce(Option<Value>) -> Outcome,
+    ) -> Result<LeasedJob, WorkerError> {
         let token = Token::parse(token)?;
         let held = self.held_for(name, &token)?;
         let checkpoint = held
@@ -744,6 +870,11 @@ impl Worker {
         };
         if let Some(h) = self.inner.held.lock().unwrap().remove(name) {
             end(&h);
+        }
+        self.inner.ended.notify_waiters();
+        if let Some(claimed) = job.status.as_ref().and_then(|s| s.claimed_time.as_ref()) {
+            let ran = Timestamp::now().duration_since(claimed.0).as_secs_f64();
+            self.inner.metrics.run_seconds.observe(ran.max(0.0));
         }
         let job_ref = self.job_ref(name);
         info!(job = %job_ref, attempt = token.attempt(), phase = %job.phase(), "Ended attempt {} of LeasedJob {job_ref}: {}", token.attempt(), job.phase());

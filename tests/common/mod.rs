@@ -161,6 +161,8 @@ pub struct Proc {
     pub child: Child,
     pub name: String,
     pub log: PathBuf,
+    /// The HTTP port it serves on, when the test chose one.
+    pub port: Option<u16>,
 }
 
 impl Proc {
@@ -181,6 +183,7 @@ impl Proc {
             child,
             name: name.to_string(),
             log,
+            port: None,
         }
     }
 
@@ -210,6 +213,7 @@ impl Drop for Proc {
 pub fn signal(pid: u32, sig: &str) {
     let _ = Command::new("kill")
         .args([&format!("-{sig}"), &pid.to_string()])
+        .stderr(Stdio::null())
         .status();
 }
 
@@ -217,20 +221,50 @@ pub fn leasehold_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_leasehold"))
 }
 
-/// Starts `leasehold controller` for one namespace.
+/// Starts `leasehold controller` for one namespace, serving its metrics on a free port
+/// (`Proc::port`).
 pub fn controller(ns: &str) -> Proc {
-    Proc::spawn(
-        &format!("{ns}-controller"),
+    controller_with(ns, "test-controller", &[])
+}
+
+/// Starts `leasehold controller` for one namespace with `identity` and extra arguments.
+pub fn controller_with(ns: &str, identity: &str, extra: &[&str]) -> Proc {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut args = vec![
+        "controller",
+        "--namespace",
+        ns,
+        "--identity",
+        identity,
+        "--metrics-addr",
+        &addr,
+    ];
+    args.extend_from_slice(extra);
+    let mut p = Proc::spawn(
+        &format!("{ns}-{identity}"),
         &leasehold_bin(),
-        &[
-            "controller",
-            "--namespace",
-            ns,
-            "--identity",
-            "test-controller",
-        ],
+        &args,
         Stdio::null(),
-    )
+    );
+    p.port = Some(port);
+    p
+}
+
+/// GETs `http://127.0.0.1:{port}{path}`: (status, body), or None when nothing answers.
+pub async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    let r = reqwest::get(format!("http://127.0.0.1:{port}{path}"))
+        .await
+        .ok()?;
+    let status = r.status().as_u16();
+    Some((status, r.text().await.ok()?))
+}
+
+/// The value of the sample `name` (with its labels, exactly as rendered) in a Prometheus text
+/// body, if present.
+pub fn sample(body: &str, name: &str) -> Option<f64> {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 /// A free loopback port (bound, then released).
@@ -266,19 +300,20 @@ impl Sidecar {
             id,
         ];
         args.extend_from_slice(extra);
-        let proc = Proc::spawn(
+        let mut proc = Proc::spawn(
             &format!("{ns}-{id}"),
             &leasehold_bin(),
             &args,
             Stdio::null(),
         );
+        proc.port = Some(port);
         let sidecar = Sidecar {
             proc,
             base: format!("http://{listen}"),
             http: reqwest::Client::new(),
         };
         let http = sidecar.http.clone();
-        let url = format!("{}/healthz", sidecar.base);
+        let url = format!("{}/readyz", sidecar.base);
         wait_for("sidecar ready", Duration::from_secs(30), || {
             let http = http.clone();
             let url = url.clone();

@@ -1,0 +1,264 @@
+//! Running leasehold in production: metrics that move with what they count, health that tells
+//! the truth, JSON logs, and a sidecar that shuts down without losing or doubling a job.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kube::Api;
+use leasehold::crd::{LeasedJob, Phase};
+use serde_json::json;
+
+fn token_of(claim: &serde_json::Value) -> String {
+    claim["token"]
+        .as_str()
+        .expect("claim has a token")
+        .to_string()
+}
+
+async fn metrics_of(port: u16) -> String {
+    let (status, body) = http_get(port, "/metrics").await.expect("metrics served");
+    assert_eq!(status, 200);
+    body
+}
+
+#[tokio::test]
+async fn metrics_move_when_the_events_they_count_happen() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "metrics").await;
+    let ctl = controller(&ns.name);
+    let ctl_port = ctl.port.unwrap();
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    let sc_port = sc.proc.port.unwrap();
+    let before = metrics_of(sc_port).await;
+    assert_eq!(
+        sample(&before, "leasehold_claims_total"),
+        Some(0.0),
+        "{before}"
+    );
+
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "m1"}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
+    )
+    .await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "m2"}, "spec": {"queue": "q"}}),
+    )
+    .await;
+    let queued = "leasehold_jobs{queue=\"q\",phase=\"Queued\"}";
+    wait_for("2 Queued jobs counted", Duration::from_secs(15), || async {
+        (sample(&http_get(ctl_port, "/metrics").await?.1, queued)? == 2.0).then_some(())
+    })
+    .await;
+
+    let (s, c1) = sc.claim(10).await;
+    assert_eq!(s, 200);
+    let (s, _) = sc
+        .heartbeat(
+            c1["name"].as_str().unwrap(),
+            json!({"token": token_of(&c1)}),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let (s, _) = sc
+        .heartbeat(
+            c1["name"].as_str().unwrap(),
+            json!({"token": "1.00000000000000000000000000000000"}),
+        )
+        .await;
+    assert_eq!(s, 409);
+    let m = metrics_of(sc_port).await;
+    assert_eq!(sample(&m, "leasehold_claims_total"), Some(1.0), "{m}");
+    assert!(
+        sample(&m, "leasehold_heartbeats_total{result=\"ok\"}").unwrap_or(0.0) >= 1.0,
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "leasehold_stale_token_refusals_total"),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "leasehold_queue_wait_seconds_count"),
+        Some(1.0),
+        "{m}"
+    );
+
+    let (s, c2) = sc.claim(10).await;
+    assert_eq!(s, 200);
+    let (s, _) = sc
+        .complete(c2["name"].as_str().unwrap(), &token_of(&c2), json!(2))
+        .await;
+    assert_eq!(s, 200);
+    let m = metrics_of(sc_port).await;
+    assert_eq!(sample(&m, "leasehold_run_seconds_count"), Some(1.0), "{m}");
+
+    // The held job's sidecar dies; the controller counts the expiry.
+    let leased_name = c1["name"].as_str().unwrap().to_string();
+    sc.proc.signal("KILL");
+    drop(sc);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    wait_for("the expiry", Duration::from_secs(20), || async {
+        (jobs.get(&leased_name).await.ok()?.failed_attempts() == 1).then_some(())
+    })
+    .await;
+    wait_for("expiry counted", Duration::from_secs(5), || async {
+        (sample(
+            &http_get(ctl_port, "/metrics").await?.1,
+            "leasehold_lease_expiries_total",
+        )? == 1.0)
+            .then_some(())
+    })
+    .await;
+    let m = http_get(ctl_port, "/metrics").await.unwrap().1;
+    wait_for("phases counted", Duration::from_secs(5), || async {
+        let m = http_get(ctl_port, "/metrics").await?.1;
+        let succeeded = sample(&m, "leasehold_jobs{queue=\"q\",phase=\"Succeeded\"}")?;
+        (succeeded == 1.0).then_some(())
+    })
+    .await;
+    assert!(m.contains("leasehold_lease_expiries_total 1"), "{m}");
+}
+
+#[tokio::test]
+async fn readiness_follows_the_watch_and_shutdown_and_logs_can_be_json() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "health").await;
+    let ctl = controller_with(&ns.name, "json-controller", &["--log-format", "json"]);
+    let port = ctl.port.unwrap();
+    wait_for("controller ready", Duration::from_secs(20), || async {
+        (http_get(port, "/readyz").await?.0 == 200).then_some(())
+    })
+    .await;
+    assert_eq!(http_get(port, "/healthz").await.unwrap().0, 200);
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "j"}, "spec": {}}),
+    )
+    .await;
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    wait_for("initialised", Duration::from_secs(10), || async {
+        (jobs.get("j").await.ok()?.status?.phase? == Phase::Queued).then_some(())
+    })
+    .await;
+    // Every line is a JSON object; the job's lines carry its reference.
+    let log = ctl.log_text();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let job_ref = format!("{}/j", ns.name);
+    assert!(
+        lines.iter().any(|l| l["job"] == job_ref.as_str()),
+        "no line carries job={job_ref}: {log}"
+    );
+    // A sidecar is not ready until its watch synced, and stops being ready once draining.
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &["--drain-timeout", "30"]).await;
+    let create = json!({"metadata": {"name": "held"}, "spec": {"queue": "q"}});
+    create_job(&client, &ns.name, create).await;
+    let (s, c) = sc.claim(10).await;
+    assert_eq!(s, 200);
+    sc.proc.signal("TERM");
+    let sc_port = sc.proc.port.unwrap();
+    wait_for("sidecar not ready", Duration::from_secs(5), || async {
+        (http_get(sc_port, "/readyz").await?.0 == 503).then_some(())
+    })
+    .await;
+    let (s, r) = sc.claim(0).await;
+    assert_eq!(
+        (s, r["error"].as_str()),
+        (503, Some("shutting_down")),
+        "{r}"
+    );
+    let (s, _) = sc.complete("held", &token_of(&c), json!("ok")).await;
+    assert_eq!(s, 200);
+}
+
+#[tokio::test]
+async fn on_sigterm_the_sidecar_lets_its_worker_finish_and_the_result_is_accepted() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "drain").await;
+    let _ctl = controller(&ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let mut sc = Sidecar::start(&ns.name, "q", "pod-a", &["--drain-timeout", "30"]).await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "j"}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
+    )
+    .await;
+    let (s, c) = sc.claim(10).await;
+    assert_eq!(s, 200);
+    let token = token_of(&c);
+    sc.proc.signal("TERM");
+    // The worker keeps going for longer than a lease: the sidecar keeps the lease alive.
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (s, r) = sc.heartbeat("j", json!({"token": token})).await;
+        assert_eq!(s, 200, "{r}");
+    }
+    let (s, r) = sc.complete("j", &token, json!({"by": "pod-a"})).await;
+    assert_eq!(s, 200, "{r}");
+    // With nothing held, the sidecar exits promptly and cleanly.
+    let exited = wait_for("sidecar exit", Duration::from_secs(5), || {
+        let done = sc.proc.child.try_wait().unwrap();
+        async move { done }
+    })
+    .await;
+    assert!(exited.success(), "{exited:?}");
+    let job = jobs.get("j").await.unwrap();
+    assert_eq!(job.phase(), Phase::Succeeded);
+    assert_eq!(job.attempt(), 1);
+    assert!(job.status.unwrap().failures.is_empty());
+}
+
+#[tokio::test]
+async fn a_native_sidecar_stopped_after_its_worker_requeues_the_job_at_once() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "native").await;
+    let _ctl = controller(&ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let a = Sidecar::start(&ns.name, "q", "pod-a", &["--release-on-shutdown"]).await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "j"}, "spec": {"queue": "q", "leaseDurationSeconds": 60}}),
+    )
+    .await;
+    let (s, c) = a.claim(10).await;
+    assert_eq!(s, 200);
+    let (s, _) = a
+        .heartbeat(
+            "j",
+            json!({"token": token_of(&c), "checkpoint": {"offset": 7}}),
+        )
+        .await;
+    assert_eq!(s, 200);
+    // The worker container has exited; Kubernetes now stops the native sidecar.
+    let b = Sidecar::start(&ns.name, "q", "pod-b", &[]).await;
+    let stopped = tokio::time::Instant::now();
+    a.proc.signal("TERM");
+    let (s, c2) = b.claim(10).await;
+    assert_eq!(s, 200, "{c2}");
+    assert!(
+        stopped.elapsed() < Duration::from_secs(5),
+        "requeued after {:?}, not at once",
+        stopped.elapsed()
+    );
+    assert_eq!(c2["attempt"], 2);
+    assert_eq!(c2["checkpoint"], json!({"offset": 7}));
+    let job = jobs.get("j").await.unwrap();
+    assert!(
+        job.status.unwrap().failures.is_empty(),
+        "a release is not a failed attempt"
+    );
+    // Never both at once: A's token no longer works anywhere.
+    let (s, _) = b.complete("j", &token_of(&c), json!("a")).await;
+    assert_eq!(s, 409);
+}
