@@ -27,8 +27,10 @@ use tracing::{info, warn};
 use crate::crd::{LeasedJob, LeasedJobStatus, Phase, MANAGED_BY, MANAGED_BY_LABEL};
 use crate::expiry::{self, Observation, Record, Verdict};
 use crate::fence::{self, Outcome, REASON_LEASE_EXPIRED};
+use crate::leader::{self, Leadership};
 use crate::lease::{self, is_status};
 use crate::metrics::{Health, JobLabels, Metrics};
+use crate::shutdown;
 use crate::token::Token;
 
 /// Name under which the controller reports Events.
@@ -36,6 +38,8 @@ pub const REPORTER: &str = "leasehold-controller";
 
 /// Extra time added to a computed expiry before looking again, so the look lands after it.
 const EXPIRY_SLACK: Duration = Duration::from_millis(20);
+/// How soon a standby looks again at a job it would have written to.
+const NOT_LEADER_REQUEUE: Duration = Duration::from_secs(1);
 /// Requeue delay after a failed reconcile.
 const ERROR_REQUEUE: Duration = Duration::from_secs(2);
 
@@ -52,6 +56,12 @@ pub enum ReconcileError {
         /// The underlying error.
         #[source]
         source: kube::Error,
+    },
+    /// This replica does not lead (or its term just ended): it must not write.
+    #[error("not the leader: LeasedJob {job} is left to the leading replica")]
+    NotLeader {
+        /// `namespace/name`.
+        job: String,
     },
     /// A Lease operation failed.
     #[error("LeasedJob {job}: Lease {action} failed")]
@@ -72,6 +82,7 @@ impl ReconcileError {
         match self {
             ReconcileError::Job { .. } => "job_write",
             ReconcileError::Lease { .. } => "lease_write",
+            ReconcileError::NotLeader { .. } => "not_leader",
         }
     }
 }
@@ -89,14 +100,19 @@ pub enum ControllerError {
 pub struct Config {
     /// Watch only this namespace; all namespaces when None.
     pub namespace: Option<String>,
-    /// This replica's name, reported as the Events' reportingInstance.
+    /// This replica's name, reported as the Events' reportingInstance and in the field
+    /// manager of its writes (`leasehold-controller/<identity>`).
     pub identity: String,
+    /// Leader election among replicas; None runs as the only writer.
+    pub election: Option<leader::ElectionConfig>,
 }
 
 /// Shared state of the reconciler.
 pub struct Context {
     client: Client,
     metrics: Arc<Metrics>,
+    leadership: Arc<Leadership>,
+    field_manager: String,
     leases: Store<Lease>,
     recorder: Recorder,
     /// What the controller has seen of each leased job's Lease, and when (see [`crate::expiry`]).
@@ -136,9 +152,26 @@ pub async fn run(
             instance: Some(config.identity.clone()),
         },
     );
+    let leadership = Arc::new(match config.election {
+        Some(_) => Leadership::default(),
+        None => Leadership::always(),
+    });
+    let elector = config.election.clone().map(|election| {
+        let api: Api<Lease> = Api::namespaced(client.clone(), &election.namespace);
+        let leadership = Arc::clone(&leadership);
+        tokio::spawn(
+            async move { leader::run(api, election, &leadership, shutdown::signal()).await },
+        )
+    });
+    let field_manager: String = format!("leasehold-controller/{}", config.identity)
+        .chars()
+        .take(128)
+        .collect();
     let ctx = Arc::new(Context {
         client,
         metrics: Arc::clone(&metrics),
+        leadership,
+        field_manager,
         leases: lease_store.clone(),
         recorder,
         observations: Mutex::default(),
@@ -187,6 +220,10 @@ pub async fn run(
     // nothing before the Lease cache is ready (reconcile checks readiness itself).
     let (ready, ()) = tokio::join!(wait_leases, run);
     pruner.abort();
+    // The elector gives the leader Lease up on the same signal; let it finish.
+    if let Some(elector) = elector {
+        let _ = elector.await;
+    }
     ready
 }
 
@@ -207,6 +244,31 @@ fn count_jobs(jobs: &Store<LeasedJob>, metrics: &Metrics) {
 }
 
 impl Context {
+    /// Ok while this replica leads; ask immediately before every write.
+    fn leading(&self, job: &LeasedJob) -> Result<(), ReconcileError> {
+        if self.leadership.is_leader() {
+            Ok(())
+        } else {
+            Err(ReconcileError::NotLeader {
+                job: job.reference(),
+            })
+        }
+    }
+
+    fn patch_params(&self) -> PatchParams {
+        PatchParams {
+            field_manager: Some(self.field_manager.clone()),
+            ..PatchParams::default()
+        }
+    }
+
+    fn post_params(&self) -> PostParams {
+        PostParams {
+            field_manager: Some(self.field_manager.clone()),
+            ..PostParams::default()
+        }
+    }
+
     fn forget_missing(&self, jobs: &Store<LeasedJob>) {
         let keep = |k: &ObjectRef<LeasedJob>| jobs.get(k).is_some();
         self.observations.lock().unwrap().retain(|k, _| keep(k));
@@ -214,6 +276,9 @@ impl Context {
     }
 
     async fn event(&self, job: &LeasedJob, type_: EventType, reason: &str, note: String) {
+        if !self.leadership.is_leader() {
+            return;
+        }
         let ev = Event {
             type_,
             reason: reason.into(),
@@ -228,6 +293,9 @@ impl Context {
 }
 
 fn error_policy(job: Arc<LeasedJob>, err: &ReconcileError, _ctx: Arc<Context>) -> Action {
+    if let ReconcileError::NotLeader { .. } = err {
+        return Action::requeue(NOT_LEADER_REQUEUE);
+    }
     warn!(job = %job.reference(), category = err.category(), error = %err, "reconcile failed; retrying");
     Action::requeue(ERROR_REQUEUE)
 }
@@ -249,7 +317,8 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
     let leases: Api<Lease> = Api::namespaced(ctx.client.clone(), &ns);
     record_transitions(&job, &ctx).await;
     let Some(status) = job.status.as_ref().filter(|s| s.phase.is_some()) else {
-        initialise(&jobs, &job).await?;
+        ctx.leading(&job)?;
+        initialise(&jobs, &job, &ctx.post_params()).await?;
         return Ok(Action::await_change());
     };
     let lease_name = status
@@ -275,6 +344,7 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
             let held = lease.as_deref().and_then(lease::holder_identity);
             if let (Some(held), Some(token)) = (held, job.token()) {
                 if held == token {
+                    ctx.leading(&job)?;
                     lease::release(&leases, &lease_name, token)
                         .await
                         .map_err(|source| ReconcileError::Lease {
@@ -285,7 +355,7 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
                 }
             }
             if phase.is_finished() {
-                return delete_after_ttl(&job, &jobs).await;
+                return delete_after_ttl(&job, &ctx, &jobs).await;
             }
             Ok(Action::await_change())
         }
@@ -304,10 +374,11 @@ async fn cancel(
     let job_ref = job.reference();
     let was = job.phase();
     let patch = fence::cancel_patch(job, Timestamp::now());
+    ctx.leading(job)?;
     match jobs
         .patch_status(
             &job.name_any(),
-            &PatchParams::default(),
+            &ctx.patch_params(),
             &Patch::Json::<()>(patch),
         )
         .await
@@ -343,6 +414,7 @@ async fn cancel(
     };
     ctx.event(job, EventType::Normal, "Cancelled", note).await;
     if let (Phase::Leased, Some(token)) = (was, job.token()) {
+        ctx.leading(job)?;
         lease::release(leases, lease_name, token)
             .await
             .map_err(|source| ReconcileError::Lease {
@@ -358,6 +430,7 @@ async fn cancel(
 /// Job's TTL-after-finished controller does), or says when to look again.
 async fn delete_after_ttl(
     job: &LeasedJob,
+    ctx: &Context,
     jobs: &Api<LeasedJob>,
 ) -> Result<Action, ReconcileError> {
     let (Some(ttl), Some(finished)) = (
@@ -381,6 +454,7 @@ async fn delete_after_ttl(
         }),
         ..DeleteParams::background()
     };
+    ctx.leading(job)?;
     match jobs.delete(&job.name_any(), &params).await {
         Ok(_) => {
             info!(job = %job_ref, "Deleted LeasedJob {job_ref}: {ttl}s after it finished (ttlSecondsAfterFinished)");
@@ -396,7 +470,11 @@ async fn delete_after_ttl(
 }
 
 /// Gives a job applied without status its Queued status, under its resourceVersion.
-async fn initialise(jobs: &Api<LeasedJob>, job: &LeasedJob) -> Result<(), ReconcileError> {
+async fn initialise(
+    jobs: &Api<LeasedJob>,
+    job: &LeasedJob,
+    params: &PostParams,
+) -> Result<(), ReconcileError> {
     let mut next = job.clone();
     next.status = Some(LeasedJobStatus {
         phase: Some(Phase::Queued),
@@ -405,10 +483,7 @@ async fn initialise(jobs: &Api<LeasedJob>, job: &LeasedJob) -> Result<(), Reconc
         observed_generation: job.metadata.generation,
         ..job.status.clone().unwrap_or_default()
     });
-    match jobs
-        .replace_status(&job.name_any(), &PostParams::default(), &next)
-        .await
-    {
+    match jobs.replace_status(&job.name_any(), params, &next).await {
         Ok(_) => {
             info!(job = %job.reference(), "Queued LeasedJob {}", job.reference());
             Ok(())
@@ -542,10 +617,11 @@ async fn expire(
         rand::random(),
     );
     let next = fence::next_phase(&outcome, job.failed_attempts(), job.spec.max_attempts);
+    ctx.leading(job)?;
     match jobs
         .patch_status(
             &job.name_any(),
-            &PatchParams::default(),
+            &ctx.patch_params(),
             &Patch::Json::<()>(patch),
         )
         .await
@@ -583,6 +659,7 @@ async fn expire(
         format!("{message}; requeued")
     };
     ctx.event(job, type_, reason, note).await;
+    ctx.leading(job)?;
     lease::release(leases, lease_name, token.as_str())
         .await
         .map_err(|source| ReconcileError::Lease {

@@ -9,18 +9,21 @@
 //! - [`fence`]: the conditional writes that end an attempt; where a stale token is refused.
 //! - [`expiry`]: how the controller judges a lease expired (on its own clock).
 //! - [`controller`]: the reconciler that requeues expired jobs and records Events.
+//! - [`leader`]: leader election among controller replicas, fenced like workers.
 //! - [`worker`]: the client library a worker (or the sidecar) uses.
 //! - [`sidecar`]: that library over local HTTP, for workers in any language.
 //! - [`metrics`]: Prometheus metrics and health.
-//! - [`telemetry`]: logging set-up.
+//! - [`telemetry`]: logging set-up; [`shutdown`]: the shutdown signal.
 
 pub mod claim;
 pub mod controller;
 pub mod crd;
 pub mod expiry;
 pub mod fence;
+pub mod leader;
 pub mod lease;
 pub mod metrics;
+pub mod shutdown;
 pub mod sidecar;
 pub mod telemetry;
 pub mod token;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use axum::routing::get;
 use leasehold::metrics::{Health, Metrics};
-use leasehold::{controller, crd, sidecar, telemetry, worker};
+use leasehold::{controller, crd, leader, sidecar, telemetry, worker};
 
 /// A Kubernetes-native job queue in which workers lease jobs and prove the lease on every write.
 ///
@@ -32,6 +32,63 @@ struct Cli {
     command: Command,
 }
 
+/// Leader election among controller replicas (client-go's defaults: 15 s, 10 s, 2 s).
+#[derive(clap::Args)]
+struct ElectionArgs {
+    /// Elect one leader among replicas; only the leader writes. `false` runs as the only writer.
+    #[arg(long, env = "LEASEHOLD_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    leader_elect: bool,
+    /// Namespace of the leader Lease (default: POD_NAMESPACE, else --namespace, else default).
+    #[arg(long, env = "POD_NAMESPACE")]
+    leader_namespace: Option<String>,
+    /// Name of the leader Lease.
+    #[arg(long, default_value = "leasehold-controller")]
+    leader_lease_name: String,
+    /// Seconds a leader's Lease stays valid without renewal, for the standbys.
+    #[arg(long, default_value_t = 15.0)]
+    leader_lease_duration: f64,
+    /// Seconds the leader keeps leading without a successful renewal (< lease duration).
+    #[arg(long, default_value_t = 10.0)]
+    leader_renew_deadline: f64,
+    /// Seconds between the leader's renewals and a standby's tries.
+    #[arg(long, default_value_t = 2.0)]
+    leader_retry_period: f64,
+}
+
+fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .with_context(|| format!("{flag} {value} is not a positive number of seconds"))
+}
+
+impl ElectionArgs {
+    fn config(
+        self,
+        identity: &str,
+        namespace: Option<&str>,
+    ) -> anyhow::Result<Option<leader::ElectionConfig>> {
+        if !self.leader_elect {
+            return Ok(None);
+        }
+        let namespace = self
+            .leader_namespace
+            .or_else(|| namespace.map(str::to_string))
+            .unwrap_or_else(|| "default".to_string());
+        check_dns_label("--leader-namespace", &namespace)?;
+        let config = leader::ElectionConfig {
+            namespace,
+            lease_name: self.leader_lease_name,
+            identity: identity.to_string(),
+            lease_duration: seconds("--leader-lease-duration", self.leader_lease_duration)?,
+            renew_deadline: seconds("--leader-renew-deadline", self.leader_renew_deadline)?,
+            retry_period: seconds("--leader-retry-period", self.leader_retry_period)?,
+        };
+        config.validate().map_err(anyhow::Error::msg)?;
+        Ok(Some(config))
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Reconcile LeasedJobs: initialise new ones, requeue expired leases, record Events.
@@ -45,6 +102,8 @@ enum Command {
         /// Address for /metrics, /healthz and /readyz.
         #[arg(long, env = "LEASEHOLD_METRICS_ADDR", default_value = "0.0.0.0:8080")]
         metrics_addr: SocketAddr,
+        #[command(flatten)]
+        election: ElectionArgs,
     },
     /// Serve the worker's HTTP API: claim, heartbeat, complete, fail, release.
     Sidecar {
@@ -95,10 +154,12 @@ async fn main() -> anyhow::Result<()> {
             namespace,
             identity,
             metrics_addr,
+            election,
         } => {
             telemetry::init(log_format);
-            let client = client().await?;
             let identity = identity_or_hostname(identity)?;
+            let election = election.config(&identity, namespace.as_deref())?;
+            let client = client().await?;
             let metrics = Arc::new(Metrics::new());
             let health = Health::new();
             let listener = tokio::net::TcpListener::bind(metrics_addr)
@@ -110,7 +171,7 @@ async fn main() -> anyhow::Result<()> {
             );
             let draining = Arc::clone(&health);
             tokio::spawn(async move {
-                shutdown_signal().await;
+                leasehold::shutdown::signal().await;
                 draining.set_shutting_down();
             });
             let controller = controller::run(
@@ -118,6 +179,7 @@ async fn main() -> anyhow::Result<()> {
                 controller::Config {
                     namespace,
                     identity,
+                    election,
                 },
                 metrics,
                 Arc::clone(&health),
@@ -199,22 +261,13 @@ async fn run_sidecar(
     }
 }
 
-async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
-}
-
 /// Resolves when the sidecar may stop serving: after SIGTERM, once no job is held (the worker
 /// finished, failed or released them) or the drain timeout passed. Claims are refused from the
 /// signal on. Held jobs are released only with --release-on-shutdown (the worker is known to
 /// be gone); otherwise a job still held at the timeout keeps its lease until it expires,
 /// because the worker may still be working on it.
 async fn drain_on_signal(worker: worker::Worker, shutdown: Shutdown) {
-    shutdown_signal().await;
+    leasehold::shutdown::signal().await;
     worker.start_draining();
     let held = worker.held_count();
     tracing::info!(held, "Draining leasehold sidecar: no more claims");

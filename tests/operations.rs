@@ -47,7 +47,7 @@ async fn metrics_move_when_the_events_they_count_happen() {
     create_job(
         &client,
         &ns.name,
-        json!({"metadata": {"name": "m2"}, "spec": {"queue": "q"}}),
+        json!({"metadata": {"name": "m2"}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
     )
     .await;
     let queued = "leasehold_jobs{queue=\"q\",phase=\"Queued\"}";
