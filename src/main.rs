@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 use kube::Client;
-use leasehold::{controller, crd, sidecar, telemetry, worker};
+use leasehold::{controller, crd, crd_check, sidecar, telemetry, worker};
 
 /// A Kubernetes-native job queue in which workers lease jobs and prove the lease on every write.
 ///
@@ -23,6 +23,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Reconcile LeasedJobs: initialise new ones, requeue expired leases, record Events.
+    ///
+    /// Refuses to start when the installed LeasedJob CRD lacks fields this version needs.
     Controller {
         /// Watch only this namespace (default: all namespaces).
         #[arg(long, env = "LEASEHOLD_NAMESPACE")]
@@ -72,6 +74,7 @@ async fn main() -> anyhow::Result<()> {
             telemetry::init();
             let client = client().await?;
             let identity = identity_or_hostname(identity)?;
+            crd_check::check(&client).await?;
             controller::run(
                 client,
                 controller::Config {
