@@ -498,8 +498,15 @@ async fn initialise(
     }
 }
 
-fn record_of(token: &str, lease: Option<&Lease>) -> Record {
-    let spec = lease.and_then(|l| l.spec.as_ref());
+/// What the controller compares between looks at a leased job. A Lease that does not carry
+/// this attempt's heartbeats (another token, or another pod named as its holder) counts as no
+/// Lease: only the holder's renewals keep a job alive.
+fn record_of(job: &LeasedJob, lease: Option<&Lease>) -> Record {
+    let token = job.token().unwrap_or_default();
+    let holder = job.status.as_ref().and_then(|s| s.holder.as_deref());
+    let spec = lease
+        .filter(|l| lease::names_attempt(l, token, holder))
+        .and_then(|l| l.spec.as_ref());
     Record {
         token: token.to_string(),
         holder_identity: spec.and_then(|s| s.holder_identity.clone()),
@@ -523,7 +530,7 @@ async fn check_expiry(
     let now = Instant::now();
     let observation = {
         let mut seen = ctx.observations.lock().unwrap();
-        let o = expiry::observe(seen.get(&key), record_of(&token, lease), now);
+        let o = expiry::observe(seen.get(&key), record_of(job, lease), now);
         seen.insert(key.clone(), o.clone());
         o
     };
@@ -541,7 +548,7 @@ async fn check_expiry(
             action: "read",
             source: lease::LeaseError::Api(source),
         })?;
-    let fresh_record = record_of(&token, fresh.as_ref());
+    let fresh_record = record_of(job, fresh.as_ref());
     if fresh_record != observation.record {
         let o = expiry::observe(Some(&observation), fresh_record, Instant::now());
         ctx.observations.lock().unwrap().insert(key, o);
@@ -560,11 +567,13 @@ async fn check_expiry(
     .await
 }
 
-/// The lease duration in force: the Lease's while it names the current token, else the job's.
+/// The lease duration in force: the Lease's while it carries the current attempt's heartbeats
+/// ([`lease::names_attempt`]), else the job's.
 fn lease_duration(job: &LeasedJob, lease: Option<&Lease>, token: &str) -> Duration {
+    let holder = job.status.as_ref().and_then(|s| s.holder.as_deref());
     let from_lease = lease
+        .filter(|l| lease::names_attempt(l, token, holder))
         .and_then(|l| l.spec.as_ref())
-        .filter(|s| s.holder_identity.as_deref() == Some(token))
         .and_then(|s| s.lease_duration_seconds);
     let secs = from_lease.unwrap_or(job.spec.lease_duration_seconds).max(1);
     Duration::from_secs(u64::try_from(secs).unwrap_or(1))
@@ -594,7 +603,7 @@ async fn expire(
         .and_then(|s| s.holder.clone())
         .unwrap_or_default();
     let checkpoint = lease
-        .filter(|l| lease::holder_identity(l) == Some(token.as_str()))
+        .filter(|l| lease::names_attempt(l, token.as_str(), Some(&holder)))
         .and_then(lease::checkpoint);
     let message = format!(
         "no heartbeat from {holder} for {:.1}s (leaseDurationSeconds {}), attempt {} expired",

@@ -28,6 +28,12 @@ use crate::token::Token;
 pub const CHECKPOINT_ANNOTATION: &str = "leasehold.dev/checkpoint";
 /// Annotation on the Lease naming its LeasedJob (the full name, which a label could not hold).
 pub const JOB_ANNOTATION: &str = "leasehold.dev/job";
+/// Annotation on the Lease naming the pod that acquired it (the claim's status.holder). It lets
+/// the API server's admission policy, which cannot read the LeasedJob while judging a Lease
+/// write, tell the holder's renewals from anyone else's: only the pod named here may renew or
+/// release the Lease (see docs/security.md). The controller counts a renewal only when this
+/// names the job's holder.
+pub const HOLDER_ANNOTATION: &str = "leasehold.dev/holder";
 /// Largest checkpoint accepted, in bytes of JSON text. Annotations of one object may hold
 /// 256 KiB in all (Kubernetes' `TotalAnnotationSizeLimitB`); a checkpoint is meant to be small.
 pub const MAX_CHECKPOINT_BYTES: usize = 64 * 1024;
@@ -101,6 +107,22 @@ pub fn holder_identity(lease: &Lease) -> Option<&str> {
     lease.spec.as_ref()?.holder_identity.as_deref()
 }
 
+/// The pod named by the Lease's [`HOLDER_ANNOTATION`], if any.
+pub fn holder_pod(lease: &Lease) -> Option<&str> {
+    lease
+        .annotations()
+        .get(HOLDER_ANNOTATION)
+        .map(String::as_str)
+}
+
+/// True when `lease` carries the heartbeats of the attempt with `token` held by `holder`: its
+/// holderIdentity is the token and its [`HOLDER_ANNOTATION`] (when present: Leases written
+/// before it existed have none) names the holder. Renewals of any other Lease say nothing
+/// about the attempt.
+pub fn names_attempt(lease: &Lease, token: &str, holder: Option<&str>) -> bool {
+    holder_identity(lease) == Some(token) && holder_pod(lease).is_none_or(|pod| Some(pod) == holder)
+}
+
 /// The checkpoint stored on a Lease, if it has a valid one.
 pub fn checkpoint(lease: &Lease) -> Option<Value> {
     let text = lease.annotations().get(CHECKPOINT_ANNOTATION)?;
@@ -132,8 +154,9 @@ pub fn may_take_over(current: Option<&str>, ours: &Token) -> bool {
 }
 
 /// The Lease object for a fresh claim of `job` with `token`: holderIdentity is the token,
-/// acquireTime and renewTime are `now`, leaseTransitions is `transitions`, and the job owns it
-/// (so it is garbage-collected with the job).
+/// acquireTime and renewTime are `now`, leaseTransitions is `transitions`,
+/// [`HOLDER_ANNOTATION`] is the claim's holder (status.holder), and the job owns it (so it is
+/// garbage-collected with the job).
 pub fn lease_for_claim(
     job: &LeasedJob,
     token: &Token,
@@ -156,6 +179,10 @@ pub fn lease_for_claim(
     let annotations = meta.annotations.get_or_insert_with(Default::default);
     annotations.insert(JOB_ANNOTATION.to_string(), job.name_any());
     annotations.remove(CHECKPOINT_ANNOTATION);
+    match job.status.as_ref().and_then(|s| s.holder.clone()) {
+        Some(holder) => annotations.insert(HOLDER_ANNOTATION.to_string(), holder),
+        None => annotations.remove(HOLDER_ANNOTATION),
+    };
     Lease {
         metadata: meta,
         spec: Some(LeaseSpec {
@@ -406,6 +433,40 @@ mod tests {
         assert_eq!(p.as_array().unwrap().len(), 3);
         let p = serde_json::to_value(renew_patch(&t, Timestamp::UNIX_EPOCH, None)).unwrap();
         assert_eq!(p.as_array().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_claims_lease_names_its_holder_and_only_it_counts_as_the_attempts() {
+        use crate::crd::{LeasedJobSpec, LeasedJobStatus};
+        let mut job = LeasedJob::new(
+            "j",
+            LeasedJobSpec {
+                queue: "q".into(),
+                lease_duration_seconds: 30,
+                ..Default::default()
+            },
+        );
+        job.status = Some(LeasedJobStatus {
+            holder: Some("pod-a".into()),
+            ..Default::default()
+        });
+        let t = Token::issue(2);
+        let mut l = lease_for_claim(&job, &t, Timestamp::UNIX_EPOCH, 1, None);
+        assert_eq!(holder_pod(&l), Some("pod-a"));
+        assert!(names_attempt(&l, t.as_str(), Some("pod-a")));
+        assert!(!names_attempt(&l, t.as_str(), Some("pod-b")));
+        assert!(!names_attempt(&l, Token::issue(2).as_str(), Some("pod-a")));
+        l.metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .remove(HOLDER_ANNOTATION);
+        assert!(names_attempt(&l, t.as_str(), Some("pod-a")));
+        // A take-over by another claim replaces the annotation.
+        job.status.as_mut().unwrap().holder = Some("pod-b".into());
+        let t3 = Token::issue(3);
+        let taken = lease_for_claim(&job, &t3, Timestamp::UNIX_EPOCH, 2, Some(&l));
+        assert_eq!(holder_pod(&taken), Some("pod-b"));
     }
 
     #[test]

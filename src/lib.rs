@@ -3,6 +3,7 @@
 //!
 //! Where things live:
 //! - [`crd`]: the `LeasedJob` custom resource.
+//! - [`crd_check`]: the controller's start-up check that the installed CRD is up to date.
 //! - [`token`]: the fencing token a claim issues.
 //! - [`claim`]: the atomic Queued -> Leased transition.
 //! - [`lease`]: the per-job `coordination.k8s.io/v1` Lease: acquire, renew (heartbeat), release.
@@ -18,6 +19,7 @@
 pub mod claim;
 pub mod controller;
 pub mod crd;
+pub mod crd_check;
 pub mod expiry;
 pub mod fence;
 pub mod leader;

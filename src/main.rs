@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use axum::routing::get;
 use leasehold::metrics::{Health, Metrics};
-use leasehold::{controller, crd, leader, sidecar, telemetry, worker};
+use leasehold::{controller, crd, crd_check, leader, sidecar, telemetry, worker};
 
 /// A Kubernetes-native job queue in which workers lease jobs and prove the lease on every write.
 ///
@@ -92,6 +92,8 @@ impl ElectionArgs {
 #[derive(Subcommand)]
 enum Command {
     /// Reconcile LeasedJobs: initialise new ones, requeue expired leases, record Events.
+    ///
+    /// Refuses to start when the installed LeasedJob CRD lacks fields this version needs.
     Controller {
         /// Watch only this namespace (default: all namespaces).
         #[arg(long, env = "LEASEHOLD_NAMESPACE")]
@@ -136,6 +138,10 @@ enum Command {
         /// to stop, as with a native sidecar (an initContainer with restartPolicy: Always).
         #[arg(long, env = "LEASEHOLD_RELEASE_ON_SHUTDOWN")]
         release_on_shutdown: bool,
+        /// Also serve /metrics, /healthz and /readyz (not the worker API) on this address, for
+        /// Prometheus and the kubelet's probes, which cannot reach the loopback --listen.
+        #[arg(long, env = "LEASEHOLD_METRICS_ADDR")]
+        metrics_addr: Option<SocketAddr>,
     },
     /// Print the LeasedJob CustomResourceDefinition as YAML.
     Crd,
@@ -160,6 +166,7 @@ async fn main() -> anyhow::Result<()> {
             let identity = identity_or_hostname(identity)?;
             let election = election.config(&identity, namespace.as_deref())?;
             let client = client().await?;
+            crd_check::check(&client).await?;
             let metrics = Arc::new(Metrics::new());
             let health = Health::new();
             let listener = tokio::net::TcpListener::bind(metrics_addr)
@@ -199,6 +206,7 @@ async fn main() -> anyhow::Result<()> {
             spread,
             drain_timeout,
             release_on_shutdown,
+            metrics_addr,
         } => {
             telemetry::init(log_format);
             check_dns_label("--queue", &queue)?;
@@ -220,7 +228,7 @@ async fn main() -> anyhow::Result<()> {
                 drain_timeout: Duration::from_secs(drain_timeout),
                 release_on_shutdown,
             };
-            run_sidecar(client, config, listen, shutdown).await
+            run_sidecar(client, config, listen, metrics_addr, shutdown).await
         }
     }
 }
@@ -241,6 +249,7 @@ async fn run_sidecar(
     client: Client,
     config: worker::WorkerConfig,
     listen: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
     shutdown: Shutdown,
 ) -> anyhow::Result<()> {
     let (queue, namespace, identity) = (
@@ -253,11 +262,29 @@ async fn run_sidecar(
         .await
         .with_context(|| format!("--listen {listen}: cannot bind"))?;
     tracing::info!(%listen, %queue, %namespace, %identity, "Started leasehold sidecar");
+    let observability = match metrics_addr {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("--metrics-addr {addr}: cannot bind"))?;
+            let router =
+                observability_router(Arc::clone(worker.metrics()), Arc::clone(worker.health()));
+            Some(tokio::spawn(async move { axum::serve(l, router).await }))
+        }
+        None => None,
+    };
     let drain = drain_on_signal(worker.clone(), shutdown);
     let server = axum::serve(listener, sidecar::router(worker)).with_graceful_shutdown(drain);
+    let observed = async {
+        match observability {
+            Some(task) => task.await,
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         served = server => served.context("HTTP server failed"),
         _ = watch_task => bail!("the LeasedJob watch task ended unexpectedly"),
+        _ = observed => bail!("the --metrics-addr server ended unexpectedly"),
     }
 }
 

@@ -1,0 +1,57 @@
+{{/* Name of the chart, overridable. */}}
+{{- define "leasehold.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Prefix of every resource name: the release name, plus the chart name unless it has it. */}}
+{{- define "leasehold.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Labels on every object of the release. */}}
+{{- define "leasehold.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "leasehold.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: leasehold
+{{- end }}
+
+{{/* Selector labels of the controller's pods. */}}
+{{- define "leasehold.controllerSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "leasehold.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: controller
+{{- end }}
+
+{{/* The controller's ServiceAccount. */}}
+{{- define "leasehold.controllerServiceAccount" -}}
+{{- printf "%s-controller" (include "leasehold.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The image, tag defaulting to the chart's appVersion. */}}
+{{- define "leasehold.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* Usernames the admission policies treat as workers, as a JSON (and so CEL) list. */}}
+{{- define "leasehold.workerUsernames" -}}
+{{- $users := list }}
+{{- range .Values.workers.namespaces }}
+{{- $users = append $users (printf "system:serviceaccount:%s:%s" . $.Values.workers.serviceAccountName) }}
+{{- end }}
+{{- range .Values.admissionPolicy.extraWorkerUsernames }}
+{{- $users = append $users . }}
+{{- end }}
+{{- $users | toJson }}
+{{- end }}

@@ -1,0 +1,954 @@
+//! The chart's credentials and admission policies against the real API server.
+//!
+//! Every test installs its own release of the chart into its own namespace (which is also
+//! the release's one worker namespace) and acts with credentials made as a cluster makes
+//! them for pods: TokenRequest tokens of the chart's ServiceAccounts bound to Pod objects
+//! `pod-a` and `pod-b` (Pending forever: no kubelet). The hostile requests are made by hand,
+//! as raw HTTP, so that nothing but the API server stands between them and the objects; each
+//! is shown refused with the rule's name, and the same kind of request from the right pod is
+//! shown accepted.
+
+mod chart_support;
+mod common;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use chart_support::*;
+use common::*;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::{Api, Client, ResourceExt};
+use leasehold::claim;
+use leasehold::crd::{LeasedJob, Phase};
+use leasehold::fence::{self, Outcome, REASON_LEASE_EXPIRED};
+use leasehold::lease;
+use leasehold::token::Token;
+use serde_json::{json, Value};
+
+const WORKER_SA: &str = "leasehold-worker";
+
+/// One test's world: its namespace, its release, an admin client, and the clients of two
+/// worker pods.
+struct World {
+    ns: TestNamespace,
+    release: Release,
+    admin: Client,
+    a: Client,
+    b: Client,
+    kc_a: PathBuf,
+    kc_b: PathBuf,
+}
+
+impl World {
+    async fn new(test: &str, extra_sets: &[&str]) -> World {
+        let admin = client().await;
+        let ns = TestNamespace::new(&admin, test).await;
+        let workers = format!("workers.namespaces={{{}}}", ns.name);
+        let mut sets = vec![workers.as_str()];
+        sets.extend_from_slice(extra_sets);
+        let release = Release::install(&ns.name, &ns.name, &sets);
+        let mut kcs = Vec::new();
+        for pod in ["pod-a", "pod-b"] {
+            create_pod(&admin, &ns.name, pod, WORKER_SA).await;
+            let token = pod_token(&ns.name, WORKER_SA, pod);
+            kcs.push(token_kubeconfig(
+                &format!("{}-{pod}", ns.name),
+                &token,
+                &ns.name,
+            ));
+        }
+        let (a, b) = (client_from(&kcs[0]).await, client_from(&kcs[1]).await);
+        let world = World {
+            ns,
+            release,
+            admin,
+            a,
+            b,
+            kc_a: kcs[0].clone(),
+            kc_b: kcs[1].clone(),
+        };
+        if !extra_sets.contains(&"admissionPolicy.enabled=false") {
+            world.wait_for_policies().await;
+        }
+        world
+    }
+
+    /// The API server loads new admission policies a moment after they are created: wait
+    /// until a write only they refuse (a Lease that is not a job's) is refused.
+    async fn wait_for_policies(&self) {
+        let path = self.leases_path();
+        let leases: Api<Lease> = Api::namespaced(self.admin.clone(), &self.ns.name);
+        wait_for(
+            "admission policies in force",
+            Duration::from_secs(30),
+            || async {
+                let body = json!({"metadata": {"name": "policy-probe"}, "spec": {}});
+                match raw(&self.a, "POST", &path, "application/json", &body).await {
+                    Err((422, m)) if m.contains("leasehold rule job-leases-only") => Some(()),
+                    Ok(_) => {
+                        let _ = leases.delete("policy-probe", &Default::default()).await;
+                        None
+                    }
+                    Err(_) => None,
+                }
+            },
+        )
+        .await;
+    }
+
+    fn job_path(&self, name: &str) -> String {
+        format!(
+            "/apis/leasehold.dev/v1alpha1/namespaces/{}/leasedjobs/{name}",
+            self.ns.name
+        )
+    }
+
+    fn status_path(&self, name: &str) -> String {
+        format!("{}/status", self.job_path(name))
+    }
+
+    fn leases_path(&self) -> String {
+        format!(
+            "/apis/coordination.k8s.io/v1/namespaces/{}/leases",
+            self.ns.name
+        )
+    }
+
+    fn lease_path(&self, name: &str) -> String {
+        format!("{}/{name}", self.leases_path())
+    }
+
+    fn jobs(&self, client: &Client) -> Api<LeasedJob> {
+        Api::namespaced(client.clone(), &self.ns.name)
+    }
+
+    fn leases(&self, client: &Client) -> Api<Lease> {
+        Api::namespaced(client.clone(), &self.ns.name)
+    }
+
+    async fn job(&self, name: &str) -> LeasedJob {
+        self.jobs(&self.admin).get(name).await.unwrap()
+    }
+
+    async fn create_job(&self, name: &str) -> LeasedJob {
+        create_job(
+            &self.admin,
+            &self.ns.name,
+            json!({"metadata": {"name": name}, "spec": {"queue": "q"}}),
+        )
+        .await
+    }
+
+    /// The job as JSON with `status` replaced: the body of a claim by PUT.
+    async fn with_status(&self, name: &str, status: Value) -> Value {
+        let mut job = serde_json::to_value(self.job(name).await).unwrap();
+        job["status"] = status;
+        job
+    }
+}
+
+/// Asserts that `result` is the API server's refusal by the leasehold rule `rule`.
+fn assert_refused(result: Result<Value, (u16, String)>, rule: &str) {
+    match result {
+        Err((422, message)) => assert!(
+            message.contains(&format!("leasehold rule {rule}:")),
+            "refused, but not by rule {rule}: {message}"
+        ),
+        Err((code, message)) => panic!("expected rule {rule}, got HTTP {code}: {message}"),
+        Ok(v) => panic!("the API server accepted what rule {rule} forbids: {v}"),
+    }
+}
+
+fn hex_token(attempt: i32) -> String {
+    Token::issue(attempt).as_str().to_string()
+}
+
+#[tokio::test]
+async fn claims_are_made_only_in_the_requesting_pods_name() {
+    let w = World::new("adm-claim", &[]).await;
+    w.create_job("j").await;
+    let claim = |holder: &str, attempt: i32, token: String| {
+        json!({"phase": "Leased", "attempt": attempt, "holder": holder, "token": token,
+               "leaseName": "ljob-j"})
+    };
+
+    // Claiming with holder set to another pod.
+    let body = w.with_status("j", claim("pod-b", 1, hex_token(1))).await;
+    assert_refused(
+        raw(&w.a, "PUT", &w.status_path("j"), "application/json", &body).await,
+        "claim",
+    );
+    // Skipping an attempt, or a token that is not the new attempt's.
+    let body = w.with_status("j", claim("pod-a", 2, hex_token(2))).await;
+    assert_refused(
+        raw(&w.a, "PUT", &w.status_path("j"), "application/json", &body).await,
+        "claim",
+    );
+    let body = w.with_status("j", claim("pod-a", 1, hex_token(7))).await;
+    assert_refused(
+        raw(&w.a, "PUT", &w.status_path("j"), "application/json", &body).await,
+        "claim",
+    );
+    // A worker token bound to no pod claims in no one's name.
+    let unbound = client_from(&token_kubeconfig(
+        &format!("{}-unbound", w.ns.name),
+        &unbound_token(&w.ns.name, WORKER_SA),
+        &w.ns.name,
+    ))
+    .await;
+    let body = w.with_status("j", claim("pod-a", 1, hex_token(1))).await;
+    assert_refused(
+        raw(
+            &unbound,
+            "PUT",
+            &w.status_path("j"),
+            "application/json",
+            &body,
+        )
+        .await,
+        "claim",
+    );
+    assert!(w.job("j").await.status.is_none(), "a refused claim wrote");
+
+    // The same claim in the requesting pod's own name is accepted.
+    let t1 = hex_token(1);
+    let body = w.with_status("j", claim("pod-a", 1, t1.clone())).await;
+    raw(&w.a, "PUT", &w.status_path("j"), "application/json", &body)
+        .await
+        .expect("a valid claim by pod-a");
+    let job = w.job("j").await;
+    assert_eq!(job.phase(), Phase::Leased);
+    assert_eq!(job.token(), Some(t1.as_str()));
+
+    // Claiming a job that is not Queued, even in one's own name.
+    let body = w.with_status("j", claim("pod-b", 2, hex_token(2))).await;
+    assert_refused(
+        raw(&w.b, "PUT", &w.status_path("j"), "application/json", &body).await,
+        "claim",
+    );
+
+    // A claim keeps the job's history: failures cannot be wiped on the way.
+    w.create_job("k").await;
+    let (k, tk) = claim::claim(&w.jobs(&w.a), &w.job("k").await, "pod-a")
+        .await
+        .expect("claim through the library, as pod-a");
+    let failed = Outcome::Fail {
+        reason: "Boom".into(),
+        message: String::new(),
+        retryable: true,
+        checkpoint: None,
+    };
+    fence::apply(&w.jobs(&w.a), &w.ns.name, &k.name_any(), &tk, &failed)
+        .await
+        .expect("pod-a fails its attempt");
+    let mut status = serde_json::to_value(w.job("k").await.status).unwrap();
+    status["phase"] = json!("Leased");
+    status["attempt"] = json!(2);
+    status["holder"] = json!("pod-b");
+    status["token"] = json!(hex_token(2));
+    status["failures"] = json!([]);
+    let body = w.with_status("k", status.clone()).await;
+    assert_refused(
+        raw(&w.b, "PUT", &w.status_path("k"), "application/json", &body).await,
+        "claim-keeps-history",
+    );
+    let kept = w.job("k").await.status.unwrap().failures;
+    status["failures"] = serde_json::to_value(&kept).unwrap();
+    let body = w.with_status("k", status).await;
+    raw(&w.b, "PUT", &w.status_path("k"), "application/json", &body)
+        .await
+        .expect("the same claim, keeping the failures");
+}
+
+#[tokio::test]
+async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
+    let w = World::new("adm-holder", &[]).await;
+    let (jobs_a, jobs_b) = (w.jobs(&w.a), w.jobs(&w.b));
+    w.create_job("j").await;
+    let (_, t1) = claim::claim(&jobs_a, &w.job("j").await, "pod-a")
+        .await
+        .unwrap();
+
+    // Writing to a job another pod holds.
+    let complete = json!({"status": {"phase": "Succeeded", "result": "from b"}});
+    assert_refused(
+        raw(
+            &w.b,
+            "PATCH",
+            &w.status_path("j"),
+            "application/merge-patch+json",
+            &complete,
+        )
+        .await,
+        "holder-only",
+    );
+
+    // pod-a gives attempt 1 back; pod-b claims attempt 2.
+    fence::apply(
+        &jobs_a,
+        &w.ns.name,
+        "j",
+        &t1,
+        &Outcome::Release { checkpoint: None },
+    )
+    .await
+    .unwrap();
+    let (_, t2) = claim::claim(&jobs_b, &w.job("j").await, "pod-b")
+        .await
+        .unwrap();
+    assert_eq!(t2.attempt(), 2);
+
+    // Completing with the stale token: without the fencing `test`, by hand.
+    let stale = json!([
+        {"op": "replace", "path": "/status/phase", "value": "Succeeded"},
+        {"op": "replace", "path": "/status/token", "value": t1.as_str()},
+        {"op": "add", "path": "/status/result", "value": "stale"},
+    ]);
+    assert_refused(
+        raw(
+            &w.a,
+            "PATCH",
+            &w.status_path("j"),
+            "application/json-patch+json",
+            &stale,
+        )
+        .await,
+        "claim",
+    );
+    // Or leaving the (current) token alone: still not pod-a's job.
+    let complete_a = json!({"status": {"phase": "Succeeded", "result": "stale"}});
+    assert_refused(
+        raw(
+            &w.a,
+            "PATCH",
+            &w.status_path("j"),
+            "application/merge-patch+json",
+            &complete_a,
+        )
+        .await,
+        "holder-only",
+    );
+    let job = w.job("j").await;
+    assert_eq!(
+        (job.phase(), job.token()),
+        (Phase::Leased, Some(t2.as_str()))
+    );
+
+    // The holder's own complete is accepted.
+    let complete_b = json!({"status": {"phase": "Succeeded", "result": "from b"}});
+    raw(
+        &w.b,
+        "PATCH",
+        &w.status_path("j"),
+        "application/merge-patch+json",
+        &complete_b,
+    )
+    .await
+    .expect("pod-b completes the job it holds");
+    assert_eq!(w.job("j").await.phase(), Phase::Succeeded);
+
+    // A finished job is final, even for the pod that finished it.
+    let again = json!({"status": {"result": "rewritten"}});
+    assert_refused(
+        raw(
+            &w.b,
+            "PATCH",
+            &w.status_path("j"),
+            "application/merge-patch+json",
+            &again,
+        )
+        .await,
+        "finished-is-final",
+    );
+    assert_eq!(
+        w.job("j").await.status.unwrap().result,
+        Some(json!("from b"))
+    );
+
+    // The holder itself may add to the failures, never rewrite them.
+    w.create_job("m").await;
+    let (_, m1) = claim::claim(&jobs_a, &w.job("m").await, "pod-a")
+        .await
+        .unwrap();
+    let failed = Outcome::Fail {
+        reason: "Boom".into(),
+        message: "first".into(),
+        retryable: true,
+        checkpoint: None,
+    };
+    fence::apply(&jobs_a, &w.ns.name, "m", &m1, &failed)
+        .await
+        .unwrap();
+    claim::claim(&jobs_a, &w.job("m").await, "pod-a")
+        .await
+        .unwrap();
+    let wipe = json!({"status": {"failures": []}});
+    assert_refused(
+        raw(
+            &w.a,
+            "PATCH",
+            &w.status_path("m"),
+            "application/merge-patch+json",
+            &wipe,
+        )
+        .await,
+        "failures-append-only",
+    );
+    assert_eq!(w.job("m").await.failed_attempts(), 1);
+}
+
+#[tokio::test]
+async fn workers_renew_and_release_only_the_leases_they_hold() {
+    let w = World::new("adm-lease", &[]).await;
+    let (jobs_a, jobs_b) = (w.jobs(&w.a), w.jobs(&w.b));
+    let (leases_a, leases_b) = (w.leases(&w.a), w.leases(&w.b));
+    w.create_job("j").await;
+    let (job, t1) = claim::claim(&jobs_a, &w.job("j").await, "pod-a")
+        .await
+        .unwrap();
+    let acquired = lease::acquire(&leases_a, &job, &t1)
+        .await
+        .expect("pod-a acquires");
+    assert_eq!(lease::holder_pod(&acquired), Some("pod-a"));
+    let name = lease::lease_name("j");
+
+    // Renewing someone else's Lease (pod-b can read the token: it is no secret to workers).
+    let renew = serde_json::to_value(lease::renew_patch(
+        &t1,
+        k8s_openapi::jiff::Timestamp::now(),
+        Some("{\"stolen\":true}"),
+    ))
+    .unwrap();
+    assert_refused(
+        raw(
+            &w.b,
+            "PATCH",
+            &w.lease_path(&name),
+            "application/json-patch+json",
+            &renew,
+        )
+        .await,
+        "lease-holder-only",
+    );
+    // Releasing it.
+    let release = serde_json::to_value(lease::release_patch(t1.as_str())).unwrap();
+    assert_refused(
+        raw(
+            &w.b,
+            "PATCH",
+            &w.lease_path(&name),
+            "application/json-patch+json",
+            &release,
+        )
+        .await,
+        "lease-holder-only",
+    );
+    // Changing its holderIdentity to another token of the same attempt, naming oneself.
+    let redirect = json!({
+        "metadata": {"annotations": {"leasehold.dev/holder": "pod-b"}},
+        "spec": {"holderIdentity": hex_token(1)}
+    });
+    assert_refused(
+        raw(
+            &w.b,
+            "PATCH",
+            &w.lease_path(&name),
+            "application/merge-patch+json",
+            &redirect,
+        )
+        .await,
+        "lease-take-over",
+    );
+    // ...or to anything without naming oneself as the holder.
+    let redirect = json!({"spec": {"holderIdentity": hex_token(9)}});
+    assert_refused(
+        raw(
+            &w.b,
+            "PATCH",
+            &w.lease_path(&name),
+            "application/merge-patch+json",
+            &redirect,
+        )
+        .await,
+        "lease-acquire",
+    );
+    // Not even the holder may swap in another token of its attempt.
+    let swap = json!({"spec": {"holderIdentity": hex_token(1)}});
+    assert_refused(
+        raw(
+            &w.a,
+            "PATCH",
+            &w.lease_path(&name),
+            "application/merge-patch+json",
+            &swap,
+        )
+        .await,
+        "lease-take-over",
+    );
+    // Nor hand the Lease to another pod, nor stretch it beyond the rules.
+    let hand_over = json!({"metadata": {"annotations": {"leasehold.dev/holder": "pod-b"}}});
+    assert_refused(
+        raw(
+            &w.a,
+            "PATCH",
+            &w.lease_path(&name),
+            "application/merge-patch+json",
+            &hand_over,
+        )
+        .await,
+        "lease-holder-only",
+    );
+    let stretch = json!({"spec": {"leaseDurationSeconds": 999999}});
+    assert_refused(
+        raw(
+            &w.a,
+            "PATCH",
+            &w.lease_path(&name),
+            "application/merge-patch+json",
+            &stretch,
+        )
+        .await,
+        "lease-holder-only",
+    );
+    let l = w.leases(&w.admin).get(&name).await.unwrap();
+    assert_eq!(lease::holder_identity(&l), Some(t1.as_str()));
+    assert_eq!(lease::checkpoint(&l), None);
+
+    // The holder's own renewal is accepted.
+    raw(
+        &w.a,
+        "PATCH",
+        &w.lease_path(&name),
+        "application/json-patch+json",
+        &renew,
+    )
+    .await
+    .expect("pod-a renews its Lease");
+
+    // Attempt 1 ends without its Lease being released; pod-b claims attempt 2 and takes the
+    // Lease over (a later attempt, naming itself): accepted.
+    fence::apply(
+        &jobs_a,
+        &w.ns.name,
+        "j",
+        &t1,
+        &Outcome::Release { checkpoint: None },
+    )
+    .await
+    .unwrap();
+    let (job, t2) = claim::claim(&jobs_b, &w.job("j").await, "pod-b")
+        .await
+        .unwrap();
+    let taken = lease::acquire(&leases_b, &job, &t2)
+        .await
+        .expect("pod-b takes over");
+    assert_eq!(lease::holder_pod(&taken), Some("pod-b"));
+    assert_eq!(lease::holder_identity(&taken), Some(t2.as_str()));
+    // The old holder cannot take it back with its older attempt.
+    let back = json!({
+        "metadata": {"annotations": {"leasehold.dev/holder": "pod-a"}},
+        "spec": {"holderIdentity": t1.as_str()}
+    });
+    assert_refused(
+        raw(
+            &w.a,
+            "PATCH",
+            &w.lease_path(&name),
+            "application/merge-patch+json",
+            &back,
+        )
+        .await,
+        "lease-take-over",
+    );
+    // And the holder releases its own Lease.
+    lease::release(&leases_b, &name, t2.as_str()).await.unwrap();
+    let l = w.leases(&w.admin).get(&name).await.unwrap();
+    assert_eq!(lease::holder_identity(&l), None);
+
+    // Leases that are not jobs' are not workers' business; nor is stripping a job Lease's
+    // label (the controller would stop seeing it).
+    let other = json!({"metadata": {"name": "someone-elses"}, "spec": {"holderIdentity": "x"}});
+    assert_refused(
+        raw(&w.a, "POST", &w.leases_path(), "application/json", &other).await,
+        "job-leases-only",
+    );
+    let unlabel = json!({"metadata": {"labels": {"app.kubernetes.io/managed-by": null}}});
+    assert_refused(
+        raw(
+            &w.b,
+            "PATCH",
+            &w.lease_path(&name),
+            "application/merge-patch+json",
+            &unlabel,
+        )
+        .await,
+        "job-leases-only",
+    );
+    // A worker token bound to no pod can acquire nothing.
+    let unbound = client_from(&token_kubeconfig(
+        &format!("{}-unbound", w.ns.name),
+        &unbound_token(&w.ns.name, WORKER_SA),
+        &w.ns.name,
+    ))
+    .await;
+    let fresh = json!({
+        "metadata": {"name": "ljob-fresh", "labels": {"app.kubernetes.io/managed-by": "leasehold"},
+                     "annotations": {"leasehold.dev/holder": "pod-a"}},
+        "spec": {"holderIdentity": hex_token(1), "leaseDurationSeconds": 60}
+    });
+    assert_refused(
+        raw(
+            &unbound,
+            "POST",
+            &w.leases_path(),
+            "application/json",
+            &fresh,
+        )
+        .await,
+        "lease-acquire",
+    );
+    raw(&w.a, "POST", &w.leases_path(), "application/json", &fresh)
+        .await
+        .expect("the same Lease created by pod-a, which it names");
+}
+
+#[tokio::test]
+async fn workers_cannot_edit_spec_nor_create_or_delete_jobs() {
+    let w = World::new("adm-spec", &[]).await;
+    w.create_job("j").await;
+    let edit = json!({"spec": {"priority": 100}});
+    // The chart's worker Role does not allow it at all.
+    match raw(
+        &w.a,
+        "PATCH",
+        &w.job_path("j"),
+        "application/merge-patch+json",
+        &edit,
+    )
+    .await
+    {
+        Err((403, m)) => assert!(m.contains("forbidden"), "{m}"),
+        other => panic!("the worker Role let a worker patch a LeasedJob: {other:?}"),
+    }
+    // And if someone grants workers more than the chart does, the policy still refuses.
+    let grant = format!(
+        r#"apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {{name: too-much, namespace: {ns}}}
+rules:
+- apiGroups: [leasehold.dev]
+  resources: [leasedjobs]
+  verbs: [create, update, patch, delete]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {{name: too-much, namespace: {ns}}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: too-much}}
+subjects: [{{kind: ServiceAccount, name: {WORKER_SA}, namespace: {ns}}}]
+"#,
+        ns = w.ns.name
+    );
+    let (ok, out) = kubectl(&["apply", "-f", "-"], &grant);
+    assert!(ok, "{out}");
+    let refused = wait_for(
+        "the wider grant in force",
+        Duration::from_secs(30),
+        || async {
+            match raw(
+                &w.a,
+                "PATCH",
+                &w.job_path("j"),
+                "application/merge-patch+json",
+                &edit,
+            )
+            .await
+            {
+                Err((403, _)) => None,
+                other => Some(other),
+            }
+        },
+    )
+    .await;
+    assert_refused(refused, "status-only");
+    assert_refused(
+        raw(
+            &w.a,
+            "DELETE",
+            &w.job_path("j"),
+            "application/json",
+            &json!({}),
+        )
+        .await,
+        "status-only",
+    );
+    let new_job = json!({
+        "apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedJob",
+        "metadata": {"name": "by-worker"}, "spec": {"queue": "q"}
+    });
+    let collection = format!(
+        "/apis/leasehold.dev/v1alpha1/namespaces/{}/leasedjobs",
+        w.ns.name
+    );
+    assert_refused(
+        raw(&w.a, "POST", &collection, "application/json", &new_job).await,
+        "status-only",
+    );
+    assert_eq!(w.job("j").await.spec.priority, 0);
+    // The same edit by someone who is not a worker is accepted.
+    raw(
+        &w.admin,
+        "PATCH",
+        &w.job_path("j"),
+        "application/merge-patch+json",
+        &edit,
+    )
+    .await
+    .expect("an admin edits the spec");
+    assert_eq!(w.job("j").await.spec.priority, 100);
+}
+
+/// Shows what the rules above are worth: with the policies off, RBAC alone lets a worker
+/// claim in another pod's name and complete a job another pod holds.
+#[tokio::test]
+async fn without_the_admission_policies_rbac_alone_lets_a_worker_forge_claims() {
+    let w = World::new("adm-off", &["admissionPolicy.enabled=false"]).await;
+    w.create_job("j").await;
+    let forged = json!({"phase": "Leased", "attempt": 1, "holder": "pod-b", "token": hex_token(1)});
+    let body = w.with_status("j", forged).await;
+    raw(&w.a, "PUT", &w.status_path("j"), "application/json", &body)
+        .await
+        .expect("without the policy, the forged claim goes through");
+    let complete = json!({"status": {"phase": "Succeeded", "result": "forged"}});
+    raw(
+        &w.a,
+        "PATCH",
+        &w.status_path("j"),
+        "application/merge-patch+json",
+        &complete,
+    )
+    .await
+    .expect("without the policy, a non-holder completes");
+    assert_eq!(w.job("j").await.phase(), Phase::Succeeded);
+}
+
+/// A sidecar process run with a worker pod's credentials.
+struct Worker {
+    _proc: Proc,
+    base: String,
+    http: reqwest::Client,
+}
+
+impl Worker {
+    async fn start(ns: &str, pod: &str, kubeconfig: &std::path::Path) -> Worker {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let proc = spawn_leasehold(
+            &format!("{ns}-{pod}"),
+            &[
+                "sidecar",
+                "--queue",
+                "q",
+                "--namespace",
+                ns,
+                "--identity",
+                pod,
+                "--listen",
+                &listen,
+            ],
+            kubeconfig,
+        );
+        let worker = Worker {
+            _proc: proc,
+            base: format!("http://{listen}"),
+            http: reqwest::Client::new(),
+        };
+        wait_for("sidecar ready", Duration::from_secs(30), || async {
+            let r = worker
+                .http
+                .get(format!("{}/healthz", worker.base))
+                .send()
+                .await
+                .ok()?;
+            r.status().is_success().then_some(())
+        })
+        .await;
+        worker
+    }
+
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .expect("sidecar reachable");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn claim(&self) -> Value {
+        let (s, c) = self.post("/v1/claim?wait=20", Value::Null).await;
+        assert_eq!(s, 200, "claim: {c}");
+        c
+    }
+}
+
+fn token_of(claim: &Value) -> &str {
+    claim["token"].as_str().unwrap()
+}
+
+#[tokio::test]
+async fn job_lifecycle_runs_with_exactly_the_charts_credentials() {
+    let w = World::new("adm-life", &[]).await;
+    let ns = w.ns.name.clone();
+    let controller_sa = w.release.controller_sa();
+    create_pod(&w.admin, &ns, "controller-0", &controller_sa).await;
+    let kc_controller = token_kubeconfig(
+        &format!("{ns}-controller"),
+        &pod_token(&ns, &controller_sa, "controller-0"),
+        &ns,
+    );
+    let controller = spawn_leasehold(
+        &format!("{ns}-controller"),
+        &[
+            "controller",
+            "--namespace",
+            &ns,
+            "--identity",
+            "controller-0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+        &kc_controller,
+    );
+    let a = Worker::start(&ns, "pod-a", &w.kc_a).await;
+    let b = Worker::start(&ns, "pod-b", &w.kc_b).await;
+    for name in ["x", "y"] {
+        create_job(
+            &w.admin,
+            &ns,
+            json!({"metadata": {"name": name}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
+        )
+        .await;
+    }
+    let jobs = w.jobs(&w.admin);
+    // The controller initialises them (its status writes are not workers').
+    wait_for("jobs initialised", Duration::from_secs(30), || async {
+        let list = jobs.list(&Default::default()).await.ok()?;
+        list.items
+            .iter()
+            .all(|j| j.status.as_ref().and_then(|s| s.phase) == Some(Phase::Queued))
+            .then_some(())
+    })
+    .await;
+
+    let ca = a.claim().await;
+    let cb = b.claim().await;
+    let (xa, yb) = (ca["name"].as_str().unwrap(), cb["name"].as_str().unwrap());
+    assert_ne!(xa, yb);
+    // pod-a heartbeats with a checkpoint and completes.
+    let (s, r) = a
+        .post(
+            &format!("/v1/jobs/{xa}/heartbeat"),
+            json!({"token": token_of(&ca), "checkpoint": {"n": 1}}),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
+    let (s, r) = a
+        .post(
+            &format!("/v1/jobs/{xa}/complete"),
+            json!({"token": token_of(&ca), "result": "done"}),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
+    // pod-b saves a checkpoint, then dies.
+    let (s, r) = b
+        .post(
+            &format!("/v1/jobs/{yb}/heartbeat"),
+            json!({"token": token_of(&cb), "checkpoint": {"step": 7}}),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
+    b._proc.signal("KILL");
+    // The controller expires pod-b's lease and requeues the job with its checkpoint.
+    wait_for("expiry requeue", Duration::from_secs(30), || async {
+        let j = jobs.get(yb).await.ok()?;
+        let s = j.status.clone()?;
+        (j.phase() == Phase::Queued && s.failures.iter().any(|f| f.reason == REASON_LEASE_EXPIRED))
+            .then_some(())
+    })
+    .await;
+    // pod-a claims it (attempt 2), resumes from pod-b's checkpoint, fails it once, claims it
+    // again (attempt 3) and completes.
+    let c2 = a.claim().await;
+    assert_eq!(
+        (c2["name"].as_str(), c2["attempt"].as_i64()),
+        (Some(yb), Some(2))
+    );
+    assert_eq!(c2["checkpoint"], json!({"step": 7}));
+    let (s, r) = a
+        .post(
+            &format!("/v1/jobs/{yb}/fail"),
+            json!({"token": token_of(&c2), "reason": "Flaky", "message": "once", "retryable": true}),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
+    let c3 = a.claim().await;
+    assert_eq!(c3["attempt"], 3);
+    let (s, r) = a
+        .post(
+            &format!("/v1/jobs/{yb}/complete"),
+            json!({"token": token_of(&c3), "result": "done"}),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
+    for name in [xa, yb] {
+        let j = jobs.get(name).await.unwrap();
+        assert_eq!(j.phase(), Phase::Succeeded, "{name}");
+        let l = w
+            .leases(&w.admin)
+            .get(&lease::lease_name(name))
+            .await
+            .unwrap();
+        assert_eq!(
+            lease::holder_identity(&l),
+            None,
+            "Lease of {name} not released"
+        );
+    }
+    // The controller recorded Events with its credentials.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(w.admin.clone(), &ns);
+    wait_for(
+        "the controller's Events",
+        Duration::from_secs(30),
+        || async {
+            let list = events.list(&Default::default()).await.ok()?;
+            let reasons: Vec<String> = list
+                .items
+                .iter()
+                .filter(|e| e.reporting_controller.as_deref() == Some("leasehold-controller"))
+                .filter_map(|e| e.reason.clone())
+                .collect();
+            [
+                "Claimed",
+                "Completed",
+                REASON_LEASE_EXPIRED,
+                "AttemptFailed",
+            ]
+            .iter()
+            .all(|r| reasons.iter().any(|x| x == r))
+            .then_some(())
+        },
+    )
+    .await;
+    for log in [controller.log_text(), a._proc.log_text()] {
+        assert!(
+            !log.contains("forbidden"),
+            "a request was forbidden:\n{log}"
+        );
+        assert!(
+            !log.contains("leasehold rule"),
+            "a policy refused a legitimate write:\n{log}"
+        );
+    }
+}

@@ -1,0 +1,543 @@
+//! The Helm chart: lint, a server-side dry run of everything it renders, and a real install,
+//! upgrade across a CRD change, and uninstall against the local API server; and the
+//! controller's refusal to start against an out-of-date CRD.
+//!
+//! Two tests here replace or delete the cluster's one LeasedJob CRD, so every test here that
+//! uses the cluster holds [`CRD_LOCK`], and those two put the committed CRD back when they end
+//! (test binaries run one after another, so no other binary's tests see the old CRD).
+
+mod chart_support;
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use chart_support::*;
+use common::*;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::DeleteParams;
+use kube::Api;
+use leasehold::crd_check::{CRD_NAME, FIX_COMMAND};
+use serde_json::Value;
+
+static CRD_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn repo(path: &str) -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path))
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+#[test]
+fn chart_copies_of_the_crd_and_the_example_worker_equal_their_sources() {
+    assert!(
+        repo("charts/leasehold/crds/leasedjob.yaml") == repo("crds/leasedjob.yaml"),
+        "charts/leasehold/crds/leasedjob.yaml differs from crds/leasedjob.yaml: \
+         `cp crds/leasedjob.yaml charts/leasehold/crds/`"
+    );
+    assert!(
+        repo("charts/leasehold/files/worker.py") == repo("examples/worker.py"),
+        "charts/leasehold/files/worker.py differs from examples/worker.py: \
+         `cp examples/worker.py charts/leasehold/files/`"
+    );
+}
+
+#[test]
+fn helm_lint_passes_with_defaults_and_with_every_option_on() {
+    let chart = chart_dir();
+    let chart = chart.to_str().unwrap();
+    let out = helm_ok(&["lint", "--strict", chart]);
+    assert!(out.contains("0 chart(s) failed"), "{out}");
+    let out = helm_ok(&[
+        "lint",
+        "--strict",
+        chart,
+        "--set",
+        "workers.namespaces={jobs,batch}",
+        "--set",
+        "exampleWorker.enabled=true",
+        "--set",
+        "admissionPolicy.extraWorkerUsernames={system:serviceaccount:x:y}",
+        "--set",
+        "controller.extraArgs={--namespace,jobs}",
+    ]);
+    assert!(out.contains("0 chart(s) failed"), "{out}");
+    // The chart refuses an example worker outside the worker namespaces (at render time:
+    // helm lint reports a template's `fail` only as information).
+    let (ok, out) = helm(&[
+        "template",
+        "r",
+        chart,
+        "--set",
+        "workers.namespaces={jobs}",
+        "--set",
+        "exampleWorker.enabled=true",
+        "--set",
+        "exampleWorker.namespace=elsewhere",
+    ]);
+    assert!(
+        !ok && out.contains("exampleWorker.namespace must be one of"),
+        "{out}"
+    );
+}
+
+/// Parses a multi-document YAML stream into JSON values (skipping empty documents).
+fn documents(yaml: &str) -> Vec<Value> {
+    use serde::Deserialize;
+    serde_yaml::Deserializer::from_str(yaml)
+        .filter_map(|d| {
+            let v = Value::deserialize(d).expect("rendered YAML");
+            (!v.is_null()).then_some(v)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn everything_the_chart_renders_passes_a_server_side_dry_run() {
+    // TestNamespace::new applies the CRD, which must not happen while another test has
+    // replaced or deleted it.
+    let _lock = CRD_LOCK.lock().await;
+    let client = client().await;
+    let release_ns = TestNamespace::new(&client, "dry-run").await;
+    let w1 = TestNamespace::new(&client, "dry-run-w1").await;
+    let w2 = TestNamespace::new(&client, "dry-run-w2").await;
+    let workers = format!("workers.namespaces={{{},{}}}", w1.name, w2.name);
+    let chart = chart_dir();
+    let rendered = helm_ok(&[
+        "template",
+        "dry",
+        chart.to_str().unwrap(),
+        "--namespace",
+        &release_ns.name,
+        "--set",
+        &workers,
+        "--set",
+        "exampleWorker.enabled=true",
+    ]);
+    let (ok, out) = kubectl(&["apply", "--dry-run=server", "-f", "-"], &rendered);
+    assert!(ok, "server-side dry run refused the chart:\n{out}");
+    let docs = documents(&rendered);
+    let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    for kind in [
+        "ServiceAccount",
+        "Deployment",
+        "Service",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+        "ConfigMap",
+    ] {
+        assert!(kinds.contains(&kind), "no {kind} rendered: {kinds:?}");
+    }
+    for doc in &docs {
+        let kind = doc["kind"].as_str().unwrap();
+        let name = doc["metadata"]["name"].as_str().unwrap();
+        assert!(
+            out.contains(&format!("{name} created (server dry run)")),
+            "{kind} {name} missing from the dry run:\n{out}"
+        );
+    }
+    // The example worker: a native sidecar with the pod's name from the downward API.
+    let worker = docs
+        .iter()
+        .find(|d| {
+            d["kind"] == "Deployment" && d["metadata"]["name"] == "dry-leasehold-example-worker"
+        })
+        .expect("example worker Deployment");
+    let sidecar = &worker["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!(sidecar["restartPolicy"], "Always", "{sidecar}");
+    assert_eq!(sidecar["args"][0], "sidecar");
+    let env = sidecar["env"].as_array().unwrap();
+    let from_field = |name: &str| {
+        env.iter()
+            .find(|e| e["name"] == name)
+            .map(|e| e["valueFrom"]["fieldRef"]["fieldPath"].clone())
+    };
+    assert_eq!(from_field("POD_NAME"), Some("metadata.name".into()));
+    assert_eq!(
+        from_field("POD_NAMESPACE"),
+        Some("metadata.namespace".into())
+    );
+    assert_eq!(
+        worker["spec"]["template"]["spec"]["serviceAccountName"],
+        "leasehold-worker"
+    );
+
+    // The example in the docs is a manifest of its own: it must pass the same dry run.
+    let example = repo("docs/example-worker.yaml");
+    let (ok, out) = kubectl(
+        &["apply", "--dry-run=server", "-n", &w1.name, "-f", "-"],
+        &example,
+    );
+    assert!(ok, "docs/example-worker.yaml refused:\n{out}");
+    let example_docs = documents(&example);
+    let deployment = example_docs
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .expect("a Deployment in docs/example-worker.yaml");
+    let sidecar = &deployment["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!(sidecar["restartPolicy"], "Always");
+}
+
+/// The committed CRD without `status.checkpoint`: what an older release installed.
+fn old_crd() -> String {
+    let mut crd: Value = serde_yaml::from_str(&repo("crds/leasedjob.yaml")).unwrap();
+    let status = &mut crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+        ["status"]["properties"];
+    assert!(status
+        .as_object_mut()
+        .unwrap()
+        .remove("checkpoint")
+        .is_some());
+    serde_yaml::to_string(&crd).unwrap()
+}
+
+fn crd_has_checkpoint(crd: &CustomResourceDefinition) -> bool {
+    let schema = crd.spec.versions[0]
+        .schema
+        .as_ref()
+        .and_then(|s| s.open_api_v3_schema.as_ref())
+        .unwrap();
+    schema.properties.as_ref().unwrap()["status"]
+        .properties
+        .as_ref()
+        .unwrap()
+        .contains_key("checkpoint")
+}
+
+/// Puts the committed CRD back when a test that replaced it ends, however it ends.
+struct RestoreCrd;
+
+impl Drop for RestoreCrd {
+    fn drop(&mut self) {
+        let (ok, out) = kubectl(
+            &["apply", "--server-side", "--force-conflicts", "-f", "-"],
+            &repo("crds/leasedjob.yaml"),
+        );
+        assert!(ok || std::thread::panicking(), "restoring the CRD: {out}");
+    }
+}
+
+/// Runs the documented fix, exactly as the controller's refusal prints it, with `leasehold`
+/// and `kubectl` on PATH.
+fn run_fix_command() {
+    let dirs = [
+        leasehold_bin().parent().unwrap().to_path_buf(),
+        kubectl_path().parent().unwrap().to_path_buf(),
+    ];
+    let path = std::env::join_paths(
+        dirs.iter()
+            .cloned()
+            .chain(std::env::split_paths(&std::env::var_os("PATH").unwrap())),
+    )
+    .unwrap();
+    let out = Command::new("sh")
+        .args(["-c", FIX_COMMAND])
+        .env("PATH", path)
+        .env("KUBECONFIG", kubeconfig_path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{FIX_COMMAND} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Waits for a `leasehold controller` process to exit; returns its exit success and log.
+async fn exit_of(mut proc: Proc) -> (bool, String) {
+    let status = wait_for("controller exit", Duration::from_secs(30), || {
+        let st = proc.child.try_wait().unwrap();
+        async move { st }
+    })
+    .await;
+    (status.success(), proc.log_text())
+}
+
+/// Waits until the controller logged its start, then checks it is still running.
+async fn assert_runs(proc: &mut Proc) {
+    wait_for("controller started", Duration::from_secs(30), || {
+        let started = proc.log_text().contains("Started leasehold controller");
+        async move { started.then_some(()) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        proc.child.try_wait().unwrap().is_none(),
+        "the controller exited:\n{}",
+        proc.log_text()
+    );
+}
+
+#[tokio::test]
+async fn controller_refuses_an_out_of_date_crd_naming_the_field_and_the_fix() {
+    let _lock = CRD_LOCK.lock().await;
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "crd-check").await;
+    let _restore = RestoreCrd;
+    let (ok, out) = kubectl(
+        &["apply", "--server-side", "--force-conflicts", "-f", "-"],
+        &old_crd(),
+    );
+    assert!(ok, "{out}");
+
+    let proc = Proc::spawn(
+        &format!("{}-controller-old-crd", ns.name),
+        &leasehold_bin(),
+        &[
+            "controller",
+            "--namespace",
+            &ns.name,
+            "--identity",
+            "t",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+        std::process::Stdio::null(),
+    );
+    let (ok, log) = exit_of(proc).await;
+    assert!(!ok, "the controller started against an old CRD:\n{log}");
+    for needle in [
+        CRD_NAME,
+        "field status.checkpoint (version v1alpha1)",
+        "Refusing to start",
+        FIX_COMMAND,
+    ] {
+        assert!(log.contains(needle), "refusal lacks {needle:?}:\n{log}");
+    }
+    assert!(
+        !log.contains("Started leasehold controller"),
+        "it refused only after starting:\n{log}"
+    );
+
+    run_fix_command();
+    let mut proc = Proc::spawn(
+        &format!("{}-controller-fixed-crd", ns.name),
+        &leasehold_bin(),
+        &[
+            "controller",
+            "--namespace",
+            &ns.name,
+            "--identity",
+            "t",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+        std::process::Stdio::null(),
+    );
+    assert_runs(&mut proc).await;
+}
+
+/// Objects of `release` of the given kinds, as `kubectl get` lists them (empty when none).
+fn release_objects(release: &str, kinds: &str, all_namespaces: bool) -> String {
+    let selector = format!("app.kubernetes.io/instance={release}");
+    let mut args = vec!["get", kinds, "-l", &selector, "-o", "name"];
+    if all_namespaces {
+        args.push("--all-namespaces");
+    }
+    let (ok, out) = kubectl(&args, "");
+    assert!(ok, "{out}");
+    out.trim().to_string()
+}
+
+#[tokio::test]
+async fn helm_install_upgrade_across_a_crd_change_and_uninstall_leave_no_orphans() {
+    let _lock = CRD_LOCK.lock().await;
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "helm-life").await;
+    let workers = TestNamespace::new(&client, "helm-life-w").await;
+    let _restore = RestoreCrd;
+
+    // An older chart, whose crds/ holds the older CRD, installed on a cluster without the
+    // CRD: Helm installs crds/ on that first install.
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let _ = crds.delete(CRD_NAME, &DeleteParams::default()).await;
+    wait_for("CRD deleted", Duration::from_secs(60), || async {
+        crds.get_opt(CRD_NAME)
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    let old_chart = Path::new(env!("CARGO_TARGET_TMPDIR")).join("chart-0.0.9");
+    let _ = std::fs::remove_dir_all(&old_chart);
+    copy_dir(&chart_dir(), &old_chart);
+    std::fs::write(old_chart.join("crds/leasedjob.yaml"), old_crd()).unwrap();
+    let chart_yaml = std::fs::read_to_string(old_chart.join("Chart.yaml"))
+        .unwrap()
+        .replace("\nversion: 0.1.0", "\nversion: 0.0.9");
+    std::fs::write(old_chart.join("Chart.yaml"), chart_yaml).unwrap();
+
+    let rel = "helm-life";
+    let workers_set = format!("workers.namespaces={{{}}}", workers.name);
+    helm_ok(&[
+        "install",
+        rel,
+        old_chart.to_str().unwrap(),
+        "--namespace",
+        &ns.name,
+        "--set",
+        &workers_set,
+    ]);
+    let installed = wait_for("CRD installed by helm", Duration::from_secs(30), || async {
+        crds.get_opt(CRD_NAME).await.unwrap()
+    })
+    .await;
+    assert!(
+        !crd_has_checkpoint(&installed),
+        "helm installed the wrong CRD"
+    );
+
+    // Upgrade to this chart: Helm leaves the CRD as it was.
+    let chart = chart_dir();
+    helm_ok(&[
+        "upgrade",
+        rel,
+        chart.to_str().unwrap(),
+        "--namespace",
+        &ns.name,
+        "--set",
+        &workers_set,
+    ]);
+    assert!(
+        !crd_has_checkpoint(&crds.get(CRD_NAME).await.unwrap()),
+        "helm upgraded the CRD after all: the documented upgrade path is wrong"
+    );
+
+    // The controller, with exactly the chart's credentials, refuses the old CRD...
+    let release = Release {
+        name: rel.to_string(),
+        namespace: ns.name.clone(),
+    };
+    create_pod(&client, &ns.name, "controller-0", &release.controller_sa()).await;
+    let token = pod_token(&ns.name, &release.controller_sa(), "controller-0");
+    let kc = token_kubeconfig(&format!("{}-controller", ns.name), &token, &ns.name);
+    let args = [
+        "controller",
+        "--namespace",
+        &workers.name,
+        "--identity",
+        "controller-0",
+    ];
+    let (ok, log) = exit_of(spawn_leasehold(
+        &format!("{}-controller-1", ns.name),
+        &args,
+        &kc,
+    ))
+    .await;
+    assert!(!ok, "{log}");
+    assert!(
+        log.contains("field status.checkpoint") && log.contains(FIX_COMMAND),
+        "{log}"
+    );
+    // ...until the CRD is upgraded the documented way; then it starts.
+    run_fix_command();
+    assert!(crd_has_checkpoint(&crds.get(CRD_NAME).await.unwrap()));
+    let mut controller = spawn_leasehold(&format!("{}-controller-2", ns.name), &args, &kc);
+    assert_runs(&mut controller).await;
+    drop(controller);
+
+    // An upgrade that changes values reaches the Deployment.
+    helm_ok(&[
+        "upgrade",
+        rel,
+        chart.to_str().unwrap(),
+        "--namespace",
+        &ns.name,
+        "--set",
+        &workers_set,
+        "--set",
+        "controller.replicas=3",
+        "--set",
+        "controller.logLevel=debug",
+        "--set",
+        "controller.extraArgs={--namespace,jobs}",
+    ]);
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns.name);
+    let d = deployments
+        .get(&format!("{}-controller", release.fullname()))
+        .await
+        .unwrap();
+    let spec = d.spec;
+    assert_eq!(spec.replicas, Some(3));
+    let c = &spec.template.spec.unwrap().containers[0];
+    assert_eq!(
+        c.args.clone().unwrap(),
+        [
+            "controller",
+            "--metrics-addr=0.0.0.0:9090",
+            "--namespace",
+            "jobs"
+        ]
+    );
+    let log_level = c
+        .env
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|e| e.name == "RUST_LOG");
+    assert_eq!(log_level.unwrap().value.as_deref(), Some("debug"));
+    // The Deployment's controller made ReplicaSets and Pods (Pending: no kubelet); they must
+    // go too.
+    wait_for("pods of the release", Duration::from_secs(60), || async {
+        let pods = release_objects(rel, "pods", true);
+        (!pods.is_empty()).then_some(())
+    })
+    .await;
+
+    std::mem::forget(release); // uninstalled by hand below
+    helm_ok(&["uninstall", rel, "--namespace", &ns.name, "--wait"]);
+    let namespaced = "deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings,secrets";
+    let cluster = "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings";
+    wait_for(
+        "no objects of the release left",
+        Duration::from_secs(60),
+        || async {
+            let left = format!(
+                "{}{}",
+                release_objects(rel, namespaced, true),
+                release_objects(rel, cluster, false)
+            );
+            left.is_empty().then_some(())
+        },
+    )
+    .await;
+    let (ok, out) = kubectl(
+        &[
+            "get",
+            "secrets",
+            "-n",
+            &ns.name,
+            "-l",
+            &format!("owner=helm,name={rel}"),
+            "-o",
+            "name",
+        ],
+        "",
+    );
+    assert!(
+        ok && out.trim().is_empty(),
+        "helm's release records remain: {out}"
+    );
+    // Helm keeps CRDs on uninstall (deleting one deletes every LeasedJob): documented.
+    assert!(crds.get_opt(CRD_NAME).await.unwrap().is_some());
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! Helpers of the chart tests: helm and kubectl against the test control plane, releases of
+//! the chart, and credentials made the way a cluster makes them for pods: TokenRequest tokens
+//! for the chart's ServiceAccounts, bound to Pod objects (which stay Pending: the test control
+//! plane has no kubelet and no scheduler).
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::PostParams;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+use serde_json::{json, Value};
+
+use crate::common::{kubeconfig_path, kubectl_path, leasehold_bin, log_dir, wait_for, Proc};
+
+/// The chart's directory in the repository.
+pub fn chart_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/leasehold")
+}
+
+/// The helm binary that scripts/test builds from the Go module proxy.
+pub fn helm_path() -> PathBuf {
+    match std::env::var_os("LEASEHOLD_HELM") {
+        Some(p) => PathBuf::from(p),
+        None => panic!("LEASEHOLD_HELM is not set: the chart tests run under `scripts/test`"),
+    }
+}
+
+/// Runs `program args` with the admin kubeconfig, feeding `stdin`; returns success and the
+/// combined output.
+fn run(program: &Path, args: &[&str], stdin: &str, env: &[(&str, &Path)]) -> (bool, String) {
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .env("KUBECONFIG", kubeconfig_path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("{}: {e}", program.display()));
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// helm with the admin kubeconfig and its own config, cache and data directories (never the
+/// user's).
+pub fn helm(args: &[&str]) -> (bool, String) {
+    let home = Path::new(env!("CARGO_TARGET_TMPDIR")).join("helm-home");
+    let (config, cache, data) = (home.join("config"), home.join("cache"), home.join("data"));
+    run(
+        &helm_path(),
+        args,
+        "",
+        &[
+            ("HELM_CONFIG_HOME", &config),
+            ("HELM_CACHE_HOME", &cache),
+            ("HELM_DATA_HOME", &data),
+        ],
+    )
+}
+
+/// helm, which must succeed; returns its output.
+pub fn helm_ok(args: &[&str]) -> String {
+    let (ok, out) = helm(args);
+    assert!(ok, "helm {} failed:\n{out}", args.join(" "));
+    out
+}
+
+/// kubectl with the admin kubeconfig.
+pub fn kubectl(args: &[&str], stdin: &str) -> (bool, String) {
+    run(&kubectl_path(), args, stdin, &[])
+}
+
+/// A release of the chart, uninstalled (synchronously) on drop.
+pub struct Release {
+    pub name: String,
+    pub namespace: String,
+}
+
+impl Release {
+    /// `helm install NAME chart -n NAMESPACE --set ...`, skipping crds/ (the tests install the
+    /// CRD themselves, and a release must not own the one CRD that all tests share).
+    pub fn install(name: &str, namespace: &str, sets: &[&str]) -> Release {
+        let chart = chart_dir();
+        let mut args = vec![
+            "install",
+            name,
+            chart.to_str().unwrap(),
+            "--namespace",
+            namespace,
+            "--skip-crds",
+        ];
+        for s in sets {
+            args.extend_from_slice(&["--set", s]);
+        }
+        helm_ok(&args);
+        Release {
+            name: name.to_string(),
+            namespace: namespace.to_string(),
+        }
+    }
+
+    /// The release's resource-name prefix (the chart's `leasehold.fullname`).
+    pub fn fullname(&self) -> String {
+        if self.name.contains("leasehold") {
+            self.name.clone()
+        } else {
+            format!("{}-leasehold", self.name)
+        }
+    }
+
+    /// The controller's ServiceAccount.
+    pub fn controller_sa(&self) -> String {
+        format!("{}-controller", self.fullname())
+    }
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        let _ = helm(&["uninstall", &self.name, "--namespace", &self.namespace]);
+    }
+}
+
+/// Creates a Pod named `name` running as ServiceAccount `sa`, to bind tokens to. It stays
+/// Pending.
+pub async fn create_pod(client: &Client, ns: &str, name: &str, sa: &str) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {"leasehold-test": "token-holder"}},
+        "spec": {
+            "serviceAccountName": sa,
+            "automountServiceAccountToken": false,
+            "containers": [{"name": "main", "image": "leasehold:test"}]
+        }
+    }))
+    .unwrap();
+    // The ServiceAccount admission plugin refuses the Pod until its ServiceAccount exists.
+    wait_for(
+        &format!("pod {ns}/{name} created"),
+        Duration::from_secs(30),
+        || {
+            let (pods, pod) = (pods.clone(), pod.clone());
+            async move { pods.create(&PostParams::default(), &pod).await.ok() }
+        },
+    )
+    .await
+}
+
+/// A TokenRequest token of ServiceAccount `sa` bound to Pod `pod`, made by `kubectl create
+/// token`. The API server adds the pod's name to the token's user info
+/// (`authentication.kubernetes.io/pod-name`).
+pub fn pod_token(ns: &str, sa: &str, pod: &str) -> String {
+    let (ok, out) = kubectl(
+        &[
+            "create",
+            "token",
+            sa,
+            "--namespace",
+            ns,
+            "--bound-object-kind",
+            "Pod",
+            "--bound-object-name",
+            pod,
+            "--duration",
+            "1h",
+        ],
+        "",
+    );
+    assert!(ok, "kubectl create token: {out}");
+    out.trim().to_string()
+}
+
+/// A token of ServiceAccount `sa` bound to no object (what a leaked or hand-made worker
+/// credential looks like).
+pub fn unbound_token(ns: &str, sa: &str) -> String {
+    let (ok, out) = kubectl(
+        &["create", "token", sa, "--namespace", ns, "--duration", "1h"],
+        "",
+    );
+    assert!(ok, "kubectl create token: {out}");
+    out.trim().to_string()
+}
+
+/// Writes a kubeconfig that authenticates with `token` to the test API server, with `ns` as
+/// its namespace; returns its path.
+pub fn token_kubeconfig(file: &str, token: &str, ns: &str) -> PathBuf {
+    let admin = Kubeconfig::read_from(kubeconfig_path()).expect("admin kubeconfig");
+    let cluster = admin.clusters[0].cluster.clone().expect("cluster");
+    let kc = json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "test", "cluster": {
+            "server": cluster.server,
+            "certificate-authority-data": cluster.certificate_authority_data,
+        }}],
+        "users": [{"name": file, "user": {"token": token}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": file, "namespace": ns}}],
+        "current-context": "test",
+    });
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kubeconfigs");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(file);
+    std::fs::write(&path, serde_yaml::to_string(&kc).unwrap()).unwrap();
+    path
+}
+
+/// A client that authenticates with the kubeconfig at `path`.
+pub async fn client_from(path: &Path) -> Client {
+    let kc = Kubeconfig::read_from(path).expect("kubeconfig");
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .expect("kubeconfig");
+    Client::try_from(config).expect("client")
+}
+
+/// Starts `leasehold args` with the kubeconfig at `kubeconfig` (never the admin one).
+pub fn spawn_leasehold(name: &str, args: &[&str], kubeconfig: &Path) -> Proc {
+    let log = log_dir().join(format!("{name}.log"));
+    let err = std::fs::File::create(&log).unwrap();
+    let child = Command::new(leasehold_bin())
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .env("RUST_LOG", "info")
+        .env_remove("POD_NAME")
+        .env_remove("POD_NAMESPACE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(err)
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {name}: {e}"));
+    Proc {
+        child,
+        name: name.to_string(),
+        log,
+        port: None,
+    }
+}
+
+/// An API request made by hand: method, path, JSON body and its content type. Returns the
+/// answer's JSON, or the refusal's HTTP status and message.
+pub async fn raw(
+    client: &Client,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: &Value,
+) -> Result<Value, (u16, String)> {
+    let req = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("Content-Type", content_type)
+        .body(serde_json::to_vec(body).unwrap())
+        .unwrap();
+    match client.request_text(req).await {
+        Ok(text) => Ok(serde_json::from_str(&text).unwrap_or(Value::String(text))),
+        Err(kube::Error::Api(s)) => Err((s.code, s.message)),
+        Err(e) => panic!("{method} {path}: {e}"),
+    }
+}
