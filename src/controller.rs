@@ -255,6 +255,35 @@ impl Context {
         }
     }
 
+    /// Sends a status JSON Patch whose `test` operations check the snapshot it was built from,
+    /// if this replica still leads. Ok(false) when the API server refused it because the job
+    /// changed (or is gone) since: nothing was written.
+    async fn patch_status_if_unchanged(
+        &self,
+        jobs: &Api<LeasedJob>,
+        job: &LeasedJob,
+        patch: json_patch::Patch,
+        action: &'static str,
+    ) -> Result<bool, ReconcileError> {
+        self.leading(job)?;
+        match jobs
+            .patch_status(
+                &job.name_any(),
+                &self.patch_params(),
+                &Patch::Json::<()>(patch),
+            )
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(e) if is_status(&e, 422) || is_status(&e, 409) || is_status(&e, 404) => Ok(false),
+            Err(source) => Err(ReconcileError::Job {
+                job: job.reference(),
+                action,
+                source,
+            }),
+        }
+    }
+
     fn patch_params(&self) -> PatchParams {
         PatchParams {
             field_manager: Some(self.field_manager.clone()),
@@ -374,28 +403,13 @@ async fn cancel(
     let job_ref = job.reference();
     let was = job.phase();
     let patch = fence::cancel_patch(job, Timestamp::now());
-    ctx.leading(job)?;
-    match jobs
-        .patch_status(
-            &job.name_any(),
-            &ctx.patch_params(),
-            &Patch::Json::<()>(patch),
-        )
-        .await
+    // Claimed, finished or changed since our snapshot: the watch brings the new state and the
+    // cancel is judged again.
+    if !ctx
+        .patch_status_if_unchanged(jobs, job, patch, "cancel")
+        .await?
     {
-        Ok(_) => {}
-        // Claimed, finished or changed since our snapshot: the watch brings the new state and
-        // the cancel is judged again.
-        Err(e) if is_status(&e, 422) || is_status(&e, 409) || is_status(&e, 404) => {
-            return Ok(Action::requeue(Duration::from_millis(100)))
-        }
-        Err(source) => {
-            return Err(ReconcileError::Job {
-                job: job_ref,
-                action: "cancel",
-                source,
-            })
-        }
+        return Ok(Action::requeue(Duration::from_millis(100)));
     }
     info!(job = %job_ref, attempt = job.attempt(), "Cancelled LeasedJob {job_ref} (was {was})");
     ctx.observations
@@ -626,30 +640,15 @@ async fn expire(
         rand::random(),
     );
     let next = fence::next_phase(&outcome, job.failed_attempts(), job.spec.max_attempts);
-    ctx.leading(job)?;
-    match jobs
-        .patch_status(
-            &job.name_any(),
-            &ctx.patch_params(),
-            &Patch::Json::<()>(patch),
-        )
-        .await
-    {
-        Ok(_) => {}
+    let written = ctx
+        .patch_status_if_unchanged(jobs, job, patch, "requeue after lease expiry")
+        .await?;
+    if !written {
         // The token or phase changed since our snapshot: a result (or a release, or a newer
         // claim) landed first. It stands; the requeue is dropped.
-        Err(e) if is_status(&e, 422) || is_status(&e, 409) || is_status(&e, 404) => {
-            info!(job = %job_ref, attempt = token.attempt(), "Dropped requeue of LeasedJob {job_ref}: it changed before the lease expiry was written");
-            ctx.observations.lock().unwrap().remove(&key);
-            return Ok(Action::await_change());
-        }
-        Err(source) => {
-            return Err(ReconcileError::Job {
-                job: job_ref,
-                action: "requeue after lease expiry",
-                source,
-            })
-        }
+        info!(job = %job_ref, attempt = token.attempt(), "Dropped requeue of LeasedJob {job_ref}: it changed before the lease expiry was written");
+        ctx.observations.lock().unwrap().remove(&key);
+        return Ok(Action::await_change());
     }
     ctx.observations.lock().unwrap().remove(&key);
     ctx.metrics.lease_expiries.inc();

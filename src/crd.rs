@@ -265,6 +265,20 @@ pub struct AttemptFailure {
     pub time: Time,
 }
 
+/// True when `name` is a valid object name: a lowercase RFC 1123 subdomain of at most 253
+/// characters (Kubernetes' `IsDNS1123Subdomain`).
+pub fn is_dns_subdomain(name: &str) -> bool {
+    name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+}
+
 fn default_queue() -> String {
     "default".to_string()
 }

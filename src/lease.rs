@@ -363,18 +363,7 @@ pub fn is_status(err: &kube::Error, code: u16) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn is_dns_subdomain(s: &str) -> bool {
-        s.len() <= 253
-            && s.split('.').all(|label| {
-                !label.is_empty()
-                    && label
-                        .bytes()
-                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                    && !label.starts_with('-')
-                    && !label.ends_with('-')
-            })
-    }
+    use crate::crd::is_dns_subdomain;
 
     #[test]
     fn short_names_are_prefixed() {

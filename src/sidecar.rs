@@ -210,16 +210,7 @@ fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, 
 
 /// Checks a job name taken from the URL: a DNS subdomain (RFC 1123) of at most 253 characters.
 fn checked_name(name: &str) -> Result<&str, ApiError> {
-    let ok = !name.is_empty()
-        && name.len() <= 253
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        });
+    let ok = crate::crd::is_dns_subdomain(name);
     if ok {
         Ok(name)
     } else {
