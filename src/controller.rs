@@ -213,7 +213,12 @@ pub async fn run(
         .run(reconcile, error_policy, Arc::clone(&ctx))
         .for_each(|res| async move {
             if let Err(e) = res {
-                warn!(error = %e, "reconcile failed");
+                // Watch errors may quote whole objects: never log a token.
+                let shown: String = crate::token::redact(&e.to_string())
+                    .chars()
+                    .take(500)
+                    .collect();
+                warn!(error = %shown, "controller loop error");
             }
         });
     // The Lease stream only flows while the controller runs, so wait for both together; judge
@@ -631,18 +636,46 @@ async fn expire(
         retryable: true,
         checkpoint,
     };
-    let patch = fence::end_attempt_patch(
-        job,
-        &token,
-        &holder,
-        &outcome,
-        Timestamp::now(),
-        rand::random(),
-    );
+    let patch = |outcome: &Outcome| {
+        fence::end_attempt_patch(
+            job,
+            &token,
+            &holder,
+            outcome,
+            Timestamp::now(),
+            rand::random(),
+        )
+    };
     let next = fence::next_phase(&outcome, job.failed_attempts(), job.spec.max_attempts);
-    let written = ctx
-        .patch_status_if_unchanged(jobs, job, patch, "requeue after lease expiry")
-        .await?;
+    let action = "requeue after lease expiry";
+    let written = match ctx
+        .patch_status_if_unchanged(jobs, job, patch(&outcome), action)
+        .await
+    {
+        // The checkpoint would push the job past the API server's object size limit: requeue
+        // without it rather than leave the job Leased forever.
+        Err(ReconcileError::Job { source, .. }) if lease::is_too_large(&source) => {
+            warn!(job = %job_ref, "The last checkpoint of LeasedJob {job_ref} does not fit in the job; requeueing without it");
+            let Outcome::Fail {
+                reason,
+                message,
+                retryable,
+                ..
+            } = outcome
+            else {
+                unreachable!("expiry is a failure")
+            };
+            let without = Outcome::Fail {
+                reason,
+                message,
+                retryable,
+                checkpoint: None,
+            };
+            ctx.patch_status_if_unchanged(jobs, job, patch(&without), action)
+                .await?
+        }
+        other => other?,
+    };
     if !written {
         // The token or phase changed since our snapshot: a result (or a release, or a newer
         // claim) landed first. It stands; the requeue is dropped.

@@ -7,7 +7,7 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::{CustomResource, CustomResourceExt, ResourceExt};
+use kube::{CustomResource, CustomResourceExt, KubeSchema, ResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -38,6 +38,7 @@ pub const CONDITION_CANCELLED: &str = "Cancelled";
     status = "LeasedJobStatus",
     doc = "A job that workers lease: claimed by one worker at a time with a fresh fencing token, kept alive by heartbeats on its Lease, and requeued by the controller when the heartbeats stop.",
     selectable = ".spec.queue",
+    validation = Rule::new("self.spec.queue == oldSelf.spec.queue").message("spec.queue is immutable: the sidecars of the new queue could not see this job's claim; create a new LeasedJob instead"),
     printcolumn = r#"{"name":"Queue","type":"string","jsonPath":".spec.queue"}"#,
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"Attempt","type":"integer","jsonPath":".status.attempt"}"#,
@@ -82,8 +83,16 @@ pub struct LeasedJobSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backoff: Option<Backoff>,
 
-    /// Not claimable before this time (RFC 3339, e.g. 2026-12-01T09:00:00Z).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Not claimable before this time (RFC 3339 in UTC or with an offset, years 1000 to 8999,
+    /// at most 9 fractional digits; e.g. 2026-12-01T09:00:00Z).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient_time"
+    )]
+    #[schemars(regex(
+        pattern = r"^[1-8][0-9]{3}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?(Z|[+-][0-9]{2}:[0-9]{2})$"
+    ))]
     pub not_before: Option<Time>,
 
     /// Set to true to cancel the job (`kubectl patch ljob NAME --type merge -p
@@ -119,8 +128,9 @@ impl Default for LeasedJobSpec {
 /// Exponential backoff between attempts: the delay after the n-th failed attempt is
 /// `min(maxSeconds, initialSeconds * 2^(n-1))`, of which a random half is taken off ("equal
 /// jitter", so that retries of many jobs failed together spread out).
-#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.initialSeconds <= self.maxSeconds").message("spec.backoff.initialSeconds must not exceed spec.backoff.maxSeconds"))]
 pub struct Backoff {
     /// Delay after the first failed attempt, in seconds (before jitter). Default 1.
     #[serde(default = "default_backoff_initial")]
@@ -207,19 +217,35 @@ pub struct LeasedJobStatus {
     pub lease_name: Option<String>,
 
     /// When the job became claimable (its creation time).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient_time"
+    )]
     pub queued_time: Option<Time>,
 
     /// When the latest claim was made.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient_time"
+    )]
     pub claimed_time: Option<Time>,
 
     /// When the job reached Succeeded, Failed or Cancelled.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient_time"
+    )]
     pub finished_time: Option<Time>,
 
     /// After a failed attempt with spec.backoff: the job is not claimable before this time.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient_time"
+    )]
     pub retry_after: Option<Time>,
 
     /// The worker's result: any JSON value, set once, by the holder, with the phase Succeeded.
@@ -262,6 +288,7 @@ pub struct AttemptFailure {
     #[serde(default)]
     pub message: String,
     /// When the failure was recorded.
+    #[serde(deserialize_with = "lenient_time_or_epoch")]
     pub time: Time,
 }
 
@@ -277,6 +304,19 @@ pub fn is_dns_subdomain(name: &str) -> bool {
                 && !label.starts_with('-')
                 && !label.ends_with('-')
         })
+}
+
+/// Reads an optional time, taking an unreadable one (a date the API server's schema accepted
+/// but this binary cannot represent) as absent, so that one odd object cannot stall a watch
+/// of every job (kube's watcher fails a whole LIST on one undecodable item).
+fn lenient_time<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Time>, D::Error> {
+    let value = Option::<Value>::deserialize(d)?;
+    Ok(value.and_then(|v| serde_json::from_value(v).ok()))
+}
+
+/// As [`lenient_time`], for a required time: the Unix epoch when unreadable.
+fn lenient_time_or_epoch<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Time, D::Error> {
+    Ok(lenient_time(d)?.unwrap_or(Time(Timestamp::UNIX_EPOCH)))
 }
 
 fn default_queue() -> String {
@@ -356,4 +396,32 @@ pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
     Ok(format!(
         "# Generated by `leasehold crd`; do not edit by hand.\n{yaml}"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreadable_time_cannot_stall_a_watch() {
+        // Dates the API server's date-time format accepts but no Rust time type can hold.
+        let job: LeasedJob = serde_json::from_value(serde_json::json!({
+            "apiVersion": "leasehold.dev/v1alpha1",
+            "kind": "LeasedJob",
+            "metadata": {"name": "odd", "namespace": "ns"},
+            "spec": {"notBefore": "9999-12-31T23:59:59Z"},
+            "status": {
+                "phase": "Queued",
+                "claimedTime": "2026-12-01T00:00:00.123456789012Z",
+                "failures": [{"attempt": 1, "reason": "X", "time": "99999-01-01T00:00:00Z"}]
+            }
+        }))
+        .expect("decodes");
+        assert_eq!(job.spec.not_before, None);
+        assert_eq!(job.status.as_ref().unwrap().claimed_time, None);
+        assert_eq!(
+            job.status.unwrap().failures[0].time,
+            Time(Timestamp::UNIX_EPOCH)
+        );
+    }
 }

@@ -76,6 +76,12 @@ impl ElectionArgs {
             .or_else(|| namespace.map(str::to_string))
             .unwrap_or_else(|| "default".to_string());
         check_dns_label("--leader-namespace", &namespace)?;
+        if !leasehold::crd::is_dns_subdomain(&self.leader_lease_name) {
+            bail!(
+                "--leader-lease-name {:?} is not a valid object name: a lowercase RFC 1123 subdomain of at most 253 characters",
+                self.leader_lease_name
+            );
+        }
         let config = leader::ElectionConfig {
             namespace,
             lease_name: self.leader_lease_name,
@@ -163,6 +169,9 @@ async fn main() -> anyhow::Result<()> {
             election,
         } => {
             telemetry::init(log_format);
+            if let Some(ns) = &namespace {
+                check_dns_label("--namespace", ns)?;
+            }
             let identity = identity_or_hostname(identity)?;
             let election = election.config(&identity, namespace.as_deref())?;
             let client = client().await?;
@@ -210,6 +219,14 @@ async fn main() -> anyhow::Result<()> {
         } => {
             telemetry::init(log_format);
             check_dns_label("--queue", &queue)?;
+            for (flag, value, max) in [
+                ("--drain-timeout", drain_timeout, 86_400),
+                ("--worker-timeout", worker_timeout, 7 * 86_400),
+            ] {
+                if value > max {
+                    bail!("{flag} {value} is too long: at most {max} seconds");
+                }
+            }
             if spread == 0 {
                 bail!("--spread 0 is not allowed: it must be at least 1 (1 means strict FIFO)");
             }

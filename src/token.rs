@@ -95,8 +95,59 @@ impl fmt::Debug for Token {
     }
 }
 
+/// `text` with everything that looks like a token (`<digits>.<32 hex digits>`) replaced by
+/// `<token>`: for error texts that may quote API objects (a watch's decode error can carry a
+/// whole LIST body), before they are logged.
+pub fn redact(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = String::with_capacity(text.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if let Some(len) = token_at(&bytes[i..]) {
+            out.push_str("<token>");
+            i += len;
+        } else {
+            let ch = text[i..].chars().next().expect("in bounds");
+            out.push(ch);
+            i += ch.len_utf8();
+        }
+    }
+    out
+}
+
+/// Length of a token starting at the beginning of `b`, if one does.
+fn token_at(b: &[u8]) -> Option<usize> {
+    let digits = b.iter().take_while(|c| c.is_ascii_digit()).count();
+    if digits == 0 || b.get(digits) != Some(&b'.') {
+        return None;
+    }
+    let hex = &b[digits + 1..];
+    let n = hex
+        .iter()
+        .take_while(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'))
+        .count();
+    (n >= HEX_LEN).then_some(digits + 1 + n)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn redaction_hides_every_token_and_keeps_the_rest() {
+        let a = Token::issue(3);
+        let b = Token::issue(12);
+        let text = format!(
+            "list failed: {{\"token\":\"{}\"}} and ü {} end 1.5 v1.2.3",
+            a.as_str(),
+            b.as_str()
+        );
+        let r = redact(&text);
+        assert!(!r.contains(a.as_str()) && !r.contains(b.as_str()), "{r}");
+        assert_eq!(
+            r,
+            "list failed: {\"token\":\"<token>\"} and ü <token> end 1.5 v1.2.3"
+        );
+    }
+
     use super::*;
 
     #[test]

@@ -198,6 +198,8 @@ struct Inner {
     health: Arc<Health>,
     /// Wakes [`Worker::drained`] when a held attempt ends.
     ended: Notify,
+    /// True once draining began: pending long polls end with [`WorkerError::ShuttingDown`].
+    draining: watch::Sender<bool>,
 }
 
 /// A claimer of one queue. Cheap to clone.
@@ -231,7 +233,10 @@ impl Worker {
             let mut stream = std::pin::pin!(stream);
             while let Some(event) = stream.next().await {
                 if let Err(e) = event {
-                    warn!(error = %e, "LeasedJob watch failed; retrying");
+                    // Decode errors quote the objects they failed on: never log a token.
+                    let shown = crate::token::redact(&e.to_string());
+                    let shown: String = shown.chars().take(500).collect();
+                    warn!(error = %shown, "LeasedJob watch failed; retrying");
                 }
                 tx.send_modify(|n| *n = n.wrapping_add(1));
             }
@@ -247,6 +252,7 @@ impl Worker {
             metrics: Arc::new(Metrics::new()),
             health,
             ended: Notify::new(),
+            draining: watch::channel(false).0,
         };
         (
             Worker {
@@ -280,6 +286,7 @@ impl Worker {
     /// heartbeats, results, failures and releases of held jobs still work.
     pub fn start_draining(&self) {
         self.inner.health.set_shutting_down();
+        self.inner.draining.send_replace(true);
     }
 
     /// Waits until no attempt is held, for at most `timeout`. True when none is.
@@ -354,9 +361,13 @@ impl Worker {
         {
             return Ok(None);
         }
+        let mut draining = self.inner.draining.subscribe();
         loop {
             changes.borrow_and_update();
             while let Some(snapshot) = self.pick() {
+                if *draining.borrow() {
+                    return Err(WorkerError::ShuttingDown);
+                }
                 if let Some(claimed) = self.try_claim(&snapshot).await? {
                     return Ok(Some(claimed));
                 }
@@ -371,6 +382,7 @@ impl Worker {
                     })
                     .map_or(deadline, |t| t.min(deadline));
             tokio::select! {
+                _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
                 () = tokio::time::sleep_until(wake), if wake < deadline => {}
                 changed = changes.changed() => {
                     if changed.is_err() {
@@ -654,7 +666,13 @@ impl Worker {
             Ok(lease) => {
                 // The Lease may lag the job by one write (requeued, not yet released): the
                 // job itself must still be Leased to this token.
-                if let Some((code, why)) = self.cached_job_moved_on(name, &token) {
+                let moved_on = match self.cached_job_moved_on(name, &token) {
+                    None if self.job_deleted(name).await => {
+                        Some(("job_not_found", "the LeasedJob was deleted".to_string()))
+                    }
+                    other => other,
+                };
+                if let Some((code, why)) = moved_on {
                     let message = lost_message(&self.job_ref(name), &why);
                     if let Some(h) = &held {
                         self.lose(h, code, message.clone());
@@ -719,12 +737,9 @@ impl Worker {
     /// reason).
     fn cached_job_moved_on(&self, name: &str, token: &Token) -> Option<(&'static str, String)> {
         let key = ObjectRef::new(name).within(&self.inner.config.namespace);
-        let Some(job) = self.inner.store.get(&key) else {
-            // Claimed jobs are in the cache before the claim; gone from a synced cache means
-            // deleted (its Lease follows by garbage collection).
-            return store_ready(&self.inner.store)
-                .then(|| ("job_not_found", "the LeasedJob was deleted".to_string()));
-        };
+        // Not in the cache: deleted, or moved out of this queue's watch; the caller asks the
+        // API server.
+        let job = self.inner.store.get(&key)?;
         if job.attempt() > token.attempt() {
             let why = format!(
                 "is on attempt {}, your token is from attempt {}",
@@ -747,6 +762,16 @@ impl Worker {
             return Some((code, why));
         }
         None
+    }
+
+    /// True when the job is absent from the synced cache and the API server confirms it is gone
+    /// (the Lease of a deleted job lives on until garbage collection removes it).
+    async fn job_deleted(&self, name: &str) -> bool {
+        let key = ObjectRef::new(name).within(&self.inner.config.namespace);
+        if self.inner.store.get(&key).is_some() || !store_ready(&self.inner.store) {
+            return false;
+        }
+        matches!(self.inner.jobs.get_opt(name).await, Ok(None))
     }
 
     /// After the Lease refused a renewal: the refusal as the job explains it.
@@ -861,6 +886,12 @@ impl Worker {
                 }
                 return Err(WorkerError::Refused(r));
             }
+            Err(FenceError::Api { source, .. }) if lease::is_too_large(&source) => {
+                return Err(WorkerError::TooLarge(format!(
+                    "LeasedJob {} would exceed the API server's object size limit (about 1.5 MiB for the whole job, payload included) with this write; nothing was written: send a smaller result or message, or store large results elsewhere and send a reference",
+                    self.job_ref(name)
+                )))
+            }
             Err(e @ FenceError::Api { .. }) => {
                 return Err(WorkerError::Unavailable {
                     what: format!("write to LeasedJob {}", self.job_ref(name)),
@@ -934,16 +965,23 @@ pub fn validate_reason(reason: &str) -> Result<(), WorkerError> {
     }
 }
 
-/// An error and its sources, joined with ": ".
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
+/// An error and its sources, joined with ": ". An API server's answer ends the chain as its
+/// message and HTTP status (not kube's debug dump of the whole Status).
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = Vec::new();
+    let mut current: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = current {
+        if let Some(kube::Error::Api(status)) = err.downcast_ref::<kube::Error>() {
+            parts.push(format!(
+                "the API server answered {}: {}",
+                status.code, status.message
+            ));
+            break;
+        }
+        parts.push(err.to_string());
+        current = err.source();
     }
-    text
+    crate::token::redact(&parts.join(": "))
 }
 
 #[cfg(test)]

@@ -82,6 +82,21 @@ async fn bad_manifests_are_rejected_with_messages_naming_the_field() {
         ("string-priority", "  priority: high", "spec.priority"),
         ("bad-queue", "  queue: Not_A_Label", "spec.queue"),
         ("unknown-field", "  leaseDuration: 30", "leaseDuration"),
+        (
+            "year-9999",
+            "  notBefore: \"9999-12-31T00:00:00Z\"",
+            "spec.notBefore",
+        ),
+        (
+            "long-fraction",
+            "  notBefore: \"2026-12-01T00:00:00.123456789012Z\"",
+            "spec.notBefore",
+        ),
+        (
+            "backoff-inverted",
+            "  backoff: {initialSeconds: 60, maxSeconds: 10}",
+            "initialSeconds must not exceed",
+        ),
     ];
     for (name, spec, field) in cases {
         let (ok, out) = kubectl(
@@ -103,6 +118,33 @@ async fn bad_manifests_are_rejected_with_messages_naming_the_field() {
             .is_empty(),
         "a rejected manifest was half-written"
     );
+}
+
+#[tokio::test]
+async fn the_queue_of_a_job_cannot_change() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "crd-queue").await;
+    let (ok, out) = kubectl(
+        &["apply", "-n", &ns.name, "-f", "-"],
+        &manifest("q", "  queue: a"),
+    );
+    assert!(ok, "{out}");
+    let (ok, out) = kubectl(
+        &[
+            "patch",
+            "ljob",
+            "q",
+            "-n",
+            &ns.name,
+            "--type",
+            "merge",
+            "-p",
+            r#"{"spec":{"queue":"b"}}"#,
+        ],
+        "",
+    );
+    assert!(!ok, "the queue changed: {out}");
+    assert!(out.contains("spec.queue is immutable"), "{out}");
 }
 
 #[tokio::test]

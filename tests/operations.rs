@@ -164,7 +164,36 @@ async fn readiness_follows_the_watch_and_shutdown_and_logs_can_be_json() {
     create_job(&client, &ns.name, create).await;
     let (s, c) = sc.claim(10).await;
     assert_eq!(s, 200);
+    // A long poll waiting when SIGTERM comes ends with 503 and claims nothing after it.
+    let base = sc.base.clone();
+    let waiting = tokio::spawn(async move {
+        let r = reqwest::Client::new()
+            .post(format!("{base}/v1/claim?wait=60"))
+            .send()
+            .await
+            .unwrap();
+        (
+            r.status().as_u16(),
+            r.json::<serde_json::Value>().await.unwrap_or_default(),
+        )
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
     sc.proc.signal("TERM");
+    let (s, r) = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the long poll ended at SIGTERM")
+        .unwrap();
+    assert_eq!(
+        (s, r["error"].as_str()),
+        (503, Some("shutting_down")),
+        "{r}"
+    );
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "late"}, "spec": {"queue": "q"}}),
+    )
+    .await;
     let sc_port = sc.proc.port.unwrap();
     wait_for("sidecar not ready", Duration::from_secs(5), || async {
         (http_get(sc_port, "/readyz").await?.0 == 503).then_some(())
@@ -178,6 +207,17 @@ async fn readiness_follows_the_watch_and_shutdown_and_logs_can_be_json() {
     );
     let (s, _) = sc.complete("held", &token_of(&c), json!("ok")).await;
     assert_eq!(s, 200);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        jobs_phase(&client, &ns.name, "late").await,
+        Phase::Queued,
+        "claimed while draining"
+    );
+}
+
+async fn jobs_phase(client: &kube::Client, ns: &str, name: &str) -> Phase {
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
+    jobs.get(name).await.unwrap().phase()
 }
 
 #[tokio::test]
