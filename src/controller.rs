@@ -37,6 +37,11 @@ pub const REPORTER: &str = "leasehold-controller";
 const EXPIRY_SLACK: Duration = Duration::from_millis(20);
 /// Requeue delay after a failed reconcile.
 const ERROR_REQUEUE: Duration = Duration::from_secs(2);
+/// How long the holder gets to release the Lease of an attempt it ended before the controller
+/// releases it on the holder's behalf. The holder releases right after its job write, so
+/// without this wait the controller, seeing the job write first, would race it on every
+/// completion: two PATCHes and a read instead of one PATCH.
+const RELEASE_GRACE: Duration = Duration::from_secs(5);
 
 /// Errors of one reconcile; each has a stable category.
 #[derive(Debug, Error)]
@@ -101,6 +106,9 @@ pub struct Context {
     observations: Mutex<HashMap<ObjectRef<LeasedJob>, Observation>>,
     /// The (attempt, phase) last seen per job, to record Events for transitions.
     transitions: Mutex<HashMap<ObjectRef<LeasedJob>, (i32, Phase)>>,
+    /// Ended attempts whose Lease still names their token: the token, and when the controller
+    /// releases the Lease if the holder has not (see [`RELEASE_GRACE`]).
+    release_due: Mutex<HashMap<ObjectRef<LeasedJob>, (String, Instant)>>,
 }
 
 /// Runs the controller until SIGTERM/SIGINT.
@@ -134,6 +142,7 @@ pub async fn run(client: Client, config: Config) -> Result<(), ControllerError> 
         recorder,
         observations: Mutex::default(),
         transitions: Mutex::default(),
+        release_due: Mutex::default(),
     });
     let controller = Controller::new(jobs, watcher::Config::default())
         .owns_stream(lease_stream)
@@ -174,6 +183,7 @@ impl Context {
         let keep = |k: &ObjectRef<LeasedJob>| jobs.get(k).is_some();
         self.observations.lock().unwrap().retain(|k, _| keep(k));
         self.transitions.lock().unwrap().retain(|k, _| keep(k));
+        self.release_due.lock().unwrap().retain(|k, _| keep(k));
     }
 
     async fn event(&self, job: &LeasedJob, type_: EventType, reason: &str, note: String) {
@@ -229,11 +239,28 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
                 .lock()
                 .unwrap()
                 .remove(&ObjectRef::from_obj(&*job));
-            // An ended attempt whose Lease still names its token (the holder's release did not
-            // get through): release it on the holder's behalf.
+            // An ended attempt whose Lease still names its token: once the holder has had
+            // RELEASE_GRACE to release it (its release did not get through), release it on
+            // the holder's behalf.
+            let key = ObjectRef::from_obj(&*job);
             let held = lease.as_deref().and_then(lease::holder_identity);
             if let (Some(held), Some(token)) = (held, job.token()) {
                 if held == token {
+                    let now = Instant::now();
+                    let due = {
+                        let mut pending = ctx.release_due.lock().unwrap();
+                        let entry = pending
+                            .entry(key.clone())
+                            .or_insert_with(|| (token.to_string(), now + RELEASE_GRACE));
+                        if entry.0 != token {
+                            *entry = (token.to_string(), now + RELEASE_GRACE);
+                        }
+                        entry.1
+                    };
+                    if now < due {
+                        return Ok(Action::requeue(due - now));
+                    }
+                    ctx.release_due.lock().unwrap().remove(&key);
                     lease::release(&leases, &lease_name, token)
                         .await
                         .map_err(|source| ReconcileError::Lease {
@@ -241,8 +268,10 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
                             action: "release",
                             source,
                         })?;
+                    return Ok(Action::await_change());
                 }
             }
+            ctx.release_due.lock().unwrap().remove(&key);
             Ok(Action::await_change())
         }
     }
