@@ -689,7 +689,17 @@ impl Worker {
             .and_then(|h| h.state.lock().unwrap().checkpoint.clone());
         let outcome = outcome(checkpoint);
         let ns = &self.inner.config.namespace;
-        let job = match fence::apply(&self.inner.jobs, ns, name, &token, &outcome).await {
+        let cached = self.inner.store.get(&ObjectRef::new(name).within(ns));
+        let job = match fence::apply_from(
+            &self.inner.jobs,
+            ns,
+            name,
+            &token,
+            &outcome,
+            cached.as_deref(),
+        )
+        .await
+        {
             Ok(job) => job,
             Err(FenceError::Refused(r)) => {
                 if let Some(h) = &held {
