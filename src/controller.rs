@@ -125,8 +125,10 @@ pub async fn run(client: Client, config: Config) -> Result<(), ControllerError> 
     };
     let (lease_store, lease_writer) = reflector::store();
     let lease_selector = format!("{MANAGED_BY_LABEL}={MANAGED_BY}");
+    // managedFields are never read here, and are a large share of each cached object.
     let lease_stream = watcher(leases, watcher::Config::default().labels(&lease_selector))
         .default_backoff()
+        .modify(|lease| lease.managed_fields_mut().clear())
         .reflect(lease_writer)
         .applied_objects();
     let recorder = Recorder::new(
@@ -144,7 +146,12 @@ pub async fn run(client: Client, config: Config) -> Result<(), ControllerError> 
         transitions: Mutex::default(),
         release_due: Mutex::default(),
     });
-    let controller = Controller::new(jobs, watcher::Config::default())
+    let (job_store, job_writer) = reflector::store();
+    let job_stream = watcher(jobs, watcher::Config::default())
+        .modify(|job| job.managed_fields_mut().clear())
+        .reflect(job_writer)
+        .applied_objects();
+    let controller = Controller::for_stream(job_stream, job_store)
         .owns_stream(lease_stream)
         .shutdown_on_signal();
     let job_store = controller.store();

@@ -208,8 +208,10 @@ impl Worker {
         let (tx, changes) = watch::channel(0u64);
         // spec.queue is a selectable field of the CRD, so the API server filters for us.
         let selector = format!("spec.queue={}", config.queue);
+        // managedFields are never read here, and are a large share of each cached object.
         let stream = watcher(jobs.clone(), watcher::Config::default().fields(&selector))
             .default_backoff()
+            .modify(|job| job.managed_fields_mut().clear())
             .reflect(writer);
         let watch_task = tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
