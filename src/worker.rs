@@ -305,7 +305,10 @@ impl Worker {
             &jobs,
             &self.inner.config.queue,
             self.inner.window.load(Ordering::Relaxed),
-            |j| tried.get(&j.name_any()) == j.resource_version().as_ref(),
+            |j| {
+                let name = j.metadata.name.as_deref().unwrap_or_default();
+                tried.get(name) == j.metadata.resource_version.as_ref()
+            },
             &mut rand::rng(),
         )
     }
