@@ -462,6 +462,7 @@ fn claim_rows(
     for c in results {
         let ceiling = ceilings.iter().find(|x| x.writers == c.claimers);
         let ratio = ceiling.map(|x| c.per_second / x.per_second);
+        let writes = c.requests.sum(metrics::Key::is_write) / c.elapsed.as_secs_f64();
         report.rows.push(Row {
             id: format!("2 (N={})", c.claimers),
             what: "Claim throughput (claim + complete)".into(),
@@ -501,7 +502,8 @@ fn claim_rows(
             detail,
             "- N = {}: {} jobs in {:.1} s; {} worker errors; 409 share {:.1}% in all, {:.1}% \
              over the first quarter of the jobs, {:.1}% over the middle half, {:.1}% over the \
-             last quarter but the last {} jobs, {:.1}% over the last {}; CPU in cores: {}",
+             last quarter but the last {} jobs, {:.1}% over the last {}; the API server \
+             handled {:.0} writes/s ({}) and {:.0} reads/s; CPU in cores: {}",
             c.claimers,
             c.jobs,
             c.elapsed.as_secs_f64(),
@@ -513,6 +515,14 @@ fn claim_rows(
             c.claimers.min(c.jobs),
             c.conflict_split[3] * 100.0,
             c.claimers.min(c.jobs),
+            writes,
+            ceiling.map_or("no ceiling measured".into(), |x| format!(
+                "{:.2}x the ceiling's write rate",
+                writes / x.server_writes_per_second
+            )),
+            c.requests
+                .sum(|k| matches!(k.verb.as_str(), "GET" | "LIST"))
+                / c.elapsed.as_secs_f64(),
             cpu_line(&c.cpu)
         );
     }
