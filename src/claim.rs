@@ -97,18 +97,23 @@ pub fn pick<R: Rng>(
         .collect();
     let top = candidates.iter().map(|j| j.spec.priority).max()?;
     candidates.retain(|j| j.spec.priority == top);
-    candidates.sort_by(|a, b| {
-        let key = |j: &LeasedJob| {
-            (
-                j.metadata.creation_timestamp.clone().map(|t| t.0),
-                j.name_any(),
-            )
-        };
-        key(a).cmp(&key(b))
-    });
     let window = candidates.len().min(spread.max(1));
+    if window < candidates.len() {
+        // Only which jobs are the `window` oldest matters, not their order (the choice among
+        // them is uniform): select them in linear time rather than sort every candidate on
+        // every claim, which cost tens of milliseconds per claim with 10,000 jobs queued.
+        candidates.select_nth_unstable_by(window - 1, |a, b| fifo_key(a).cmp(&fifo_key(b)));
+    }
     let chosen = rng.random_range(0..window);
     Some(Arc::clone(candidates[chosen]))
+}
+
+/// FIFO order: creationTimestamp, then name.
+fn fifo_key(job: &LeasedJob) -> (Option<Timestamp>, Option<&str>) {
+    (
+        job.metadata.creation_timestamp.as_ref().map(|t| t.0),
+        job.metadata.name.as_deref(),
+    )
 }
 
 /// The status a successful claim writes: Leased, attempt + 1, the new token and holder, the

@@ -42,6 +42,11 @@ const EXPIRY_SLACK: Duration = Duration::from_millis(20);
 const NOT_LEADER_REQUEUE: Duration = Duration::from_secs(1);
 /// Requeue delay after a failed reconcile.
 const ERROR_REQUEUE: Duration = Duration::from_secs(2);
+/// How long the holder gets to release the Lease of an attempt it ended before the controller
+/// releases it on the holder's behalf. The holder releases right after its job write, so
+/// without this wait the controller, seeing the job write first, would race it on every
+/// completion: two PATCHes and a read instead of one PATCH.
+const RELEASE_GRACE: Duration = Duration::from_secs(5);
 
 /// Errors of one reconcile; each has a stable category.
 #[derive(Debug, Error)]
@@ -119,6 +124,9 @@ pub struct Context {
     observations: Mutex<HashMap<ObjectRef<LeasedJob>, Observation>>,
     /// The (attempt, phase) last seen per job, to record Events for transitions.
     transitions: Mutex<HashMap<ObjectRef<LeasedJob>, (i32, Phase)>>,
+    /// Ended attempts whose Lease still names their token: the token, and when the controller
+    /// releases the Lease if the holder has not (see [`RELEASE_GRACE`]).
+    release_due: Mutex<HashMap<ObjectRef<LeasedJob>, (String, Instant)>>,
 }
 
 /// Runs the controller until SIGTERM/SIGINT, reporting into `metrics` and `health` (ready
@@ -141,8 +149,10 @@ pub async fn run(
     };
     let (lease_store, lease_writer) = reflector::store();
     let lease_selector = format!("{MANAGED_BY_LABEL}={MANAGED_BY}");
+    // managedFields are never read here, and are a large share of each cached object.
     let lease_stream = watcher(leases, watcher::Config::default().labels(&lease_selector))
         .default_backoff()
+        .modify(|lease| lease.managed_fields_mut().clear())
         .reflect(lease_writer)
         .applied_objects();
     let recorder = Recorder::new(
@@ -176,8 +186,14 @@ pub async fn run(
         recorder,
         observations: Mutex::default(),
         transitions: Mutex::default(),
+        release_due: Mutex::default(),
     });
-    let controller = Controller::new(jobs, watcher::Config::default())
+    let (job_store, job_writer) = reflector::store();
+    let job_stream = watcher(jobs, watcher::Config::default())
+        .modify(|job| job.managed_fields_mut().clear())
+        .reflect(job_writer)
+        .applied_objects();
+    let controller = Controller::for_stream(job_stream, job_store)
         .owns_stream(lease_stream)
         .shutdown_on_signal();
     let job_store = controller.store();
@@ -307,6 +323,7 @@ impl Context {
         let keep = |k: &ObjectRef<LeasedJob>| jobs.get(k).is_some();
         self.observations.lock().unwrap().retain(|k, _| keep(k));
         self.transitions.lock().unwrap().retain(|k, _| keep(k));
+        self.release_due.lock().unwrap().retain(|k, _| keep(k));
     }
 
     async fn event(&self, job: &LeasedJob, type_: EventType, reason: &str, note: String) {
@@ -373,12 +390,29 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
                 .lock()
                 .unwrap()
                 .remove(&ObjectRef::from_obj(&*job));
-            // An ended attempt whose Lease still names its token (the holder's release did not
-            // get through): release it on the holder's behalf.
+            // An ended attempt whose Lease still names its token: once the holder has had
+            // RELEASE_GRACE to release it (its release did not get through), release it on
+            // the holder's behalf.
+            let key = ObjectRef::from_obj(&*job);
             let held = lease.as_deref().and_then(lease::holder_identity);
             if let (Some(held), Some(token)) = (held, job.token()) {
                 if held == token {
+                    let now = Instant::now();
+                    let due = {
+                        let mut pending = ctx.release_due.lock().unwrap();
+                        let entry = pending
+                            .entry(key.clone())
+                            .or_insert_with(|| (token.to_string(), now + RELEASE_GRACE));
+                        if entry.0 != token {
+                            *entry = (token.to_string(), now + RELEASE_GRACE);
+                        }
+                        entry.1
+                    };
+                    if now < due {
+                        return Ok(Action::requeue(due - now));
+                    }
                     ctx.leading(&job)?;
+                    ctx.release_due.lock().unwrap().remove(&key);
                     lease::release(&leases, &lease_name, token)
                         .await
                         .map_err(|source| ReconcileError::Lease {
@@ -386,8 +420,10 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
                             action: "release",
                             source,
                         })?;
+                    return Ok(Action::await_change());
                 }
             }
+            ctx.release_due.lock().unwrap().remove(&key);
             if phase.is_finished() {
                 return delete_after_ttl(&job, &ctx, &jobs).await;
             }

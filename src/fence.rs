@@ -389,16 +389,41 @@ pub async fn apply(
     token: &Token,
     outcome: &Outcome,
 ) -> Result<LeasedJob, FenceError> {
+    apply_from(api, namespace, name, token, outcome, None).await
+}
+
+/// As [`apply`], but builds the patch from `snapshot` (a watch cache's copy of the job) instead
+/// of reading the job first, when the snapshot shows `token` holding it (Leased, this token).
+/// That is as safe as a fresh read: while the token and the Leased phase stay, nothing else in
+/// the status changes, and the patch's `test` operations make the API server refuse it if
+/// either changed since. It saves one read per ended attempt. Any other snapshot is ignored.
+///
+/// # Errors
+/// As [`apply`].
+pub async fn apply_from(
+    api: &Api<LeasedJob>,
+    namespace: &str,
+    name: &str,
+    token: &Token,
+    outcome: &Outcome,
+    snapshot: Option<&LeasedJob>,
+) -> Result<LeasedJob, FenceError> {
     let job_ref = format!("{namespace}/{name}");
     let api_err = |source| FenceError::Api {
         job: job_ref.clone(),
         source,
     };
-    let job = api.get_opt(name).await.map_err(api_err)?;
-    if let Some(r) = refusal(&job_ref, job.as_ref(), token) {
-        return Err(r.into());
-    }
-    let job = job.expect("refusal() refuses a missing job");
+    let usable = snapshot.filter(|j| refusal(&job_ref, Some(j), token).is_none());
+    let job = match usable {
+        Some(j) => j.clone(),
+        None => {
+            let job = api.get_opt(name).await.map_err(api_err)?;
+            if let Some(r) = refusal(&job_ref, job.as_ref(), token) {
+                return Err(r.into());
+            }
+            job.expect("refusal() refuses a missing job")
+        }
+    };
     let holder = job
         .status
         .as_ref()

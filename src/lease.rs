@@ -235,7 +235,9 @@ fn lease_ref(api_ns: &str, name: &str) -> String {
 /// or takes it over from an older attempt with a resourceVersion precondition, adding one to
 /// leaseTransitions. Retries on conflict a few times; the claim already made this caller the
 /// owner, so a conflict only means someone (the controller releasing, an old holder's last
-/// renewal) wrote in between.
+/// renewal) wrote in between. A first attempt's Lease normally does not exist yet, so for
+/// attempt 1 the create is tried before any read (one request instead of two on the claim
+/// path); if the Lease exists after all, the create fails with 409 and the read path follows.
 ///
 /// # Errors
 /// [`LeaseError::Lost`] when the Lease is held by the same or a newer attempt;
@@ -248,6 +250,14 @@ pub async fn acquire(
     let name = lease_name(&job.name_any());
     let ns = job.namespace().unwrap_or_default();
     let mut last_err = None;
+    if token.attempt() == 1 {
+        let lease = lease_for_claim(job, token, Timestamp::now(), 0, None);
+        match api.create(&PostParams::default(), &lease).await {
+            Ok(l) => return Ok(l),
+            Err(e) if is_status(&e, 409) => last_err = Some(e),
+            Err(e) => return Err(LeaseError::Api(e)),
+        }
+    }
     for _ in 0..8 {
         let now = Timestamp::now();
         match api.get_opt(&name).await.map_err(LeaseError::Api)? {

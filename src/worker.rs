@@ -19,6 +19,7 @@
 //! [`WorkerError::LeaseLost`], without asking the API server.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -51,6 +52,8 @@ pub const DEFAULT_SPREAD: usize = 16;
 pub const MAX_MESSAGE_BYTES: usize = 4096;
 /// Delay before retrying a failed background renewal.
 const RENEW_RETRY: Duration = Duration::from_secs(1);
+/// The claim window never widens past this many times [`WorkerConfig::spread`].
+const MAX_WINDOW_FACTOR: usize = 64;
 
 /// Options of a [`Worker`].
 #[derive(Clone, Debug)]
@@ -62,7 +65,10 @@ pub struct WorkerConfig {
     /// Identity written to status.holder: the pod name.
     pub identity: String,
     /// How many of the oldest top-priority jobs a claim chooses among at random (1 = strict
-    /// FIFO). Spreads concurrent claimers over different jobs so fewer claims conflict.
+    /// FIFO). Spreads concurrent claimers over different jobs so fewer claims conflict. Under
+    /// contention the window adapts: a 409 quadruples it (while more jobs are claimable than
+    /// it holds, up to 64 x spread), a successful claim narrows it by 1/32 back towards
+    /// spread, so it settles where a few claims in a hundred conflict. Spread 1 never widens.
     pub spread: usize,
     /// How long the worker may stay silent (no heartbeat or other call) before background
     /// renewal stops for its jobs. The effective limit is at least the job's lease duration.
@@ -200,6 +206,8 @@ struct Inner {
     ended: Notify,
     /// True once draining began: pending long polls end with [`WorkerError::ShuttingDown`].
     draining: watch::Sender<bool>,
+    /// The claim window now (see [`WorkerConfig::spread`]).
+    window: AtomicUsize,
 }
 
 /// A claimer of one queue. Cheap to clone.
@@ -218,8 +226,10 @@ impl Worker {
         let (tx, changes) = watch::channel(0u64);
         // spec.queue is a selectable field of the CRD, so the API server filters for us.
         let selector = format!("spec.queue={}", config.queue);
+        // managedFields are never read here, and are a large share of each cached object.
         let stream = watcher(jobs.clone(), watcher::Config::default().fields(&selector))
             .default_backoff()
+            .modify(|job| job.managed_fields_mut().clear())
             .reflect(writer);
         let health = Health::new();
         let synced_store = store.clone();
@@ -241,6 +251,7 @@ impl Worker {
                 tx.send_modify(|n| *n = n.wrapping_add(1));
             }
         });
+        let window = config.spread;
         let inner = Inner {
             config,
             jobs,
@@ -253,6 +264,7 @@ impl Worker {
             health,
             ended: Notify::new(),
             draining: watch::channel(false).0,
+            window: AtomicUsize::new(window),
         };
         (
             Worker {
@@ -364,13 +376,16 @@ impl Worker {
         let mut draining = self.inner.draining.subscribe();
         loop {
             changes.borrow_and_update();
-            while let Some(snapshot) = self.pick() {
+            if let Some(snapshot) = self.pick() {
                 if *draining.borrow() {
                     return Err(WorkerError::ShuttingDown);
                 }
                 if let Some(claimed) = self.try_claim(&snapshot).await? {
                     return Ok(Some(claimed));
                 }
+                // Lost the race (or the job went away): the cache was stale. The write that
+                // beat us is on its way through the watch, usually already here; pick again
+                // from a cache at least that fresh rather than from the same stale one.
             }
             // Wake for the next job whose notBefore or retryAfter passes, if before the deadline.
             let now = Timestamp::now();
@@ -404,10 +419,51 @@ impl Worker {
             &jobs,
             &self.inner.config.queue,
             Timestamp::now(),
-            self.inner.config.spread,
-            |j| tried.get(&j.name_any()) == j.resource_version().as_ref(),
+            self.inner.window.load(Ordering::Relaxed),
+            |j| {
+                let name = j.metadata.name.as_deref().unwrap_or_default();
+                tried.get(name) == j.metadata.resource_version.as_ref()
+            },
             &mut rand::rng(),
         )
+    }
+
+    /// After a 409: widens the claim window fourfold, if more jobs are claimable than it holds
+    /// (with fewer, a wider window would not spread claimers any further).
+    fn widen_window(&self) {
+        let spread = self.inner.config.spread;
+        let window = self.inner.window.load(Ordering::Relaxed);
+        if spread <= 1 || window >= spread * MAX_WINDOW_FACTOR {
+            return;
+        }
+        let queue = &self.inner.config.queue;
+        let now = Timestamp::now();
+        let claimable = self
+            .inner
+            .store
+            .state()
+            .iter()
+            .filter(|j| claim::claimable(j, queue, now))
+            .count();
+        if claimable > window {
+            let wider = (window * 4).min(spread * MAX_WINDOW_FACTOR);
+            self.inner.window.store(wider, Ordering::Relaxed);
+        }
+        tracing::debug!(
+            window,
+            claimable,
+            "Claim conflict (409); claim window was {window}"
+        );
+    }
+
+    /// After a successful claim: narrows the claim window by 1/32, not below spread.
+    fn narrow_window(&self) {
+        let spread = self.inner.config.spread;
+        let window = self.inner.window.load(Ordering::Relaxed);
+        if window > spread {
+            let narrower = window.saturating_sub((window / 32).max(1)).max(spread);
+            self.inner.window.store(narrower, Ordering::Relaxed);
+        }
     }
 
     fn mark_tried(&self, job: &LeasedJob) {
@@ -422,12 +478,15 @@ impl Worker {
         self.mark_tried(snapshot);
         let identity = &self.inner.config.identity;
         let (job, token) = match claim::claim(&self.inner.jobs, snapshot, identity).await {
-            Ok(claimed) => claimed,
-            Err(
-                ClaimError::Conflict { .. }
-                | ClaimError::NotQueued { .. }
-                | ClaimError::Gone { .. },
-            ) => return Ok(None),
+            Ok(claimed) => {
+                self.narrow_window();
+                claimed
+            }
+            Err(ClaimError::Conflict { .. }) => {
+                self.widen_window();
+                return Ok(None);
+            }
+            Err(ClaimError::NotQueued { .. } | ClaimError::Gone { .. }) => return Ok(None),
             Err(e @ ClaimError::Api { .. }) => {
                 return Err(WorkerError::Unavailable {
                     what: format!("claim of LeasedJob {}", snapshot.reference()),
@@ -878,7 +937,17 @@ impl Worker {
             .and_then(|h| h.state.lock().unwrap().checkpoint.clone());
         let outcome = outcome(checkpoint);
         let ns = &self.inner.config.namespace;
-        let job = match fence::apply(&self.inner.jobs, ns, name, &token, &outcome).await {
+        let cached = self.inner.store.get(&ObjectRef::new(name).within(ns));
+        let job = match fence::apply_from(
+            &self.inner.jobs,
+            ns,
+            name,
+            &token,
+            &outcome,
+            cached.as_deref(),
+        )
+        .await
+        {
             Ok(job) => job,
             Err(FenceError::Refused(r)) => {
                 if let Some(h) = &held {

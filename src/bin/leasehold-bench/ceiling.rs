@@ -1,0 +1,109 @@
+//! Row 1, the ceiling: how many conditional status updates per second N concurrent writers get
+//! from this API server with the same client library, each writer replacing the status of its
+//! own LeasedJob under the resourceVersion it last got back (so none conflicts).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use kube::api::PostParams;
+use kube::{Api, ResourceExt};
+use leasehold::claim;
+use leasehold::crd::LeasedJob;
+use leasehold::token::Token;
+
+use crate::cluster::Bench;
+use crate::metrics;
+use crate::procs::CpuWindow;
+
+/// The ceiling at one N.
+#[derive(Clone, Debug)]
+pub struct Ceiling {
+    /// Concurrent writers.
+    pub writers: usize,
+    /// Successful writes per second.
+    pub per_second: f64,
+    /// Writes counted by the API server per second (all resources), as a cross-check.
+    pub server_writes_per_second: f64,
+    /// Failed writes (should be 0).
+    pub errors: u64,
+    /// CPU by process during the window, in cores.
+    pub cpu: Vec<(String, f64)>,
+}
+
+/// Measures the ceiling for each N in `writers`, `seconds` each after a 1 s warm-up.
+pub async fn run(bench: &Bench, writers: &[usize], seconds: f64) -> anyhow::Result<Vec<Ceiling>> {
+    let ns = bench.namespace("bench-ceiling").await?;
+    let most = writers.iter().copied().max().unwrap_or(1);
+    bench.create_jobs(&ns, "ceiling", "c", most, 60, 16).await?;
+    let mut out = Vec::new();
+    for &n in writers {
+        out.push(measure(bench, &ns, n, seconds).await?);
+    }
+    Ok(out)
+}
+
+async fn measure(bench: &Bench, ns: &str, n: usize, seconds: f64) -> anyhow::Result<Ceiling> {
+    let done = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let api: Api<LeasedJob> = Api::namespaced(bench.new_client()?, ns);
+        let (done, errors, stop) = (Arc::clone(&done), Arc::clone(&errors), Arc::clone(&stop));
+        tasks.push(tokio::spawn(async move {
+            let name = format!("c-{i}");
+            let mut current = api.get(&name).await.context("read ceiling job")?;
+            while !stop.load(Ordering::Relaxed) {
+                // The same write a claim makes: a new token, holder and claim time, under the
+                // resourceVersion last read.
+                let mut next = current.clone();
+                let token = Token::issue(current.attempt() + 1);
+                next.status = Some(claim::claimed_status(
+                    &current,
+                    &token,
+                    "bench-ceiling",
+                    k8s_openapi::jiff::Timestamp::now(),
+                ));
+                match api
+                    .replace_status(&current.name_any(), &PostParams::default(), &next)
+                    .await
+                {
+                    Ok(stored) => {
+                        current = stored;
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        current = api.get(&name).await.context("re-read ceiling job")?;
+                    }
+                }
+            }
+            anyhow::Ok(())
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let m0 = metrics::scrape(&bench.client).await?;
+    let mut groups = bench.controlplane.groups();
+    groups.push(("leasehold-bench".into(), vec![std::process::id()]));
+    let cpu = CpuWindow::start(groups);
+    let (c0, t0) = (done.load(Ordering::Relaxed), Instant::now());
+    tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
+    let (c1, elapsed) = (done.load(Ordering::Relaxed), t0.elapsed());
+    let cpu = cpu.finish();
+    let m1 = metrics::scrape(&bench.client).await?;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await??;
+    }
+    let server = m1.since(&m0).sum(|k| k.is_write());
+    let secs = elapsed.as_secs_f64();
+    Ok(Ceiling {
+        writers: n,
+        per_second: (c1 - c0) as f64 / secs,
+        server_writes_per_second: server / secs,
+        errors: errors.load(Ordering::Relaxed),
+        cpu,
+    })
+}

@@ -1,0 +1,193 @@
+//! Row 2, claim throughput: M queued jobs, N claimers each with its own `Worker` (the library
+//! the sidecar serves, with its own client and watch, as N sidecars would have), claiming and
+//! completing as fast as they can while the real controller runs. Conflicts are counted by the
+//! API server: the share of claim writes (PUT leasedjobs/status) answered 409.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use leasehold::crd::Phase;
+use leasehold::worker::{Worker, WorkerConfig, DEFAULT_SPREAD, DEFAULT_WORKER_TIMEOUT};
+use serde_json::json;
+
+use crate::cluster::{wait_until, Bench, JobWatch};
+use crate::metrics::{self, Key, Requests};
+use crate::procs::{self, CpuWindow};
+
+/// The claim throughput at one N.
+pub struct Claims {
+    /// Concurrent claimers.
+    pub claimers: usize,
+    /// Jobs claimed and completed.
+    pub jobs: usize,
+    /// Jobs claimed (and completed) per second.
+    pub per_second: f64,
+    /// Share of claim writes answered 409 Conflict.
+    pub conflict_share: f64,
+    /// The same over the first quarter of the jobs (claimers start cold, their claim windows
+    /// at spread), the middle half, the last quarter but the last N jobs (the queue draining
+    /// below what the windows had grown to) and the last N jobs (claimers outnumber the jobs).
+    pub conflict_split: [f64; 4],
+    /// Claim writes (PUT leasedjobs/status) counted by the API server.
+    pub claim_writes: f64,
+    /// All requests counted by the API server during the run.
+    pub requests: Requests,
+    /// Worker calls that failed (should be 0).
+    pub errors: u64,
+    /// CPU by process during the run, in cores.
+    pub cpu: Vec<(String, f64)>,
+    /// Wall time of the run.
+    pub elapsed: Duration,
+}
+
+/// True for a claim write: PUT on leasedjobs/status.
+pub fn is_claim_write(k: &Key) -> bool {
+    k.resource == "leasedjobs" && k.subresource == "status" && k.verb == "PUT"
+}
+
+/// Runs M = `jobs` jobs through N = `claimers` claimers.
+pub async fn run(bench: &Bench, claimers: usize, jobs: usize) -> anyhow::Result<Claims> {
+    let ns = bench.namespace(&format!("bench-claim{claimers}")).await?;
+    let queue = "claim";
+    let mut controller = procs::controller(&bench.leasehold, &bench.kubeconfig, &bench.logs, &ns)?;
+    bench.create_jobs(&ns, queue, "j", jobs, 60, 16).await?;
+    {
+        let watch = JobWatch::start(bench.client.clone(), &ns).await?;
+        watch
+            .wait_phase(jobs, Phase::Queued, Duration::from_secs(300))
+            .await?;
+    }
+    let mut workers = Vec::new();
+    let mut watches = Vec::new();
+    for i in 0..claimers {
+        let (w, task) = Worker::start(
+            bench.new_client()?,
+            WorkerConfig {
+                namespace: ns.clone(),
+                queue: queue.into(),
+                identity: format!("claimer-{i}"),
+                spread: DEFAULT_SPREAD,
+                worker_timeout: DEFAULT_WORKER_TIMEOUT,
+            },
+        );
+        workers.push(w);
+        watches.push(task);
+    }
+    wait_until(
+        "the claimers' watches",
+        Duration::from_secs(120),
+        || async { workers.iter().all(Worker::is_ready).then_some(()) },
+    )
+    .await?;
+
+    let m0 = metrics::scrape(&bench.client).await?;
+    let mut groups = bench.controlplane.groups();
+    groups.push(("leasehold controller".into(), vec![controller.pid()]));
+    groups.push((
+        "claimers (leasehold-bench)".into(),
+        vec![std::process::id()],
+    ));
+    let cpu = CpuWindow::start(groups);
+    let completed = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let t0 = Instant::now();
+    let total = jobs as u64;
+    let mut tasks = Vec::new();
+    for w in &workers {
+        let (w, completed, errors) = (w.clone(), Arc::clone(&completed), Arc::clone(&errors));
+        tasks.push(tokio::spawn(async move {
+            while completed.load(Ordering::Relaxed) < total {
+                match w.claim(Duration::from_secs(1)).await {
+                    Ok(Some(c)) => {
+                        match w
+                            .complete(&c.name, c.token.as_str(), json!({"ok": true}))
+                            .await
+                        {
+                            Ok(_) => {
+                                completed.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "complete failed");
+                                errors.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "claim failed");
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }));
+    }
+    let deadline = Duration::from_secs(600);
+    let marks = [
+        total / 4,
+        total * 3 / 4,
+        total.saturating_sub(claimers as u64).max(total * 3 / 4),
+    ];
+    let mut at_marks: Vec<Requests> = Vec::new();
+    while completed.load(Ordering::Relaxed) < total {
+        let done = completed.load(Ordering::Relaxed);
+        while at_marks.len() < marks.len() && done >= marks[at_marks.len()] {
+            at_marks.push(metrics::scrape(&bench.client).await?);
+        }
+        controller.check_running()?;
+        if t0.elapsed() > deadline {
+            bail!(
+                "claim run with {claimers} claimers: only {} of {jobs} jobs done after {deadline:?}",
+                completed.load(Ordering::Relaxed)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = t0.elapsed();
+    let cpu = cpu.finish();
+    let m1 = metrics::scrape(&bench.client).await?;
+    let requests = m1.since(&m0);
+    for t in tasks {
+        t.await?;
+    }
+    for w in watches {
+        w.abort();
+    }
+    drop(workers);
+    controller.kill().await;
+    let claim_writes = requests.sum(is_claim_write);
+    let conflicts = requests.sum(|k| is_claim_write(k) && k.code == "409");
+    let share = |r: &Requests| {
+        let all = r.sum(is_claim_write);
+        if all > 0.0 {
+            r.sum(|k| is_claim_write(k) && k.code == "409") / all
+        } else {
+            0.0
+        }
+    };
+    let mut conflict_split = [f64::NAN; 4];
+    if at_marks.len() == 3 {
+        let points = [&m0, &at_marks[0], &at_marks[1], &at_marks[2], &m1];
+        for (i, split) in conflict_split.iter_mut().enumerate() {
+            *split = share(&points[i + 1].since(points[i]));
+        }
+    }
+    Ok(Claims {
+        claimers,
+        jobs,
+        per_second: jobs as f64 / elapsed.as_secs_f64(),
+        conflict_split,
+        conflict_share: if claim_writes > 0.0 {
+            conflicts / claim_writes
+        } else {
+            0.0
+        },
+        claim_writes,
+        requests,
+        errors: errors.load(Ordering::Relaxed),
+        cpu,
+        elapsed,
+    })
+}

@@ -1,0 +1,740 @@
+//! `leasehold-bench`: measures leasehold against the API server it runs on, side by side in one
+//! run, and prints the table (also written into docs/benchmarks.md with `--out`).
+//!
+//! Rows: 1 the ceiling (raw conditional status updates/s), 2 claim throughput, 3 dispatch
+//! latency, 4 expiry latency, 5 heartbeat cost, 6 footprint, 7 against batch/v1 Jobs. Every
+//! figure comes from one run on one API server; request counts come from the API server's own
+//! `apiserver_request_total`, memory and CPU from /proc. `scripts/bench` builds everything,
+//! starts a local control plane and runs this; `--kubeconfig` points it at one already running
+//! (on loopback only).
+
+mod ceiling;
+mod claims;
+mod cluster;
+mod dispatch;
+mod expiry;
+mod footprint;
+mod metrics;
+mod procs;
+mod report;
+mod stats;
+mod versus;
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::Parser;
+use report::{Report, Row, Verdict};
+use stats::{mib, percentile};
+
+/// Benchmarks leasehold against the local API server's own ceiling and against batch/v1 Jobs.
+///
+/// Sizes default to the full benchmark; `--smoke` picks small ones (seconds, for CI), and any
+/// size flag given overrides either.
+#[derive(Parser, Debug)]
+#[command(name = "leasehold-bench", version)]
+struct Cli {
+    /// Kubeconfig of the cluster to use; its API server must be on loopback.
+    #[arg(long)]
+    kubeconfig: PathBuf,
+    /// The `leasehold` binary to run as controller and sidecars (default: beside this one).
+    #[arg(long)]
+    leasehold: Option<PathBuf>,
+    /// The `env` file written by tests/controlplane/start.sh, for the control plane's pids
+    /// (default: `env` beside the kubeconfig, if there is one). Without it, no CPU breakdown
+    /// for kube-apiserver, etcd and kube-controller-manager.
+    #[arg(long)]
+    controlplane_env: Option<PathBuf>,
+    /// Markdown file to write the results into, between generated-block markers (the text
+    /// around them is kept).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Directory for the logs of the processes started (default: a new temporary directory).
+    #[arg(long)]
+    logs: Option<PathBuf>,
+    /// Small sizes: checks that every row still runs, in about a minute. Figures from a smoke
+    /// run mean nothing.
+    #[arg(long)]
+    smoke: bool,
+    /// Rows to run (default all): e.g. `--rows 1,2`.
+    #[arg(long, value_delimiter = ',')]
+    rows: Vec<u8>,
+    /// Row 1: seconds measured per N (after a 1 s warm-up). Default 10.
+    #[arg(long)]
+    ceiling_seconds: Option<f64>,
+    /// Rows 1 and 2: numbers of concurrent writers/claimers. Default 1,8,32.
+    #[arg(long, value_delimiter = ',')]
+    claimers: Option<Vec<usize>>,
+    /// Row 2: queued jobs per N. Default 1000.
+    #[arg(long)]
+    claim_jobs: Option<usize>,
+    /// Row 3: jobs created one at a time. Default 200.
+    #[arg(long)]
+    dispatch_jobs: Option<usize>,
+    /// Row 3: idle workers, each with its own sidecar. Default 4.
+    #[arg(long)]
+    dispatch_workers: Option<usize>,
+    /// Row 4: jobs held when their holders are killed. Default 100.
+    #[arg(long)]
+    expiry_jobs: Option<usize>,
+    /// Row 4: sidecars holding them. Default 4.
+    #[arg(long)]
+    expiry_holders: Option<usize>,
+    /// Row 4: leaseDurationSeconds of those jobs (5 is the least the CRD allows). Default 5.
+    #[arg(long)]
+    expiry_lease: Option<i32>,
+    /// Rows 5-6: jobs in the namespace. Default 10000.
+    #[arg(long)]
+    footprint_jobs: Option<usize>,
+    /// Rows 5-6: jobs leased and heartbeating. Default 1000.
+    #[arg(long)]
+    footprint_held: Option<usize>,
+    /// Rows 5-6: sidecars holding them. Default 10.
+    #[arg(long)]
+    footprint_sidecars: Option<usize>,
+    /// Rows 5-6: leaseDurationSeconds (renewals every third of it). Default 30.
+    #[arg(long)]
+    footprint_lease: Option<i32>,
+    /// Rows 5-6: renew intervals measured. Default 3.
+    #[arg(long)]
+    heartbeat_intervals: Option<u32>,
+    /// Row 7: items on each side. Default 1000.
+    #[arg(long)]
+    versus_jobs: Option<usize>,
+    /// Row 7: idle workers (sidecars) on the LeasedJob side. Default 16.
+    #[arg(long)]
+    versus_workers: Option<usize>,
+}
+
+/// The sizes in force.
+#[derive(Debug)]
+struct Sizes {
+    ceiling_seconds: f64,
+    claimers: Vec<usize>,
+    claim_jobs: usize,
+    dispatch_jobs: usize,
+    dispatch_workers: usize,
+    expiry_jobs: usize,
+    expiry_holders: usize,
+    expiry_lease: i32,
+    footprint_jobs: usize,
+    footprint_held: usize,
+    footprint_sidecars: usize,
+    footprint_lease: i32,
+    heartbeat_intervals: u32,
+    versus_jobs: usize,
+    versus_workers: usize,
+}
+
+impl Sizes {
+    fn of(cli: &Cli) -> Sizes {
+        let s = cli.smoke;
+        let pick = |given: Option<usize>, smoke: usize, full: usize| {
+            given.unwrap_or(if s { smoke } else { full }).max(1)
+        };
+        Sizes {
+            ceiling_seconds: cli.ceiling_seconds.unwrap_or(if s { 2.0 } else { 10.0 }),
+            claimers: cli.claimers.clone().unwrap_or_else(|| {
+                if s {
+                    vec![1, 4]
+                } else {
+                    vec![1, 8, 32]
+                }
+            }),
+            claim_jobs: pick(cli.claim_jobs, 20, 1000),
+            dispatch_jobs: pick(cli.dispatch_jobs, 10, 200),
+            dispatch_workers: pick(cli.dispatch_workers, 2, 4),
+            expiry_jobs: pick(cli.expiry_jobs, 4, 100),
+            expiry_holders: pick(cli.expiry_holders, 2, 4),
+            expiry_lease: cli.expiry_lease.unwrap_or(5),
+            footprint_jobs: pick(cli.footprint_jobs, 100, 10_000),
+            footprint_held: pick(cli.footprint_held, 10, 1000),
+            footprint_sidecars: pick(cli.footprint_sidecars, 2, 10),
+            footprint_lease: cli.footprint_lease.unwrap_or(if s { 6 } else { 30 }),
+            heartbeat_intervals: cli
+                .heartbeat_intervals
+                .unwrap_or(if s { 1 } else { 3 })
+                .max(1),
+            versus_jobs: pick(cli.versus_jobs, 20, 1000),
+            versus_workers: pick(cli.versus_workers, 2, 16),
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "ceiling {} s per N; N = {}; claim M = {} jobs; dispatch {} jobs to {} workers; \
+             expiry {} jobs on {} killed sidecars, lease {} s; footprint {} jobs, {} held by {} \
+             sidecars, lease {} s, {} renew intervals; vs Jobs {} items, {} workers",
+            self.ceiling_seconds,
+            self.claimers
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            self.claim_jobs,
+            self.dispatch_jobs,
+            self.dispatch_workers,
+            self.expiry_jobs,
+            self.expiry_holders,
+            self.expiry_lease,
+            self.footprint_jobs,
+            self.footprint_held,
+            self.footprint_sidecars,
+            self.footprint_lease,
+            self.heartbeat_intervals,
+            self.versus_jobs,
+            self.versus_workers
+        )
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let sizes = Sizes::of(&cli);
+    let leasehold = match &cli.leasehold {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("no directory of this binary")?
+            .join("leasehold"),
+    };
+    anyhow::ensure!(
+        leasehold.is_file(),
+        "{} not found: build it (cargo build --bins) or pass --leasehold",
+        leasehold.display()
+    );
+    let logs = match &cli.logs {
+        Some(p) => p.clone(),
+        None => std::env::temp_dir().join(format!("leasehold-bench-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&logs).with_context(|| format!("create {}", logs.display()))?;
+    let env_file = cli.controlplane_env.clone().or_else(|| {
+        let p = cli.kubeconfig.parent()?.join("env");
+        p.is_file().then_some(p)
+    });
+    let controlplane = env_file
+        .as_deref()
+        .map(cluster::ControlPlane::from_env_file)
+        .unwrap_or_default();
+    let bench = cluster::Bench::connect(
+        cli.kubeconfig.clone(),
+        leasehold,
+        logs.clone(),
+        controlplane,
+    )
+    .await?;
+    bench.install_crd().await?;
+    let version = bench.version().await;
+    let want = |row: u8| cli.rows.is_empty() || cli.rows.contains(&row);
+    eprintln!(
+        "leasehold-bench: Kubernetes {version}; {}; logs in {}",
+        sizes.describe(),
+        logs.display()
+    );
+
+    let mut report = Report::default();
+    let mut failures = Vec::new();
+    let mut ceilings = Vec::new();
+    if want(1) || want(2) {
+        eprintln!("row 1: ceiling");
+        match ceiling::run(&bench, &sizes.claimers, sizes.ceiling_seconds).await {
+            Ok(c) => ceilings = c,
+            Err(e) => failures.push(("1", e)),
+        }
+        ceiling_rows(&mut report, &ceilings, sizes.ceiling_seconds);
+    }
+    if want(2) {
+        let mut results = Vec::new();
+        for &n in &sizes.claimers {
+            eprintln!("row 2: claim throughput, N = {n}");
+            match claims::run(&bench, n, sizes.claim_jobs).await {
+                Ok(c) => results.push(c),
+                Err(e) => failures.push(("2", e)),
+            }
+        }
+        claim_rows(&mut report, &results, &ceilings, &sizes);
+    }
+    if want(3) {
+        eprintln!("row 3: dispatch latency");
+        match dispatch::run(&bench, sizes.dispatch_workers, sizes.dispatch_jobs).await {
+            Ok(d) => dispatch_rows(&mut report, &d),
+            Err(e) => failures.push(("3", e)),
+        }
+    }
+    if want(4) {
+        eprintln!("row 4: expiry latency");
+        match expiry::run(
+            &bench,
+            sizes.expiry_holders,
+            sizes.expiry_jobs,
+            sizes.expiry_lease,
+        )
+        .await
+        {
+            Ok(x) => expiry_rows(&mut report, &x),
+            Err(e) => failures.push(("4", e)),
+        }
+    }
+    if want(5) || want(6) {
+        eprintln!("rows 5-6: heartbeat cost and footprint");
+        match footprint::run(
+            &bench,
+            sizes.footprint_jobs,
+            sizes.footprint_held,
+            sizes.footprint_sidecars,
+            sizes.footprint_lease,
+            sizes.heartbeat_intervals,
+        )
+        .await
+        {
+            Ok(f) => footprint_rows(&mut report, &f),
+            Err(e) => failures.push(("5-6", e)),
+        }
+    }
+    if want(7) {
+        eprintln!("row 7: against Kubernetes Jobs");
+        match versus::run(&bench, sizes.versus_jobs, sizes.versus_workers).await {
+            Ok(v) => versus_rows(&mut report, &v),
+            Err(e) => failures.push(("7", e)),
+        }
+    }
+    bench.cleanup().await;
+
+    for (row, e) in &failures {
+        report.rows.push(Row {
+            id: (*row).to_string(),
+            what: "run failed".into(),
+            figure: format!("{e:#}"),
+            goal: "-".into(),
+            verdict: Verdict::Missed,
+            method: format!("see the logs in {}", logs.display()),
+        });
+    }
+    println!("{}", report.text());
+    if let Some(out) = &cli.out {
+        let run = describe_run(&version, &sizes, cli.smoke);
+        report::write_into(out, &report.markdown(&run))?;
+        eprintln!("wrote {}", out.display());
+    }
+    if !failures.is_empty() {
+        anyhow::bail!("{} benchmark row(s) failed to run", failures.len());
+    }
+    Ok(())
+}
+
+fn describe_run(version: &str, sizes: &Sizes, smoke: bool) -> String {
+    let commit = std::env::var("LEASEHOLD_BENCH_COMMIT").unwrap_or_default();
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "Run of {} (leasehold {}{}){}.\n",
+        k8s_openapi::jiff::Timestamp::now().strftime("%Y-%m-%d %H:%M UTC"),
+        env!("CARGO_PKG_VERSION"),
+        if commit.is_empty() {
+            String::new()
+        } else {
+            format!(", commit {commit}")
+        },
+        if smoke {
+            ", SMOKE SIZES: figures mean nothing"
+        } else {
+            ""
+        }
+    );
+    let _ = writeln!(s, "- Machine: {}", procs::machine());
+    let _ = writeln!(
+        s,
+        "- Kubernetes {version}: kube-apiserver, etcd and kube-controller-manager on loopback \
+         (tests/controlplane/start.sh), sharing the machine with the benchmark"
+    );
+    let _ = writeln!(s, "- Sizes: {}", sizes.describe());
+    s
+}
+
+fn cpu_line(cpu: &[(String, f64)]) -> String {
+    cpu.iter()
+        .map(|(n, c)| format!("{n} {c:.2}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn requests_table(columns: &[(&str, &metrics::Requests, f64)]) -> String {
+    let grouped: Vec<Vec<metrics::Grouped>> = columns
+        .iter()
+        .map(|(_, r, _)| r.by_resource_verb())
+        .collect();
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for g in &grouped {
+        for row in g {
+            let key = (row.resource.clone(), row.verb.clone());
+            if !keys.contains(&key) {
+                keys.push(key);
+            }
+        }
+    }
+    let mut s = String::from("| resource | verb |");
+    for (name, _, _) in columns {
+        let _ = write!(s, " {name} |");
+    }
+    s.push_str("\n|---|---|");
+    for _ in columns {
+        s.push_str("---|");
+    }
+    s.push('\n');
+    for (res, verb) in keys {
+        let mut cells = String::new();
+        let mut shown = false;
+        for (g, (_, _, per)) in grouped.iter().zip(columns) {
+            match g.iter().find(|x| x.resource == res && x.verb == verb) {
+                Some(x) if x.count / per >= 0.005 => {
+                    shown = true;
+                    let _ = write!(cells, " {:.2}", x.count / per);
+                    let failed: Vec<String> = x
+                        .failed
+                        .iter()
+                        .map(|(code, n)| format!("{:.2} {code}", n / per))
+                        .collect();
+                    if !failed.is_empty() {
+                        let _ = write!(cells, " (of which {})", failed.join(", "));
+                    }
+                    cells.push_str(" |");
+                }
+                _ => cells.push_str(" 0 |"),
+            }
+        }
+        if shown {
+            let _ = writeln!(s, "| {res} | {verb} |{cells}");
+        }
+    }
+    s
+}
+
+fn ceiling_rows(report: &mut Report, ceilings: &[ceiling::Ceiling], seconds: f64) {
+    let mut detail = String::from(
+        "| N | writes/s (writers' count) | writes/s (apiserver_request_total) | errors | CPU, cores |\n|---|---|---|---|---|\n",
+    );
+    for c in ceilings {
+        report.rows.push(Row {
+            id: format!("1 (N={})", c.writers),
+            what: "Ceiling: conditional LeasedJob status updates".into(),
+            figure: format!("{:.0} writes/s", c.per_second),
+            goal: "- (reference)".into(),
+            verdict: Verdict::NoGoal,
+            method: format!(
+                "{} writers, each with its own kube-rs client and its own LeasedJob, replace the \
+                 status (the same write a claim makes) under the resourceVersion last returned; \
+                 {seconds} s after a 1 s warm-up",
+                c.writers
+            ),
+        });
+        let _ = writeln!(
+            detail,
+            "| {} | {:.0} | {:.0} | {} | {} |",
+            c.writers,
+            c.per_second,
+            c.server_writes_per_second,
+            c.errors,
+            cpu_line(&c.cpu)
+        );
+    }
+    if !ceilings.is_empty() {
+        report.details.push(("Row 1: ceiling".into(), detail));
+    }
+}
+
+fn claim_rows(
+    report: &mut Report,
+    results: &[claims::Claims],
+    ceilings: &[ceiling::Ceiling],
+    sizes: &Sizes,
+) {
+    let most = sizes.claimers.iter().copied().max().unwrap_or(1);
+    let mut detail = String::new();
+    for c in results {
+        let ceiling = ceilings.iter().find(|x| x.writers == c.claimers);
+        let ratio = ceiling.map(|x| c.per_second / x.per_second);
+        let writes = c.requests.sum(metrics::Key::is_write) / c.elapsed.as_secs_f64();
+        report.rows.push(Row {
+            id: format!("2 (N={})", c.claimers),
+            what: "Claim throughput (claim + complete)".into(),
+            figure: format!(
+                "{:.1} claims/s = {} of the ceiling; 409 on {:.1}% of claim writes",
+                c.per_second,
+                ratio.map_or("?".into(), |r| format!("{r:.2}")),
+                c.conflict_share * 100.0
+            ),
+            goal: ">= 0.40 of the ceiling".into(),
+            verdict: ratio.map_or(Verdict::Missed, |r| Verdict::of(r >= 0.4)),
+            method: format!(
+                "{} queued jobs; {} Worker instances (the sidecar's library, each with its own \
+                 client and watch) claim then complete in a loop, controller running; claims/s = \
+                 jobs / time until all completed; ratio = claims/s / ceiling at the same N; 409 \
+                 share from apiserver_request_total (PUT leasedjobs/status)",
+                c.jobs, c.claimers
+            ),
+        });
+        if c.claimers == most {
+            report.rows.push(Row {
+                id: format!("2 (N={})", c.claimers),
+                what: "Claim conflicts".into(),
+                figure: format!(
+                    "{:.1}% of {:.0} claim writes answered 409",
+                    c.conflict_share * 100.0,
+                    c.claim_writes
+                ),
+                goal: format!("< 10% at {most} claimers"),
+                verdict: Verdict::of(c.conflict_share < 0.10),
+                method: "apiserver_request_total: PUT leasedjobs/status with code 409 / all PUT \
+                         leasedjobs/status, during the run above"
+                    .into(),
+            });
+        }
+        let _ = writeln!(
+            detail,
+            "- N = {}: {} jobs in {:.1} s; {} worker errors; 409 share {:.1}% in all, {:.1}% \
+             over the first quarter of the jobs, {:.1}% over the middle half, {:.1}% over the \
+             last quarter but the last {} jobs, {:.1}% over the last {}; the API server \
+             handled {:.0} writes/s ({}) and {:.0} reads/s; CPU in cores: {}",
+            c.claimers,
+            c.jobs,
+            c.elapsed.as_secs_f64(),
+            c.errors,
+            c.conflict_share * 100.0,
+            c.conflict_split[0] * 100.0,
+            c.conflict_split[1] * 100.0,
+            c.conflict_split[2] * 100.0,
+            c.claimers.min(c.jobs),
+            c.conflict_split[3] * 100.0,
+            c.claimers.min(c.jobs),
+            writes,
+            ceiling.map_or("no ceiling measured".into(), |x| format!(
+                "{:.2}x the ceiling's write rate",
+                writes / x.server_writes_per_second
+            )),
+            c.requests
+                .sum(|k| matches!(k.verb.as_str(), "GET" | "LIST"))
+                / c.elapsed.as_secs_f64(),
+            cpu_line(&c.cpu)
+        );
+    }
+    if results.is_empty() {
+        return;
+    }
+    let columns: Vec<(String, &metrics::Requests, f64)> = results
+        .iter()
+        .map(|c| (format!("N={}", c.claimers), &c.requests, c.jobs as f64))
+        .collect();
+    let columns: Vec<(&str, &metrics::Requests, f64)> = columns
+        .iter()
+        .map(|(n, r, p)| (n.as_str(), *r, *p))
+        .collect();
+    let _ = write!(
+        detail,
+        "\nRequests per job, counted by the API server (all clients: claimers, controller, \
+         and the controller's Events):\n\n{}",
+        requests_table(&columns)
+    );
+    report
+        .details
+        .push(("Row 2: claim throughput".into(), detail));
+}
+
+fn dispatch_rows(report: &mut Report, d: &dispatch::Dispatch) {
+    let p50 = percentile(&d.latencies_ms, 50.0).unwrap_or(f64::NAN);
+    let p99 = percentile(&d.latencies_ms, 99.0).unwrap_or(f64::NAN);
+    report.rows.push(Row {
+        id: "3".into(),
+        what: "Dispatch latency (creation to claim)".into(),
+        figure: format!("p50 {p50:.0} ms, p99 {p99:.0} ms"),
+        goal: "p99 < 100 ms".into(),
+        verdict: Verdict::of(p99 < 100.0),
+        method: format!(
+            "{} idle workers in POST /v1/claim?wait=30 on their own sidecar processes; {} jobs \
+             created one at a time, 100 ms apart; from just before the create request to the \
+             claim response at the worker",
+            d.workers,
+            d.latencies_ms.len()
+        ),
+    });
+    let q50 = percentile(&d.to_queued_ms, 50.0).unwrap_or(f64::NAN);
+    let q99 = percentile(&d.to_queued_ms, 99.0).unwrap_or(f64::NAN);
+    let max = d.latencies_ms.iter().copied().fold(f64::NAN, f64::max);
+    let detail = format!(
+        "- creation to claim: p50 {p50:.1} ms, p99 {p99:.1} ms, max {max:.1} ms over {} jobs\n\
+         - creation to the controller's Queued status seen by a watch: p50 {q50:.1} ms, p99 \
+         {q99:.1} ms ({} jobs were claimed before the controller had initialised them)\n",
+        d.latencies_ms.len(),
+        d.before_queued
+    );
+    report
+        .details
+        .push(("Row 3: dispatch latency".into(), detail));
+}
+
+fn expiry_rows(report: &mut Report, x: &expiry::Expiry) {
+    let l = f64::from(x.lease_seconds);
+    let p50 = percentile(&x.latencies_s, 50.0).unwrap_or(f64::NAN);
+    let p99 = percentile(&x.latencies_s, 99.0).unwrap_or(f64::NAN);
+    report.rows.push(Row {
+        id: "4".into(),
+        what: "Expiry latency (last heartbeat to requeue)".into(),
+        figure: format!(
+            "p50 {:.2}x, p99 {:.2}x leaseDurationSeconds ({p50:.2} s, {p99:.2} s at {} s)",
+            p50 / l,
+            p99 / l,
+            x.lease_seconds
+        ),
+        goal: format!("p99 <= lease + 1 s ({:.2}x)", (l + 1.0) / l),
+        verdict: Verdict::of(p99 <= l + 1.0),
+        method: format!(
+            "{} jobs held by {} sidecar processes, SIGKILLed after half a lease of background \
+             renewals; per job, from the Lease's last renewTime to a watch seeing the job \
+             Queued again",
+            x.latencies_s.len(),
+            x.holders
+        ),
+    });
+}
+
+fn footprint_rows(report: &mut Report, f: &footprint::Footprint) {
+    let per = f.lease_writes_per_job_interval();
+    let job_writes = f.job_writes();
+    let lease_other = f
+        .requests
+        .sum(|k| k.resource == "leases" && k.is_write() && k.verb != "PATCH");
+    let lease_reads = f
+        .requests
+        .sum(|k| k.resource == "leases" && (k.verb == "GET" || k.verb == "LIST"));
+    report.rows.push(Row {
+        id: "5".into(),
+        what: "Heartbeat cost".into(),
+        figure: format!(
+            "{per:.3} Lease writes per job per interval; {job_writes:.0} LeasedJob writes"
+        ),
+        goal: "1 Lease write per job per interval; 0 LeasedJob writes".into(),
+        verdict: Verdict::of((per - 1.0).abs() <= 0.02 && job_writes == 0.0),
+        method: format!(
+            "{} jobs held by {} sidecars (background renewal every leaseDurationSeconds/3 = \
+             {:.0} s), over {} intervals: PATCH leases from apiserver_request_total / (jobs x \
+             intervals); LeasedJob writes = every write verb on leasedjobs and its status",
+            f.held,
+            f.sidecars,
+            f64::from(f.lease_seconds) / 3.0,
+            f.intervals
+        ),
+    });
+    let sc_rss: Vec<f64> = f.sidecar_samples.iter().map(|s| mib(s.rss_kib)).collect();
+    let sc_avg = sc_rss.iter().sum::<f64>() / sc_rss.len().max(1) as f64;
+    let sc_max = sc_rss.iter().copied().fold(0.0, f64::max);
+    let cpu_of = |prefix: &str| {
+        f.cpu
+            .iter()
+            .find(|(n, _)| n.starts_with(prefix))
+            .map_or(f64::NAN, |x| x.1)
+    };
+    let ctl_rss = mib(f.controller.rss_kib);
+    let ctl_hwm = mib(f.controller.hwm_kib);
+    report.rows.push(Row {
+        id: "6".into(),
+        what: "Footprint".into(),
+        figure: format!(
+            "controller {ctl_rss:.0} MiB (peak {ctl_hwm:.0}), {:.3} cores; sidecar {sc_avg:.0} \
+             MiB (max {sc_max:.0}), {:.3} cores each",
+            cpu_of("leasehold controller"),
+            cpu_of("leasehold sidecars") / f.sidecars as f64
+        ),
+        goal: "controller < 100 MiB".into(),
+        verdict: Verdict::of(ctl_hwm.max(ctl_rss) < 100.0),
+        method: format!(
+            "{} jobs, {} leased by {} sidecars and renewed in the background; VmRSS (and \
+             VmHWM, the peak) from /proc at the end of the window, CPU from /proc over the \
+             window",
+            f.jobs, f.held, f.sidecars
+        ),
+    });
+    let c50 = percentile(&f.claim_ms, 50.0).unwrap_or(f64::NAN);
+    let c99 = percentile(&f.claim_ms, 99.0).unwrap_or(f64::NAN);
+    let detail = format!(
+        "- Window: {} renew intervals of {:.1} s with {} held jobs.\n\
+         - Lease PATCHes per job per interval {per:.3}; other Lease writes {lease_other:.0} \
+         (not ours: kube-apiserver renews its own identity Lease); Lease reads {lease_reads:.0}; \
+         LeasedJob writes {job_writes:.0}.\n\
+         - CPU in cores over the window: {}.\n\
+         - Sidecars' RSS: {}.\n\
+         - Creating the {} jobs and seeing all Queued took {:.1} s; the {} claims through the \
+         sidecars, with all jobs in their watch caches, took p50 {c50:.1} ms, p99 {c99:.1} ms.\n\n\
+         Requests counted by the API server during the window, per held job per interval:\n\n{}",
+        f.intervals,
+        f64::from(f.lease_seconds) / 3.0,
+        f.held,
+        cpu_line(&f.cpu),
+        f.sidecar_samples
+            .iter()
+            .map(|s| format!("{:.0} MiB (peak {:.0})", mib(s.rss_kib), mib(s.hwm_kib)))
+            .collect::<Vec<_>>()
+            .join(", "),
+        f.jobs,
+        f.fill.as_secs_f64(),
+        f.claim_ms.len(),
+        requests_table(&[(
+            "per job per interval",
+            &f.requests,
+            f.held as f64 * f64::from(f.intervals)
+        )])
+    );
+    report
+        .details
+        .push(("Rows 5 and 6: heartbeat cost and footprint".into(), detail));
+}
+
+fn versus_rows(report: &mut Report, v: &versus::Versus) {
+    let ratio = v.jobs.done.as_secs_f64() / v.leasedjobs.done.as_secs_f64();
+    report.rows.push(Row {
+        id: "7".into(),
+        what: "Against Kubernetes Jobs".into(),
+        figure: format!(
+            "{} Jobs -> all Pods exist: {:.1} s; {} LeasedJobs -> all claimed: {:.1} s; \
+             LeasedJobs {ratio:.1}x faster",
+            v.items,
+            v.jobs.done.as_secs_f64(),
+            v.items,
+            v.leasedjobs.done.as_secs_f64()
+        ),
+        goal: "- (report both and the ratio)".into(),
+        verdict: Verdict::NoGoal,
+        method: format!(
+            "same API server; both sides created 16 requests at a time; Jobs: from the first \
+             create until a Pod of every Job exists (real kube-controller-manager job \
+             controller, Pods stay Pending); LeasedJobs: until {} idle workers (sidecar \
+             processes in POST /v1/claim?wait=30) have claimed every one",
+            v.workers
+        ),
+    });
+    let detail = format!(
+        "- batch/v1 Jobs: created in {:.1} s, all Pods after {:.1} s; CPU in cores: {}\n\
+         - LeasedJobs: created in {:.1} s, all claimed after {:.1} s; CPU in cores: {}\n\n\
+         Requests per item counted by the API server:\n\n{}",
+        v.jobs.created.as_secs_f64(),
+        v.jobs.done.as_secs_f64(),
+        cpu_line(&v.jobs.cpu),
+        v.leasedjobs.created.as_secs_f64(),
+        v.leasedjobs.done.as_secs_f64(),
+        cpu_line(&v.leasedjobs.cpu),
+        requests_table(&[
+            ("batch/v1 Jobs", &v.jobs.requests, v.items as f64),
+            ("LeasedJobs", &v.leasedjobs.requests, v.items as f64),
+        ])
+    );
+    report
+        .details
+        .push(("Row 7: against Kubernetes Jobs".into(), detail));
+}

@@ -1,0 +1,311 @@
+//! Processes: the `leasehold` controller and sidecars the benchmark starts, and what `/proc`
+//! says about their (and the control plane's) memory and CPU.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use tokio::process::{Child, Command};
+
+/// What `/proc/PID/{stat,status}` says about one process.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sample {
+    /// Resident set size now, KiB (VmRSS).
+    pub rss_kib: u64,
+    /// Peak resident set size, KiB (VmHWM).
+    pub hwm_kib: u64,
+    /// User + system CPU time so far, in clock ticks.
+    pub cpu_ticks: u64,
+}
+
+/// Reads one process; None when it is gone.
+pub fn sample(pid: u32) -> Option<Sample> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start at field 3, "state".
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    Some(Sample {
+        rss_kib: kib("VmRSS:"),
+        hwm_kib: kib("VmHWM:"),
+        cpu_ticks: utime + stime,
+    })
+}
+
+/// Clock ticks per second (sysconf `_SC_CLK_TCK`).
+pub fn ticks_per_second() -> f64 {
+    // SAFETY: sysconf only reads a constant of the C library.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+/// CPU used by named groups of processes over a window.
+pub struct CpuWindow {
+    start: Instant,
+    before: BTreeMap<String, u64>,
+    groups: Vec<(String, Vec<u32>)>,
+}
+
+impl CpuWindow {
+    /// Starts a window over `groups` (name, pids).
+    pub fn start(groups: Vec<(String, Vec<u32>)>) -> CpuWindow {
+        let before = groups
+            .iter()
+            .map(|(name, pids)| (name.clone(), ticks(pids)))
+            .collect();
+        CpuWindow {
+            start: Instant::now(),
+            before,
+            groups,
+        }
+    }
+
+    /// Ends the window: per group, the CPU used in cores (1.0 = one core busy all the time).
+    pub fn finish(&self) -> Vec<(String, f64)> {
+        let wall = self.start.elapsed().as_secs_f64().max(1e-9);
+        let tps = ticks_per_second();
+        self.groups
+            .iter()
+            .map(|(name, pids)| {
+                let used = ticks(pids).saturating_sub(self.before[name]);
+                (name.clone(), used as f64 / tps / wall)
+            })
+            .collect()
+    }
+}
+
+fn ticks(pids: &[u32]) -> u64 {
+    pids.iter()
+        .filter_map(|p| sample(*p))
+        .map(|s| s.cpu_ticks)
+        .sum()
+}
+
+/// The machine: CPU model, cores, memory.
+pub fn machine() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|v| v.trim_start_matches([' ', '\t', ':']).trim().to_string())
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let mem_kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    format!(
+        "{cores} cores ({model}), {:.1} GiB memory, {} {}",
+        mem_kib as f64 / 1024.0 / 1024.0,
+        std::env::consts::OS,
+        std::env::consts::ARCH
+    )
+}
+
+/// A `leasehold` process the benchmark started; killed when dropped (and by the kernel if the
+/// benchmark itself dies, through PR_SET_PDEATHSIG).
+pub struct Proc {
+    child: Child,
+    /// Its name, for reports.
+    pub name: String,
+    /// Its log file.
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `bin args`, with KUBECONFIG set and stderr to `logs/name.log`.
+    pub fn spawn(
+        bin: &Path,
+        args: &[&str],
+        kubeconfig: &Path,
+        logs: &Path,
+        name: &str,
+    ) -> anyhow::Result<Proc> {
+        let log = logs.join(format!("{name}.log"));
+        let err =
+            std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
+        let mut cmd = Command::new(bin);
+        cmd.args(args)
+            .env("KUBECONFIG", kubeconfig)
+            .env(
+                "RUST_LOG",
+                std::env::var("LEASEHOLD_BENCH_CHILD_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(err)
+            .kill_on_drop(true);
+        // SAFETY: prctl is async-signal-safe and touches no memory of this process.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("start {} ({name})", bin.display()))?;
+        Ok(Proc {
+            child,
+            name: name.to_string(),
+            log,
+        })
+    }
+
+    /// Its process id (0 once reaped).
+    pub fn pid(&self) -> u32 {
+        self.child.id().unwrap_or(0)
+    }
+
+    /// Sends SIGKILL and reaps it.
+    pub async fn kill(&mut self) {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+    }
+
+    /// Fails if the process has exited, pointing at its log.
+    pub fn check_running(&mut self) -> anyhow::Result<()> {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            bail!(
+                "{} exited ({status}); see {}",
+                self.name,
+                self.log.display()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Starts `leasehold controller` for one namespace.
+pub fn controller(bin: &Path, kubeconfig: &Path, logs: &Path, ns: &str) -> anyhow::Result<Proc> {
+    Proc::spawn(
+        bin,
+        &[
+            "controller",
+            "--namespace",
+            ns,
+            "--identity",
+            "bench-controller",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+        kubeconfig,
+        logs,
+        &format!("{ns}-controller"),
+    )
+}
+
+/// A running `leasehold sidecar` and its base URL.
+pub struct Sidecar {
+    /// The process.
+    pub proc: Proc,
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+}
+
+/// Starts `leasehold sidecar` for `queue` in `ns` on a free loopback port. Call
+/// [`Sidecar::ready`] before use.
+pub fn sidecar(
+    bin: &Path,
+    kubeconfig: &Path,
+    logs: &Path,
+    ns: &str,
+    queue: &str,
+    identity: &str,
+) -> anyhow::Result<Sidecar> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let proc = Proc::spawn(
+        bin,
+        &[
+            "sidecar",
+            "--queue",
+            queue,
+            "--namespace",
+            ns,
+            "--listen",
+            &listen,
+            "--identity",
+            identity,
+            // The benchmark's workers stay silent while they hold jobs; keep renewing.
+            "--worker-timeout",
+            "3600",
+        ],
+        kubeconfig,
+        logs,
+        &format!("{ns}-{identity}"),
+    )?;
+    Ok(Sidecar {
+        proc,
+        base: format!("http://{listen}"),
+    })
+}
+
+impl Sidecar {
+    /// Waits until `/healthz` answers 200 (its watch has synced).
+    pub async fn ready(&mut self, http: &reqwest::Client, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.proc.check_running()?;
+            if let Ok(r) = http.get(format!("{}/healthz", self.base)).send().await {
+                if r.status().is_success() {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{} not ready after {timeout:?}; see {}",
+                    self.proc.name,
+                    self.proc.log.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Starts `n` sidecars and waits until all are ready.
+pub async fn sidecars(
+    bench: &crate::cluster::Bench,
+    http: &reqwest::Client,
+    ns: &str,
+    queue: &str,
+    n: usize,
+) -> anyhow::Result<Vec<Sidecar>> {
+    let mut all = Vec::with_capacity(n);
+    for i in 0..n {
+        all.push(sidecar(
+            &bench.leasehold,
+            &bench.kubeconfig,
+            &bench.logs,
+            ns,
+            queue,
+            &format!("sidecar-{i}"),
+        )?);
+    }
+    for s in &mut all {
+        s.ready(http, Duration::from_secs(120)).await?;
+    }
+    Ok(all)
+}
