@@ -224,11 +224,20 @@ pub async fn run(
         health.set_synced();
         Ok(())
     };
-    info!(namespace = ?config.namespace, "Started leasehold controller");
+    let scope = config.namespace.as_deref().unwrap_or("(all namespaces)");
+    info!(namespace = scope, "Started leasehold controller");
     let run = controller
         .run(reconcile, error_policy, Arc::clone(&ctx))
         .for_each(|res| async move {
             if let Err(e) = res {
+                // A standby's refusals to write are its normal state, not errors.
+                if let kube::runtime::controller::Error::ReconcilerFailed(
+                    ReconcileError::NotLeader { .. },
+                    _,
+                ) = e
+                {
+                    return;
+                }
                 // Watch errors may quote whole objects: never log a token.
                 let shown: String = crate::token::redact(&e.to_string())
                     .chars()

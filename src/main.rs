@@ -181,6 +181,9 @@ async fn main() -> anyhow::Result<()> {
             let listener = tokio::net::TcpListener::bind(metrics_addr)
                 .await
                 .with_context(|| format!("--metrics-addr {metrics_addr}: cannot bind"))?;
+            if let Ok(bound) = listener.local_addr() {
+                tracing::info!(metrics_addr = %bound, "Serving /metrics, /healthz and /readyz");
+            }
             let server = axum::serve(
                 listener,
                 observability_router(Arc::clone(&metrics), Arc::clone(&health)),
@@ -278,6 +281,10 @@ async fn run_sidecar(
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("--listen {listen}: cannot bind"))?;
+    let listen = listener.local_addr().unwrap_or(listen);
+    if !listen.ip().is_loopback() {
+        tracing::warn!(%listen, "--listen is not a loopback address: the sidecar's API has no authentication of its own, so anything that reaches this address can claim jobs in this pod's name");
+    }
     tracing::info!(%listen, %queue, %namespace, %identity, "Started leasehold sidecar");
     let observability = match metrics_addr {
         Some(addr) => {

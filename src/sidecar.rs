@@ -102,7 +102,14 @@ struct HeartbeatBody {
 #[serde(deny_unknown_fields)]
 struct CompleteBody {
     token: Option<String>,
+    /// Present (even as `null`) or absent.
+    #[serde(default, deserialize_with = "present")]
     result: Option<Value>,
+}
+
+/// Some(value) for a field that is present, null included; absent fields get the default.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
 }
 
 #[derive(Deserialize)]
@@ -354,6 +361,15 @@ mod tests {
         }
         let ok: ReleaseBody = parse(Ok(Bytes::from_static(b"{\"token\":\"t\"}"))).unwrap();
         assert_eq!(ok.token.as_deref(), Some("t"));
+    }
+
+    #[test]
+    fn a_null_result_is_a_result() {
+        let null: CompleteBody =
+            parse(Ok(Bytes::from_static(b"{\"token\":\"t\",\"result\":null}"))).unwrap();
+        assert_eq!(null.result, Some(Value::Null));
+        let absent: CompleteBody = parse(Ok(Bytes::from_static(b"{\"token\":\"t\"}"))).unwrap();
+        assert_eq!(absent.result, None);
     }
 
     #[test]
