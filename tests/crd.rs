@@ -3,8 +3,7 @@
 
 mod common;
 
-use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use common::*;
 use kube::Api;
@@ -22,31 +21,6 @@ fn committed_crd_equals_leasehold_crd_output() {
         committed == String::from_utf8(out.stdout).unwrap(),
         "crds/leasedjob.yaml is stale: regenerate it with `cargo run -- crd > crds/leasedjob.yaml`"
     );
-}
-
-/// Runs the control plane's kubectl with the test kubeconfig, feeding `stdin`.
-fn kubectl(args: &[&str], stdin: &str) -> (bool, String) {
-    let mut child = Command::new(kubectl_path())
-        .args(args)
-        .env("KUBECONFIG", kubeconfig_path())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("kubectl");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
 }
 
 fn manifest(name: &str, spec: &str) -> String {

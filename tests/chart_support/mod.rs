@@ -4,7 +4,6 @@
 //! plane has no kubelet and no scheduler).
 #![allow(dead_code)]
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -15,7 +14,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 use serde_json::{json, Value};
 
-use crate::common::{kubeconfig_path, kubectl_path, leasehold_bin, log_dir, wait_for, Proc};
+use crate::common::{kubeconfig_path, kubectl, leasehold_bin, log_dir, run, wait_for, Proc};
 
 /// The chart's directory in the repository.
 pub fn chart_dir() -> PathBuf {
@@ -28,36 +27,6 @@ pub fn helm_path() -> PathBuf {
         Some(p) => PathBuf::from(p),
         None => panic!("LEASEHOLD_HELM is not set: the chart tests run under `scripts/test`"),
     }
-}
-
-/// Runs `program args` with the admin kubeconfig, feeding `stdin`; returns success and the
-/// combined output.
-fn run(program: &Path, args: &[&str], stdin: &str, env: &[(&str, &Path)]) -> (bool, String) {
-    let mut cmd = Command::new(program);
-    cmd.args(args)
-        .env("KUBECONFIG", kubeconfig_path())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let mut child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("{}: {e}", program.display()));
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
 }
 
 /// helm with the admin kubeconfig and its own config, cache and data directories (never the
@@ -82,11 +51,6 @@ pub fn helm_ok(args: &[&str]) -> String {
     let (ok, out) = helm(args);
     assert!(ok, "helm {} failed:\n{out}", args.join(" "));
     out
-}
-
-/// kubectl with the admin kubeconfig.
-pub fn kubectl(args: &[&str], stdin: &str) -> (bool, String) {
-    run(&kubectl_path(), args, stdin, &[])
 }
 
 /// A release of the chart, uninstalled (synchronously) on drop.

@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 use std::fs::File;
+use std::io::Write;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -367,4 +368,39 @@ impl Sidecar {
         )
         .await
     }
+}
+
+/// Runs `program args` with the admin kubeconfig, feeding `stdin`; returns success and the
+/// combined output.
+pub fn run(program: &Path, args: &[&str], stdin: &str, env: &[(&str, &Path)]) -> (bool, String) {
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .env("KUBECONFIG", kubeconfig_path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("{}: {e}", program.display()));
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// kubectl with the admin kubeconfig.
+pub fn kubectl(args: &[&str], stdin: &str) -> (bool, String) {
+    run(&kubectl_path(), args, stdin, &[])
 }
