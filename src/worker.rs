@@ -371,7 +371,11 @@ impl Worker {
             .await
             .is_err()
         {
-            return Ok(None);
+            // Not an empty queue: this sidecar cannot see the queue yet.
+            return Err(WorkerError::Unavailable {
+                what: format!("claim from queue {}", self.inner.config.queue),
+                detail: "the LeasedJob watch has not synced yet (see /readyz)".into(),
+            });
         }
         let mut draining = self.inner.draining.subscribe();
         loop {
