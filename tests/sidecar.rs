@@ -462,3 +462,30 @@ async fn a_zombie_worker_woken_after_its_lease_cannot_overwrite_the_new_owner() 
     .await;
     assert_eq!(completed, 1);
 }
+
+#[tokio::test]
+async fn a_silent_worker_stops_being_renewed_and_loses_its_job() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "silent").await;
+    let _controller = controller(&ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    // The effective silence limit is max(--worker-timeout, leaseDurationSeconds) = 5 s.
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &["--worker-timeout", "1"]).await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "hung"}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
+    )
+    .await;
+    let (s, c) = sc.claim(10).await;
+    assert_eq!(s, 200, "{c}");
+    // The worker hangs: no call at all. Background renewal stops, and the lease runs out.
+    let job = wait_for("the expiry", Duration::from_secs(25), || async {
+        let j = jobs.get("hung").await.ok()?;
+        (j.failed_attempts() == 1).then_some(j)
+    })
+    .await;
+    assert_eq!(job.phase(), Phase::Queued);
+    let (s, r) = sc.heartbeat("hung", json!({"token": token_of(&c)})).await;
+    assert_eq!((s, r["error"].as_str()), (409, Some("lease_lost")), "{r}");
+}

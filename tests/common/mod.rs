@@ -404,3 +404,22 @@ pub fn run(program: &Path, args: &[&str], stdin: &str, env: &[(&str, &Path)]) ->
 pub fn kubectl(args: &[&str], stdin: &str) -> (bool, String) {
     run(&kubectl_path(), args, stdin, &[])
 }
+
+/// Restarts the test control plane's kube-apiserver for real (tests/controlplane/
+/// restart-apiserver.sh): stopped with `signal`, left down for `downtime`, started again with
+/// the same flags, and ready when this returns. Every test sharing the control plane sees it.
+pub fn restart_apiserver(signal: &str, downtime: Duration) {
+    let state = std::env::var_os("LEASEHOLD_CONTROLPLANE_STATE")
+        .expect("LEASEHOLD_CONTROLPLANE_STATE is not set; run `scripts/test`");
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/controlplane/restart-apiserver.sh");
+    let status = Command::new("bash")
+        .arg(script)
+        .arg(&state)
+        .arg(signal)
+        .env("LEASEHOLD_RESTART_DOWNTIME", downtime.as_secs().to_string())
+        .stdout(Stdio::null())
+        .status()
+        .expect("restart-apiserver.sh");
+    assert!(status.success(), "restarting kube-apiserver failed");
+}

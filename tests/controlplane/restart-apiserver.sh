@@ -6,7 +6,8 @@
 #
 # Usage: restart-apiserver.sh STATE_DIR [SIGNAL]
 #
-# Environment: LEASEHOLD_CONTROLPLANE_TIMEOUT (seconds to wait for /readyz, default 120).
+# Environment: LEASEHOLD_CONTROLPLANE_TIMEOUT (seconds to wait for /readyz, default 120),
+# LEASEHOLD_RESTART_DOWNTIME (seconds to stay down before starting again, default 0).
 set -euo pipefail
 
 if [ $# -lt 1 ] || [ $# -gt 2 ] || [ -z "$1" ]; then
@@ -26,6 +27,7 @@ while IFS= read -r arg; do args+=("$arg"); done <"$state/kube-apiserver.args"
 port=$(sed -n 's/^--secure-port=//p' "$state/kube-apiserver.args")
 
 LEASEHOLD_STOP_SIGNAL=${2:-TERM} "$here/stop.sh" "$state" kube-apiserver
+sleep "${LEASEHOLD_RESTART_DOWNTIME:-0}"
 # The port must be free again before the new process binds it.
 for ((i = 0; i < 100; i++)); do
   (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null || break
