@@ -272,14 +272,7 @@ async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
     // Writing to a job another pod holds.
     let complete = json!({"status": {"phase": "Succeeded", "result": "from b"}});
     assert_refused(
-        raw(
-            &w.b,
-            "PATCH",
-            &w.status_path("j"),
-            "application/merge-patch+json",
-            &complete,
-        )
-        .await,
+        merge_patch(&w.b, &w.status_path("j"), &complete).await,
         "holder-only",
     );
 
@@ -318,14 +311,7 @@ async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
     // Or leaving the (current) token alone: still not pod-a's job.
     let complete_a = json!({"status": {"phase": "Succeeded", "result": "stale"}});
     assert_refused(
-        raw(
-            &w.a,
-            "PATCH",
-            &w.status_path("j"),
-            "application/merge-patch+json",
-            &complete_a,
-        )
-        .await,
+        merge_patch(&w.a, &w.status_path("j"), &complete_a).await,
         "holder-only",
     );
     let job = w.job("j").await;
@@ -336,28 +322,15 @@ async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
 
     // The holder's own complete is accepted.
     let complete_b = json!({"status": {"phase": "Succeeded", "result": "from b"}});
-    raw(
-        &w.b,
-        "PATCH",
-        &w.status_path("j"),
-        "application/merge-patch+json",
-        &complete_b,
-    )
-    .await
-    .expect("pod-b completes the job it holds");
+    merge_patch(&w.b, &w.status_path("j"), &complete_b)
+        .await
+        .expect("pod-b completes the job it holds");
     assert_eq!(w.job("j").await.phase(), Phase::Succeeded);
 
     // A finished job is final, even for the pod that finished it.
     let again = json!({"status": {"result": "rewritten"}});
     assert_refused(
-        raw(
-            &w.b,
-            "PATCH",
-            &w.status_path("j"),
-            "application/merge-patch+json",
-            &again,
-        )
-        .await,
+        merge_patch(&w.b, &w.status_path("j"), &again).await,
         "finished-is-final",
     );
     assert_eq!(
@@ -384,14 +357,7 @@ async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
         .unwrap();
     let wipe = json!({"status": {"failures": []}});
     assert_refused(
-        raw(
-            &w.a,
-            "PATCH",
-            &w.status_path("m"),
-            "application/merge-patch+json",
-            &wipe,
-        )
-        .await,
+        merge_patch(&w.a, &w.status_path("m"), &wipe).await,
         "failures-append-only",
     );
     assert_eq!(w.job("m").await.failed_attempts(), 1);
@@ -449,65 +415,30 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
         "spec": {"holderIdentity": hex_token(1)}
     });
     assert_refused(
-        raw(
-            &w.b,
-            "PATCH",
-            &w.lease_path(&name),
-            "application/merge-patch+json",
-            &redirect,
-        )
-        .await,
+        merge_patch(&w.b, &w.lease_path(&name), &redirect).await,
         "lease-take-over",
     );
     // ...or to anything without naming oneself as the holder.
     let redirect = json!({"spec": {"holderIdentity": hex_token(9)}});
     assert_refused(
-        raw(
-            &w.b,
-            "PATCH",
-            &w.lease_path(&name),
-            "application/merge-patch+json",
-            &redirect,
-        )
-        .await,
+        merge_patch(&w.b, &w.lease_path(&name), &redirect).await,
         "lease-acquire",
     );
     // Not even the holder may swap in another token of its attempt.
     let swap = json!({"spec": {"holderIdentity": hex_token(1)}});
     assert_refused(
-        raw(
-            &w.a,
-            "PATCH",
-            &w.lease_path(&name),
-            "application/merge-patch+json",
-            &swap,
-        )
-        .await,
+        merge_patch(&w.a, &w.lease_path(&name), &swap).await,
         "lease-take-over",
     );
     // Nor hand the Lease to another pod, nor stretch it beyond the rules.
     let hand_over = json!({"metadata": {"annotations": {"leasehold.dev/holder": "pod-b"}}});
     assert_refused(
-        raw(
-            &w.a,
-            "PATCH",
-            &w.lease_path(&name),
-            "application/merge-patch+json",
-            &hand_over,
-        )
-        .await,
+        merge_patch(&w.a, &w.lease_path(&name), &hand_over).await,
         "lease-holder-only",
     );
     let stretch = json!({"spec": {"leaseDurationSeconds": 999999}});
     assert_refused(
-        raw(
-            &w.a,
-            "PATCH",
-            &w.lease_path(&name),
-            "application/merge-patch+json",
-            &stretch,
-        )
-        .await,
+        merge_patch(&w.a, &w.lease_path(&name), &stretch).await,
         "lease-holder-only",
     );
     let l = w.leases(&w.admin).get(&name).await.unwrap();
@@ -550,14 +481,7 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
         "spec": {"holderIdentity": t1.as_str()}
     });
     assert_refused(
-        raw(
-            &w.a,
-            "PATCH",
-            &w.lease_path(&name),
-            "application/merge-patch+json",
-            &back,
-        )
-        .await,
+        merge_patch(&w.a, &w.lease_path(&name), &back).await,
         "lease-take-over",
     );
     // And the holder releases its own Lease.
@@ -574,14 +498,7 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
     );
     let unlabel = json!({"metadata": {"labels": {"app.kubernetes.io/managed-by": null}}});
     assert_refused(
-        raw(
-            &w.b,
-            "PATCH",
-            &w.lease_path(&name),
-            "application/merge-patch+json",
-            &unlabel,
-        )
-        .await,
+        merge_patch(&w.b, &w.lease_path(&name), &unlabel).await,
         "job-leases-only",
     );
     // A worker token bound to no pod can acquire nothing.
@@ -618,15 +535,7 @@ async fn workers_cannot_edit_spec_nor_create_or_delete_jobs() {
     w.create_job("j").await;
     let edit = json!({"spec": {"priority": 100}});
     // The chart's worker Role does not allow it at all.
-    match raw(
-        &w.a,
-        "PATCH",
-        &w.job_path("j"),
-        "application/merge-patch+json",
-        &edit,
-    )
-    .await
-    {
+    match merge_patch(&w.a, &w.job_path("j"), &edit).await {
         Err((403, m)) => assert!(m.contains("forbidden"), "{m}"),
         other => panic!("the worker Role let a worker patch a LeasedJob: {other:?}"),
     }
@@ -654,15 +563,7 @@ subjects: [{{kind: ServiceAccount, name: {WORKER_SA}, namespace: {ns}}}]
         "the wider grant in force",
         Duration::from_secs(30),
         || async {
-            match raw(
-                &w.a,
-                "PATCH",
-                &w.job_path("j"),
-                "application/merge-patch+json",
-                &edit,
-            )
-            .await
-            {
+            match merge_patch(&w.a, &w.job_path("j"), &edit).await {
                 Err((403, _)) => None,
                 other => Some(other),
             }
@@ -695,15 +596,9 @@ subjects: [{{kind: ServiceAccount, name: {WORKER_SA}, namespace: {ns}}}]
     );
     assert_eq!(w.job("j").await.spec.priority, 0);
     // The same edit by someone who is not a worker is accepted.
-    raw(
-        &w.admin,
-        "PATCH",
-        &w.job_path("j"),
-        "application/merge-patch+json",
-        &edit,
-    )
-    .await
-    .expect("an admin edits the spec");
+    merge_patch(&w.admin, &w.job_path("j"), &edit)
+        .await
+        .expect("an admin edits the spec");
     assert_eq!(w.job("j").await.spec.priority, 100);
 }
 
@@ -719,15 +614,9 @@ async fn without_the_admission_policies_rbac_alone_lets_a_worker_forge_claims() 
         .await
         .expect("without the policy, the forged claim goes through");
     let complete = json!({"status": {"phase": "Succeeded", "result": "forged"}});
-    raw(
-        &w.a,
-        "PATCH",
-        &w.status_path("j"),
-        "application/merge-patch+json",
-        &complete,
-    )
-    .await
-    .expect("without the policy, a non-holder completes");
+    merge_patch(&w.a, &w.status_path("j"), &complete)
+        .await
+        .expect("without the policy, a non-holder completes");
     assert_eq!(w.job("j").await.phase(), Phase::Succeeded);
 }
 

@@ -142,30 +142,51 @@ async fn cancelling_a_queued_job_ends_it_at_once_and_no_one_claims_it() {
     assert_eq!(sc.claim(1).await.0, 204);
 }
 
-#[tokio::test]
-async fn cancelling_a_leased_job_stops_its_holder_at_the_next_heartbeat() {
+/// A test namespace with a controller and a sidecar on queue `q`, and the job `name` in it,
+/// claimed through the sidecar.
+struct HeldJob {
+    _ns: TestNamespace,
+    _controller: Proc,
+    jobs: Api<LeasedJob>,
+    sidecar: Sidecar,
+    token: String,
+}
+
+async fn held_job(test: &str, name: &str) -> HeldJob {
     let client = client().await;
-    let ns = TestNamespace::new(&client, "cancel-leased").await;
-    let _controller = controller(&ns.name);
-    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
-    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    let ns = TestNamespace::new(&client, test).await;
+    let controller = controller(&ns.name);
+    let sidecar = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
         &client,
         &ns.name,
-        json!({"metadata": {"name": "c"}, "spec": {"queue": "q"}}),
+        json!({"metadata": {"name": name}, "spec": {"queue": "q"}}),
     )
     .await;
-    let (s, c) = sc.claim(10).await;
+    let (s, c) = sidecar.claim(10).await;
     assert_eq!(s, 200, "{c}");
-    let token = token_of(&c);
-    set_cancel(&jobs, "c").await;
+    HeldJob {
+        jobs: Api::namespaced(client, &ns.name),
+        _ns: ns,
+        _controller: controller,
+        sidecar,
+        token: token_of(&c),
+    }
+}
+
+#[tokio::test]
+async fn cancelling_a_leased_job_stops_its_holder_at_the_next_heartbeat() {
+    // Bind the whole HeldJob: its namespace and controller must live to the end.
+    let held = held_job("cancel-leased", "c").await;
+    let (jobs, sc, token) = (&held.jobs, &held.sidecar, &held.token);
+    set_cancel(jobs, "c").await;
     wait_for("Cancelled", Duration::from_secs(10), || async {
         (jobs.get("c").await.ok()?.phase() == Phase::Cancelled).then_some(())
     })
     .await;
     let (s, r) = sc.heartbeat("c", json!({"token": token})).await;
     assert_eq!((s, r["error"].as_str()), (409, Some("cancelled")), "{r}");
-    let (s, r) = sc.complete("c", &token, json!("too late")).await;
+    let (s, r) = sc.complete("c", token, json!("too late")).await;
     assert_eq!((s, r["error"].as_str()), (409, Some("cancelled")), "{r}");
     let job = jobs.get("c").await.unwrap();
     assert_eq!(job.phase(), Phase::Cancelled);
@@ -174,22 +195,12 @@ async fn cancelling_a_leased_job_stops_its_holder_at_the_next_heartbeat() {
 
 #[tokio::test]
 async fn deleting_a_leased_job_stops_its_holder() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "delete-leased").await;
-    let _controller = controller(&ns.name);
-    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
-    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
-    create_job(
-        &client,
-        &ns.name,
-        json!({"metadata": {"name": "d"}, "spec": {"queue": "q"}}),
-    )
-    .await;
-    let (s, c) = sc.claim(10).await;
-    assert_eq!(s, 200, "{c}");
+    // Bind the whole HeldJob: its namespace and controller must live to the end.
+    let held = held_job("delete-leased", "d").await;
+    let (jobs, sc, token) = (&held.jobs, &held.sidecar, &held.token);
     jobs.delete("d", &DeleteParams::default()).await.unwrap();
     let (s, r) = wait_for("the heartbeat refused", Duration::from_secs(10), || async {
-        let (s, r) = sc.heartbeat("d", json!({"token": token_of(&c)})).await;
+        let (s, r) = sc.heartbeat("d", json!({"token": token})).await;
         (s != 200).then_some((s, r))
     })
     .await;

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
@@ -14,7 +14,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 use serde_json::{json, Value};
 
-use crate::common::{kubeconfig_path, kubectl, leasehold_bin, log_dir, run, wait_for, Proc};
+use crate::common::{kubeconfig_path, kubectl, leasehold_bin, run, wait_for, Proc};
 
 /// The chart's directory in the repository.
 pub fn chart_dir() -> PathBuf {
@@ -197,25 +197,16 @@ pub async fn client_from(path: &Path) -> Client {
 
 /// Starts `leasehold args` with the kubeconfig at `kubeconfig` (never the admin one).
 pub fn spawn_leasehold(name: &str, args: &[&str], kubeconfig: &Path) -> Proc {
-    let log = log_dir().join(format!("{name}.log"));
-    let err = std::fs::File::create(&log).unwrap();
-    let child = Command::new(leasehold_bin())
-        .args(args)
-        .env("KUBECONFIG", kubeconfig)
-        .env("RUST_LOG", "info")
-        .env_remove("POD_NAME")
-        .env_remove("POD_NAMESPACE")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(err)
-        .spawn()
-        .unwrap_or_else(|e| panic!("start {name}: {e}"));
-    Proc {
-        child,
-        name: name.to_string(),
-        log,
-        port: None,
-    }
+    Proc::spawn_as(name, &leasehold_bin(), args, Stdio::null(), kubeconfig)
+}
+
+/// A JSON merge patch made by hand (see [`raw`]).
+pub async fn merge_patch(
+    client: &Client,
+    path: &str,
+    body: &Value,
+) -> Result<Value, (u16, String)> {
+    raw(client, "PATCH", path, "application/merge-patch+json", body).await
 }
 
 /// An API request made by hand: method, path, JSON body and its content type. Returns the

@@ -169,12 +169,26 @@ pub struct Proc {
 impl Proc {
     /// Starts `program args` with the test kubeconfig, logging to a file named `name`.
     pub fn spawn(name: &str, program: &Path, args: &[&str], stdout: Stdio) -> Proc {
+        Proc::spawn_as(name, program, args, stdout, &kubeconfig_path())
+    }
+
+    /// As [`Proc::spawn`], with the credentials of `kubeconfig`. The pod's downward-API
+    /// variables of the test runner's own environment are never passed on.
+    pub fn spawn_as(
+        name: &str,
+        program: &Path,
+        args: &[&str],
+        stdout: Stdio,
+        kubeconfig: &Path,
+    ) -> Proc {
         let log = log_dir().join(format!("{name}.log"));
         let err = File::create(&log).unwrap();
         let child = Command::new(program)
             .args(args)
-            .env("KUBECONFIG", kubeconfig_path())
+            .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "info")
+            .env_remove("POD_NAME")
+            .env_remove("POD_NAMESPACE")
             .stdin(Stdio::null())
             .stdout(stdout)
             .stderr(err)
