@@ -16,7 +16,8 @@ use rand::Rng;
 use thiserror::Error;
 
 use crate::crd::{LeasedJob, LeasedJobStatus, Phase};
-use crate::lease::{is_status, lease_name};
+use crate::kubeapi::is_status;
+use crate::lease::lease_name;
 use crate::token::Token;
 
 /// Errors of [`claim`].

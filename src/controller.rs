@@ -27,8 +27,9 @@ use tracing::{info, warn};
 use crate::crd::{LeasedJob, LeasedJobStatus, Phase, MANAGED_BY, MANAGED_BY_LABEL};
 use crate::expiry::{self, Observation, Record, Verdict};
 use crate::fence::{self, Outcome, REASON_LEASE_EXPIRED};
+use crate::kubeapi::{is_status, is_too_large, store_ready};
 use crate::leader::{self, Leadership};
-use crate::lease::{self, is_status};
+use crate::lease;
 use crate::metrics::{Health, JobLabels, Metrics};
 use crate::shutdown;
 use crate::token::Token;
@@ -151,7 +152,7 @@ pub async fn run(
     let lease_selector = format!("{MANAGED_BY_LABEL}={MANAGED_BY}");
     // managedFields are never read here, and are a large share of each cached object.
     let lease_stream = watcher(leases, watcher::Config::default().labels(&lease_selector))
-        .default_backoff()
+        .backoff(crate::kubeapi::WatchBackoff::default())
         .modify(|lease| lease.managed_fields_mut().clear())
         .reflect(lease_writer)
         .applied_objects();
@@ -190,6 +191,7 @@ pub async fn run(
     });
     let (job_store, job_writer) = reflector::store();
     let job_stream = watcher(jobs, watcher::Config::default())
+        .backoff(crate::kubeapi::WatchBackoff::default())
         .modify(|job| job.managed_fields_mut().clear())
         .reflect(job_writer)
         .applied_objects();
@@ -368,7 +370,7 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
     if job.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    if !crate::worker::store_ready(&ctx.leases) {
+    if !store_ready(&ctx.leases) {
         // Without the Lease cache every record would look new; try again shortly.
         return Ok(Action::requeue(Duration::from_millis(200)));
     }
@@ -699,7 +701,7 @@ async fn expire(
     {
         // The checkpoint would push the job past the API server's object size limit: requeue
         // without it rather than leave the job Leased forever.
-        Err(ReconcileError::Job { source, .. }) if lease::is_too_large(&source) => {
+        Err(ReconcileError::Job { source, .. }) if is_too_large(&source) => {
             warn!(job = %job_ref, "The last checkpoint of LeasedJob {job_ref} does not fit in the job; requeueing without it");
             let Outcome::Fail {
                 reason,

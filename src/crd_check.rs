@@ -18,7 +18,7 @@ use kube::{Api, Client, CustomResourceExt};
 use thiserror::Error;
 
 use crate::crd::LeasedJob;
-use crate::lease::is_status;
+use crate::kubeapi::is_status;
 
 /// Name of the LeasedJob CustomResourceDefinition.
 pub const CRD_NAME: &str = "leasedjobs.leasehold.dev";

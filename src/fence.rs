@@ -23,7 +23,7 @@ use crate::crd::{
     AttemptFailure, Backoff, LeasedJob, Phase, CONDITION_CANCELLED, CONDITION_COMPLETE,
     CONDITION_FAILED,
 };
-use crate::lease::is_status;
+use crate::kubeapi::is_status;
 use crate::token::Token;
 
 /// Reason recorded when the controller requeues a job whose lease expired.

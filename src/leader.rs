@@ -35,7 +35,8 @@ use tracing::{info, warn};
 
 use crate::crd::{MANAGED_BY, MANAGED_BY_LABEL};
 use crate::expiry::{self, Observation, Record, Verdict};
-use crate::lease::{self, is_status, LeaseError};
+use crate::kubeapi::is_status;
+use crate::lease::{self, LeaseError};
 use crate::token::Token;
 
 /// Annotation on the leader Lease naming the leader's pod (its identity).

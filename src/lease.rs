@@ -22,6 +22,7 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 use crate::crd::{LeasedJob, MANAGED_BY, MANAGED_BY_LABEL};
+use crate::kubeapi::is_status;
 use crate::token::Token;
 
 /// Annotation on the Lease that holds the latest checkpoint, as JSON text.
@@ -363,20 +364,6 @@ async fn classify_refusal(
         },
         _ => LeaseError::Api(err),
     }
-}
-
-/// True when the API server refused a write because the object or request would be too large
-/// (413, or etcd's "request is too large" behind a 500).
-pub fn is_too_large(err: &kube::Error) -> bool {
-    matches!(err, kube::Error::Api(s) if s.code == 413
-        || s.message.contains("too large")
-        || s.message.contains("Too long")
-        || s.reason == "RequestEntityTooLarge")
-}
-
-/// True when `err` is an API error with HTTP status `code`.
-pub fn is_status(err: &kube::Error, code: u16) -> bool {
-    matches!(err, kube::Error::Api(s) if s.code == code)
 }
 
 #[cfg(test)]

@@ -13,6 +13,8 @@
 //! - [`leader`]: leader election among controller replicas, fenced like workers.
 //! - [`worker`]: the client library a worker (or the sidecar) uses.
 //! - [`sidecar`]: that library over local HTTP, for workers in any language.
+//! - [`kubeapi`]: what the roles share about the API server: error classification, cache
+//!   readiness.
 //! - [`metrics`]: Prometheus metrics and health.
 //! - [`telemetry`]: logging set-up; [`shutdown`]: the shutdown signal.
 
@@ -22,6 +24,7 @@ pub mod crd;
 pub mod crd_check;
 pub mod expiry;
 pub mod fence;
+pub mod kubeapi;
 pub mod leader;
 pub mod lease;
 pub mod metrics;

@@ -89,6 +89,14 @@ impl Token {
     }
 }
 
+/// A token serialises as its text, `<attempt>.<32 hex digits>`: the only place it is shown is
+/// the claim's answer to the worker that holds it.
+impl serde::Serialize for Token {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
 impl fmt::Debug for Token {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Token({}.<redacted>)", self.attempt)

@@ -40,6 +40,7 @@ use tracing::{info, warn};
 use crate::claim::{self, ClaimError};
 use crate::crd::{LeasedJob, Phase};
 use crate::fence::{self, FenceError, Outcome, Refusal};
+use crate::kubeapi::{error_chain, is_too_large, store_ready};
 use crate::lease::{self, LeaseError};
 use crate::metrics::{Health, Metrics};
 use crate::token::{Token, TokenError};
@@ -86,7 +87,6 @@ pub struct Claimed {
     /// This attempt's number (status.attempt).
     pub attempt: i32,
     /// The fencing token, to present on every later call.
-    #[serde(serialize_with = "token_text")]
     pub token: Token,
     /// spec.payload, exactly as applied.
     pub payload: Value,
@@ -94,10 +94,6 @@ pub struct Claimed {
     pub lease_duration_seconds: i32,
     /// The checkpoint left by an earlier attempt, or null.
     pub checkpoint: Option<Value>,
-}
-
-fn token_text<S: serde::Serializer>(t: &Token, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(t.as_str())
 }
 
 /// A successful renewal.
@@ -228,7 +224,7 @@ impl Worker {
         let selector = format!("spec.queue={}", config.queue);
         // managedFields are never read here, and are a large share of each cached object.
         let stream = watcher(jobs.clone(), watcher::Config::default().fields(&selector))
-            .default_backoff()
+            .backoff(crate::kubeapi::WatchBackoff::default())
             .modify(|job| job.managed_fields_mut().clear())
             .reflect(writer);
         let health = Health::new();
@@ -959,7 +955,7 @@ impl Worker {
                 }
                 return Err(WorkerError::Refused(r));
             }
-            Err(FenceError::Api { source, .. }) if lease::is_too_large(&source) => {
+            Err(FenceError::Api { source, .. }) if is_too_large(&source) => {
                 return Err(WorkerError::TooLarge(format!(
                     "LeasedJob {} would exceed the API server's object size limit (about 1.5 MiB for the whole job, payload included) with this write; nothing was written: send a smaller result or message, or store large results elsewhere and send a reference",
                     self.job_ref(name)
@@ -990,18 +986,6 @@ impl Worker {
         }
         Ok(job)
     }
-}
-
-/// True once a reflector store has received its first complete listing.
-pub(crate) fn store_ready<K: kube::Resource + Clone>(store: &Store<K>) -> bool
-where
-    K::DynamicType: Eq + std::hash::Hash + Clone,
-{
-    use futures::FutureExt;
-    store
-        .wait_until_ready()
-        .now_or_never()
-        .is_some_and(|r| r.is_ok())
 }
 
 const LEASE_LOST: &str = "lease_lost";
@@ -1036,25 +1020,6 @@ pub fn validate_reason(reason: &str) -> Result<(), WorkerError> {
             ),
         })
     }
-}
-
-/// An error and its sources, joined with ": ". An API server's answer ends the chain as its
-/// message and HTTP status (not kube's debug dump of the whole Status).
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut parts = Vec::new();
-    let mut current: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = current {
-        if let Some(kube::Error::Api(status)) = err.downcast_ref::<kube::Error>() {
-            parts.push(format!(
-                "the API server answered {}: {}",
-                status.code, status.message
-            ));
-            break;
-        }
-        parts.push(err.to_string());
-        current = err.source();
-    }
-    crate::token::redact(&parts.join(": "))
 }
 
 #[cfg(test)]

@@ -115,7 +115,7 @@ async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
         )
         .await
         .expect_err("the API server accepted a stale token");
-    assert!(lease::is_status(&err, 422), "{err}");
+    assert!(leasehold::kubeapi::is_status(&err, 422), "{err}");
 
     // Through the library: refused with a message naming both attempts and no token.
     match fence::apply(
