@@ -24,10 +24,12 @@ use kube::{Api, Client, Resource, ResourceExt};
 use thiserror::Error;
 use tracing::{info, warn};
 
-use crate::crd::{LeasedJob, LeasedJobStatus, Phase, MANAGED_BY, MANAGED_BY_LABEL};
+use crate::crd::{
+    LeasedJob, LeasedJobStatus, Phase, CONDITION_LEASE_CONFLICT, MANAGED_BY, MANAGED_BY_LABEL,
+};
 use crate::expiry::{self, Observation, Record, Verdict};
 use crate::fence::{self, Outcome, REASON_LEASE_EXPIRED};
-use crate::kubeapi::{is_status, is_too_large, store_ready};
+use crate::kubeapi::{is_status, is_too_large, store_ready, Clients};
 use crate::leader::{self, Leadership};
 use crate::lease;
 use crate::metrics::{Health, JobLabels, Metrics};
@@ -125,6 +127,11 @@ pub struct Context {
     observations: Mutex<HashMap<ObjectRef<LeasedJob>, Observation>>,
     /// The (attempt, phase) last seen per job, to record Events for transitions.
     transitions: Mutex<HashMap<ObjectRef<LeasedJob>, (i32, Phase)>>,
+    /// Leased jobs whose Lease cache disagreed with a fresh read of the Lease (the cache lags,
+    /// or the Lease left the cache's label selector because someone removed its label): their
+    /// expiry is judged on fresh reads until the cache agrees again, so that the two sources
+    /// can never take turns restarting the expiry clock.
+    fresh_reads: Mutex<std::collections::HashSet<ObjectRef<LeasedJob>>>,
     /// Ended attempts whose Lease still names their token: the token, and when the controller
     /// releases the Lease if the holder has not (see [`RELEASE_GRACE`]).
     release_due: Mutex<HashMap<ObjectRef<LeasedJob>, (String, Instant)>>,
@@ -136,17 +143,21 @@ pub struct Context {
 /// # Errors
 /// [`ControllerError::LeaseWatch`] if the Lease cache never becomes ready.
 pub async fn run(
-    client: Client,
+    clients: Clients,
     config: Config,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
 ) -> Result<(), ControllerError> {
+    let client = clients.requests;
     let (jobs, leases): (Api<LeasedJob>, Api<Lease>) = match &config.namespace {
         Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
+            Api::namespaced(clients.watches.clone(), ns),
+            Api::namespaced(clients.watches.clone(), ns),
         ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
+        None => (
+            Api::all(clients.watches.clone()),
+            Api::all(clients.watches.clone()),
+        ),
     };
     let (lease_store, lease_writer) = reflector::store();
     let lease_selector = format!("{MANAGED_BY_LABEL}={MANAGED_BY}");
@@ -187,6 +198,7 @@ pub async fn run(
         recorder,
         observations: Mutex::default(),
         transitions: Mutex::default(),
+        fresh_reads: Mutex::default(),
         release_due: Mutex::default(),
     });
     let (job_store, job_writer) = reflector::store();
@@ -334,6 +346,7 @@ impl Context {
         let keep = |k: &ObjectRef<LeasedJob>| jobs.get(k).is_some();
         self.observations.lock().unwrap().retain(|k, _| keep(k));
         self.transitions.lock().unwrap().retain(|k, _| keep(k));
+        self.fresh_reads.lock().unwrap().retain(keep);
         self.release_due.lock().unwrap().retain(|k, _| keep(k));
     }
 
@@ -592,11 +605,36 @@ async fn check_expiry(
 ) -> Result<Action, ReconcileError> {
     let key = ObjectRef::from_obj(&**job);
     let token = job.token().unwrap_or_default().to_string();
+    let read_fresh = || async {
+        leases
+            .get_opt(lease_name)
+            .await
+            .map_err(|source| ReconcileError::Lease {
+                job: job.reference(),
+                action: "read",
+                source: lease::LeaseError::Api(source),
+            })
+    };
+    // Where this look's record comes from: the cache, or a fresh read while the cache is known
+    // to disagree with one (see Context::fresh_reads).
+    let cached_record = record_of(job, lease);
+    let mut fresh = None;
+    if ctx.fresh_reads.lock().unwrap().contains(&key) {
+        let read = read_fresh().await?;
+        if record_of(job, read.as_ref()) == cached_record {
+            ctx.fresh_reads.lock().unwrap().remove(&key);
+        }
+        fresh = Some(read);
+    }
+    let (record, lease) = match &fresh {
+        Some(read) => (record_of(job, read.as_ref()), read.as_ref()),
+        None => (cached_record, lease),
+    };
     let duration = lease_duration(job, lease, &token);
     let now = Instant::now();
     let observation = {
         let mut seen = ctx.observations.lock().unwrap();
-        let o = expiry::observe(seen.get(&key), record_of(job, lease), now);
+        let o = expiry::observe(seen.get(&key), record, now);
         seen.insert(key.clone(), o.clone());
         o
     };
@@ -605,17 +643,15 @@ async fn check_expiry(
         Verdict::Expired { silent_for } => silent_for,
     };
     // The watch may lag (a restarted API server, a slow connection): confirm with a fresh read
-    // before taking a job away. A renewal we had not seen restarts the clock.
-    let fresh = leases
-        .get_opt(lease_name)
-        .await
-        .map_err(|source| ReconcileError::Lease {
-            job: job.reference(),
-            action: "read",
-            source: lease::LeaseError::Api(source),
-        })?;
+    // before taking a job away. A renewal we had not seen restarts the clock, and from then on
+    // this job is judged on fresh reads until the cache agrees.
+    let fresh = match fresh {
+        Some(read) => read,
+        None => read_fresh().await?,
+    };
     let fresh_record = record_of(job, fresh.as_ref());
     if fresh_record != observation.record {
+        ctx.fresh_reads.lock().unwrap().insert(key.clone());
         let o = expiry::observe(Some(&observation), fresh_record, Instant::now());
         ctx.observations.lock().unwrap().insert(key, o);
         return Ok(Action::requeue(duration + EXPIRY_SLACK));
@@ -812,8 +848,29 @@ async fn record_transitions(job: &LeasedJob, ctx: &Context) {
                     .await;
             }
             None => {
-                let note = format!("Released by {holder} (attempt {attempt}); requeued");
-                ctx.event(job, EventType::Normal, "Released", note).await;
+                // A claim undone because its Lease was not the job's (see Outcome::Unclaim)
+                // leaves the condition LeaseConflict, stamped after the claim.
+                let conflict = status.conditions.iter().find(|c| {
+                    c.type_ == CONDITION_LEASE_CONFLICT
+                        && status
+                            .claimed_time
+                            .as_ref()
+                            .is_some_and(|t| c.last_transition_time.0 >= t.0)
+                });
+                match conflict {
+                    Some(c) => {
+                        let note = format!(
+                            "Claim by {holder} (attempt {attempt}) undone: {}",
+                            c.message
+                        );
+                        ctx.event(job, EventType::Warning, "LeaseConflict", note)
+                            .await;
+                    }
+                    None => {
+                        let note = format!("Released by {holder} (attempt {attempt}); requeued");
+                        ctx.event(job, EventType::Normal, "Released", note).await;
+                    }
+                }
             }
         },
         _ => {}

@@ -25,6 +25,11 @@ pub const CONDITION_COMPLETE: &str = "Complete";
 pub const CONDITION_FAILED: &str = "Failed";
 /// See [`CONDITION_COMPLETE`].
 pub const CONDITION_CANCELLED: &str = "Cancelled";
+/// True while the job's last claim was undone because its Lease (`ljob-...`) belongs to
+/// something else: another application's Lease of that name, or one left by an earlier
+/// LeasedJob of the same name that garbage collection has not removed yet. Cleared when an
+/// attempt that held its Lease ends.
+pub const CONDITION_LEASE_CONFLICT: &str = "LeaseConflict";
 
 /// What to do, and how to lease it. Workers never write the spec.
 #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -39,6 +44,7 @@ pub const CONDITION_CANCELLED: &str = "Cancelled";
     doc = "A job that workers lease: claimed by one worker at a time with a fresh fencing token, kept alive by heartbeats on its Lease, and requeued by the controller when the heartbeats stop.",
     selectable = ".spec.queue",
     validation = Rule::new("self.spec.queue == oldSelf.spec.queue").message("spec.queue is immutable: the sidecars of the new queue could not see this job's claim; create a new LeasedJob instead"),
+    validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.phase) || oldSelf.status.phase != 'Leased' || self.spec.leaseDurationSeconds == oldSelf.spec.leaseDurationSeconds").message("spec.leaseDurationSeconds cannot change while the job is Leased: its holder was granted the lease with the old duration. Change it while the job is Queued (it applies from the next claim), or cancel the job"),
     printcolumn = r#"{"name":"Queue","type":"string","jsonPath":".spec.queue"}"#,
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"Attempt","type":"integer","jsonPath":".status.attempt"}"#,
@@ -62,7 +68,8 @@ pub struct LeasedJobSpec {
     pub payload: Value,
 
     /// How long, in seconds, a claim stays valid without a heartbeat. The controller requeues a
-    /// job whose Lease it has not seen renewed for this long. 5 to 86400; default 60.
+    /// job whose Lease it has not seen renewed for this long. 5 to 86400; default 60. Fixed
+    /// while the job is Leased (a change is refused): it applies from the next claim.
     #[serde(default = "default_lease_duration_seconds")]
     #[schemars(range(min = 5, max = 86400))]
     pub lease_duration_seconds: i32,

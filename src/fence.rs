@@ -21,7 +21,7 @@ use thiserror::Error;
 
 use crate::crd::{
     AttemptFailure, Backoff, LeasedJob, Phase, CONDITION_CANCELLED, CONDITION_COMPLETE,
-    CONDITION_FAILED,
+    CONDITION_FAILED, CONDITION_LEASE_CONFLICT,
 };
 use crate::kubeapi::is_status;
 use crate::token::Token;
@@ -55,6 +55,17 @@ pub enum Outcome {
     Release {
         /// Progress to hand to the next attempt, if any.
         checkpoint: Option<Value>,
+    },
+    /// The claimer undoes a claim whose Lease it could not take (the Lease named `ljob-...`
+    /// belongs to something else): Queued again, not a failed attempt, with the condition
+    /// `LeaseConflict` saying why and `status.retryAfter` so that claimers do not spin on it.
+    Unclaim {
+        /// Short CamelCase cause, the condition's reason.
+        reason: String,
+        /// What is in the way and what to do, the condition's message.
+        message: String,
+        /// Not claimable before this time.
+        retry_after: Timestamp,
     },
 }
 
@@ -150,12 +161,38 @@ pub fn refusal(job_ref: &str, job: Option<&LeasedJob>, presented: &Token) -> Opt
     })
 }
 
+/// True when `job` (as freshly read) shows `outcome` already written for attempt `token`: a
+/// retry of a write whose first try got through but whose answer was lost (a timeout). The
+/// retry is then answered as the first try would have been, instead of as a stale token.
+pub fn already_applied(job: &LeasedJob, token: &Token, outcome: &Outcome) -> bool {
+    let Some(status) = job.status.as_ref() else {
+        return false;
+    };
+    if job.token() != Some(token.as_str()) || job.phase() == Phase::Leased {
+        return false;
+    }
+    let failed_here = status
+        .failures
+        .iter()
+        .rfind(|f| f.attempt == token.attempt());
+    match outcome {
+        Outcome::Complete { result } => {
+            job.phase() == Phase::Succeeded && status.result.as_ref() == Some(result)
+        }
+        Outcome::Fail {
+            reason, message, ..
+        } => failed_here.is_some_and(|f| f.reason == *reason && f.message == *message),
+        Outcome::Release { .. } => job.phase() == Phase::Queued && failed_here.is_none(),
+        Outcome::Unclaim { .. } => false,
+    }
+}
+
 /// The phase an attempt's outcome leads to, given the failed attempts recorded before it and
 /// maxAttempts (the number of failed attempts that ends the job).
 pub fn next_phase(outcome: &Outcome, failures_before: usize, max_attempts: i32) -> Phase {
     match outcome {
         Outcome::Complete { .. } => Phase::Succeeded,
-        Outcome::Release { .. } => Phase::Queued,
+        Outcome::Release { .. } | Outcome::Unclaim { .. } => Phase::Queued,
         Outcome::Fail { retryable, .. } => {
             let failed = failures_before as i64 + 1;
             if *retryable && failed < i64::from(max_attempts) {
@@ -214,6 +251,11 @@ pub fn end_attempt_patch(
         .as_ref()
         .map(|s| s.conditions.clone())
         .unwrap_or_default();
+    // An attempt that got its Lease and ended is past any earlier Lease conflict.
+    let had_conflict = conditions
+        .iter()
+        .any(|c| c.type_ == CONDITION_LEASE_CONFLICT);
+    conditions.retain(|c| c.type_ != CONDITION_LEASE_CONFLICT);
     match outcome {
         Outcome::Complete { result } => {
             ops.push(json!({"op": "add", "path": "/status/result", "value": result}));
@@ -253,6 +295,25 @@ pub fn end_attempt_patch(
                 ops.push(json!({"op": "add", "path": "/status/checkpoint", "value": c}));
             }
         }
+        Outcome::Unclaim {
+            reason,
+            message,
+            retry_after,
+        } => {
+            let at = Time(ceil_to_second(*retry_after));
+            ops.push(json!({"op": "add", "path": "/status/retryAfter", "value": at}));
+            conditions.push(Condition {
+                type_: CONDITION_LEASE_CONFLICT.to_string(),
+                status: "True".to_string(),
+                reason: condition_reason(reason),
+                message: message.clone(),
+                last_transition_time: time.clone(),
+                observed_generation: job.metadata.generation,
+            });
+        }
+    }
+    if !phase.is_finished() && (had_conflict || matches!(outcome, Outcome::Unclaim { .. })) {
+        ops.push(json!({"op": "add", "path": "/status/conditions", "value": conditions}));
     }
     if phase.is_finished() {
         ops.push(json!({"op": "add", "path": "/status/finishedTime", "value": time}));
@@ -282,7 +343,9 @@ pub fn end_attempt_patch(
                     (CONDITION_FAILED, reason.clone(), message.clone())
                 }
             }
-            Outcome::Release { .. } => unreachable!("a release never finishes a job"),
+            Outcome::Release { .. } | Outcome::Unclaim { .. } => {
+                unreachable!("a release never finishes a job")
+            }
         };
         conditions.retain(|c| c.type_ != CONDITION_COMPLETE && c.type_ != CONDITION_FAILED);
         conditions.push(Condition {
@@ -418,6 +481,9 @@ pub async fn apply_from(
         Some(j) => j.clone(),
         None => {
             let job = api.get_opt(name).await.map_err(api_err)?;
+            if let Some(done) = job.as_ref().filter(|j| already_applied(j, token, outcome)) {
+                return Ok(done.clone());
+            }
             if let Some(r) = refusal(&job_ref, job.as_ref(), token) {
                 return Err(r.into());
             }
@@ -445,6 +511,12 @@ pub async fn apply_from(
         Err(e) if is_status(&e, 422) || is_status(&e, 409) || is_status(&e, 404) => {
             // The test operations failed: something changed since our read. Say what.
             let fresh = api.get_opt(name).await.map_err(api_err)?;
+            if let Some(done) = fresh
+                .as_ref()
+                .filter(|j| already_applied(j, token, outcome))
+            {
+                return Ok(done.clone());
+            }
             match refusal(&job_ref, fresh.as_ref(), token) {
                 Some(r) => Err(r.into()),
                 None => Err(api_err(e)),

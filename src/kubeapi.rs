@@ -1,8 +1,84 @@
 //! What the controller and the sidecar share about talking to the API server, below both
-//! roles: classifying API errors, telling when a watch cache is ready, and turning an error
-//! chain into one line fit for a log or an HTTP answer (tokens redacted).
+//! roles: clients whose every request has a deadline, the backoff of every watch, classifying
+//! API errors, telling when a watch cache is ready, and turning an error chain into one line
+//! fit for a log or an HTTP answer (tokens redacted).
+
+use std::time::Duration;
 
 use kube::runtime::reflector::Store;
+use kube::{Client, Config};
+
+/// Longest wait for a TCP and TLS connection to the API server.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait for the answer to one request (not a watch), and for sending one. A request
+/// through a network that holds bytes without resetting the connection fails after this long
+/// instead of after the operating system's TCP timeouts (minutes). Calls a worker makes are
+/// bounded more tightly still, by the sidecar (see [`crate::worker`]).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The two clients every role uses: one for requests, each with a deadline
+/// ([`CONNECT_TIMEOUT`], [`REQUEST_TIMEOUT`]), and one for watches, which stay open for minutes
+/// and are bounded instead by kube's watcher idle timeout (the server-side `timeoutSeconds`
+/// plus a margin) and re-established with [`WatchBackoff`].
+#[derive(Clone)]
+pub struct Clients {
+    /// For GET, LIST, PUT, PATCH, POST and DELETE.
+    pub requests: Client,
+    /// For watches.
+    pub watches: Client,
+}
+
+impl Clients {
+    /// Finds the cluster the standard way (KUBECONFIG or ~/.kube/config, then the in-cluster
+    /// service account) and builds both clients from it.
+    ///
+    /// # Errors
+    /// When no configuration is found or a client cannot be built.
+    pub async fn infer() -> Result<Clients, ClientsError> {
+        let config = Config::infer().await?;
+        Clients::from_config(config)
+    }
+
+    /// Both clients from one configuration; its timeouts are replaced.
+    ///
+    /// # Errors
+    /// When a client cannot be built from `config` (e.g. unreadable certificates).
+    pub fn from_config(mut config: Config) -> Result<Clients, ClientsError> {
+        config.connect_timeout = Some(CONNECT_TIMEOUT);
+        config.write_timeout = Some(REQUEST_TIMEOUT);
+        let mut watches = config.clone();
+        watches.read_timeout = None;
+        config.read_timeout = Some(REQUEST_TIMEOUT);
+        // The deadline counts from when a request is sent, not from when its pooled
+        // connection went idle.
+        config.reset_reader_on_write = true;
+        Ok(Clients {
+            requests: Client::try_from(config)?,
+            watches: Client::try_from(watches)?,
+        })
+    }
+}
+
+/// One client for both uses, for callers that manage their own (tests, the benchmark).
+impl From<Client> for Clients {
+    fn from(client: Client) -> Clients {
+        Clients {
+            requests: client.clone(),
+            watches: client,
+        }
+    }
+}
+
+/// Errors of [`Clients::infer`].
+#[derive(Debug, thiserror::Error)]
+pub enum ClientsError {
+    /// No usable kubeconfig or in-cluster configuration.
+    #[error("no Kubernetes cluster found: set KUBECONFIG, or run in a pod with a service account")]
+    Config(#[from] kube::config::InferConfigError),
+    /// The configuration was found but a client could not be built from it.
+    #[error("cannot build a Kubernetes client")]
+    Client(#[from] kube::Error),
+}
 
 /// True once a reflector store has received its first complete listing.
 pub fn store_ready<K: kube::Resource + Clone>(store: &Store<K>) -> bool

@@ -63,6 +63,25 @@ pub enum LeaseError {
     /// who holds the Lease (5xx, 403, timeouts): retry.
     #[error("Lease write failed")]
     Api(#[source] kube::Error),
+    /// A Lease of that name exists but is not this job's: another application's, or one left by
+    /// an earlier LeasedJob of the same name. leasehold never writes it.
+    #[error("Lease {lease} is not this LeasedJob's: {why}")]
+    NotOurs {
+        /// `namespace/name` of the Lease.
+        lease: String,
+        /// Whose it is, as far as its ownerReferences tell (never its holderIdentity).
+        why: String,
+        /// True when it was left by an earlier LeasedJob of the same name: garbage collection
+        /// removes it soon.
+        stale: bool,
+    },
+    /// No answer from the API server within `after`: the write may or may not have been
+    /// applied. Retry.
+    #[error("no answer from the API server within {} ms", after.as_millis())]
+    Timeout {
+        /// How long the caller waited.
+        after: std::time::Duration,
+    },
 }
 
 impl LeaseError {
@@ -72,14 +91,20 @@ impl LeaseError {
             LeaseError::Lost { .. } => "lease_lost",
             LeaseError::CheckpointTooLarge { .. } => "too_large",
             LeaseError::Api(_) => "api",
+            LeaseError::Timeout { .. } => "timeout",
+            LeaseError::NotOurs { .. } => "lease_conflict",
         }
     }
 }
 
 /// The name of a job's Lease: `ljob-<job name>`, or, when that would pass the 253 characters an
-/// object name may have, the job name cut short, then `-` and 16 hex digits of the SHA-256 of
-/// the whole job name (so that two long names sharing a prefix still get distinct Leases). The
-/// result is always a valid DNS subdomain when the job name is one.
+/// object name may have, `ljob--`, the job name cut short, then `-` and 16 hex digits of the
+/// SHA-256 of the whole job name (so that two long names sharing a prefix still get distinct
+/// Leases). The result is always a valid DNS subdomain when the job name is one.
+///
+/// Injective over job names (up to the 64-bit hash): a job name starts with a letter or digit,
+/// so a plain name never has `-` right after the prefix, and a shortened one always has; no
+/// job's plain name can therefore equal another's shortened one.
 pub fn lease_name(job_name: &str) -> String {
     let plain = format!("{PREFIX}{job_name}");
     if plain.len() <= MAX_NAME {
@@ -91,11 +116,11 @@ pub fn lease_name(job_name: &str) -> String {
         .take(HASH_HEX / 2)
         .map(|b| format!("{b:02x}"))
         .collect();
-    let keep = MAX_NAME - PREFIX.len() - 1 - HASH_HEX;
+    let keep = MAX_NAME - PREFIX.len() - 2 - HASH_HEX;
     // Names are ASCII (DNS subdomains), so byte slicing is safe; trim so each dot-separated
     // label still ends with an alphanumeric character.
     let cut = job_name[..keep].trim_end_matches(['-', '.']);
-    format!("{PREFIX}{cut}-{hash}")
+    format!("{PREFIX}-{cut}-{hash}")
 }
 
 /// `renewTime` (or `acquireTime`) as the API server stores it.
@@ -140,6 +165,49 @@ pub fn checkpoint_text(checkpoint: &Value) -> Result<String, LeaseError> {
         return Err(LeaseError::CheckpointTooLarge { size: text.len() });
     }
     Ok(text)
+}
+
+/// Whose a Lease is, for the job about to use it, from the Lease's ownerReferences: the only
+/// proof that survives a name collision, a re-created job of the same name, or another
+/// application choosing the same name. (Labels and the name prove nothing: anyone can set them.)
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ownership {
+    /// Owned by this very LeasedJob (same uid).
+    Ours,
+    /// Owned by an earlier LeasedJob of the same name (another uid), which no longer exists
+    /// since names are unique: garbage collection deletes it soon.
+    Stale {
+        /// The earlier owner's uid.
+        uid: String,
+    },
+    /// Anything else: another application's Lease, or one with no LeasedJob owner.
+    Foreign,
+}
+
+/// Judges whose `lease` is for `job` (see [`Ownership`]).
+pub fn ownership(lease: &Lease, job: &LeasedJob) -> Ownership {
+    let uid = job.metadata.uid.as_deref();
+    let owners = lease
+        .metadata
+        .owner_references
+        .as_deref()
+        .unwrap_or_default();
+    let leased_jobs = owners
+        .iter()
+        .filter(|o| o.kind == "LeasedJob" && o.api_version.starts_with("leasehold.dev/"));
+    let mut stale = None;
+    for o in leased_jobs {
+        if Some(o.uid.as_str()) == uid {
+            return Ownership::Ours;
+        }
+        if Some(o.name.as_str()) == job.metadata.name.as_deref() {
+            stale = Some(o.uid.clone());
+        }
+    }
+    match stale {
+        Some(uid) => Ownership::Stale { uid },
+        None => Ownership::Foreign,
+    }
 }
 
 /// Whether a holder with `ours` may take over a Lease now held by `current`: yes when it is
@@ -240,9 +308,12 @@ fn lease_ref(api_ns: &str, name: &str) -> String {
 /// attempt 1 the create is tried before any read (one request instead of two on the claim
 /// path); if the Lease exists after all, the create fails with 409 and the read path follows.
 ///
+/// A Lease of that name that is not this job's ([`ownership`]) is never written.
+///
 /// # Errors
 /// [`LeaseError::Lost`] when the Lease is held by the same or a newer attempt;
-/// [`LeaseError::Api`] otherwise.
+/// [`LeaseError::NotOurs`] when the Lease belongs to something else; [`LeaseError::Api`]
+/// otherwise.
 pub async fn acquire(
     api: &Api<Lease>,
     job: &LeasedJob,
@@ -271,6 +342,23 @@ pub async fn acquire(
                 }
             }
             Some(current) => {
+                match ownership(&current, job) {
+                    Ownership::Ours => {}
+                    Ownership::Stale { uid } => {
+                        return Err(LeaseError::NotOurs {
+                            lease: lease_ref(&ns, &name),
+                            why: format!("it was left by an earlier LeasedJob of the same name (uid {uid}), and garbage collection has not removed it yet"),
+                            stale: true,
+                        })
+                    }
+                    Ownership::Foreign => {
+                        return Err(LeaseError::NotOurs {
+                            lease: lease_ref(&ns, &name),
+                            why: "it has no ownerReference to this LeasedJob, so it belongs to something else (another application, or a hand-made copy); leasehold never writes it. Delete or rename that Lease, or rename the job".to_string(),
+                            stale: false,
+                        })
+                    }
+                }
                 if !may_take_over(holder_identity(&current), token) {
                     return Err(LeaseError::Lost {
                         lease: lease_ref(&ns, &name),
@@ -388,6 +476,16 @@ mod tests {
             assert!(l.len() <= 253);
         }
         assert_ne!(lease_name(&a), lease_name(&b));
+        // No job's plain Lease name is another job's shortened one (the collision: a
+        // 253-character name, and a second name that is the first one's Lease name without the
+        // prefix).
+        let long = "h".repeat(253);
+        let hashed = lease_name(&long);
+        let tail = hashed.strip_prefix(PREFIX).unwrap();
+        if is_dns_subdomain(tail) {
+            assert_ne!(lease_name(tail), hashed);
+        }
+        assert!(!is_dns_subdomain(tail), "{tail}: a job could be named so");
         // Exactly at the boundary: no hashing needed.
         let edge = "e".repeat(253 - PREFIX.len());
         assert_eq!(lease_name(&edge), format!("{PREFIX}{edge}"));

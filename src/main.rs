@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
-use kube::Client;
 use std::sync::Arc;
 
 use axum::routing::get;
+use leasehold::kubeapi::Clients;
 use leasehold::metrics::{Health, Metrics};
 use leasehold::{controller, crd, crd_check, leader, sidecar, telemetry, worker};
 
@@ -174,8 +174,8 @@ async fn main() -> anyhow::Result<()> {
             }
             let identity = identity_or_hostname(identity)?;
             let election = election.config(&identity, namespace.as_deref())?;
-            let client = client().await?;
-            crd_check::check(&client).await?;
+            let clients = clients().await?;
+            crd_check::check(&clients.requests).await?;
             let metrics = Arc::new(Metrics::new());
             let health = Health::new();
             let listener = tokio::net::TcpListener::bind(metrics_addr)
@@ -194,7 +194,7 @@ async fn main() -> anyhow::Result<()> {
                 draining.set_shutting_down();
             });
             let controller = controller::run(
-                client,
+                clients,
                 controller::Config {
                     namespace,
                     identity,
@@ -233,8 +233,9 @@ async fn main() -> anyhow::Result<()> {
             if spread == 0 {
                 bail!("--spread 0 is not allowed: it must be at least 1 (1 means strict FIFO)");
             }
-            let client = client().await?;
-            let namespace = namespace.unwrap_or_else(|| client.default_namespace().to_string());
+            let clients = clients().await?;
+            let namespace =
+                namespace.unwrap_or_else(|| clients.requests.default_namespace().to_string());
             check_dns_label("--namespace", &namespace)?;
             let identity = identity_or_hostname(identity)?;
             let config = worker::WorkerConfig {
@@ -248,15 +249,13 @@ async fn main() -> anyhow::Result<()> {
                 drain_timeout: Duration::from_secs(drain_timeout),
                 release_on_shutdown,
             };
-            run_sidecar(client, config, listen, metrics_addr, shutdown).await
+            run_sidecar(clients, config, listen, metrics_addr, shutdown).await
         }
     }
 }
 
-async fn client() -> anyhow::Result<Client> {
-    Client::try_default().await.context(
-        "no Kubernetes cluster found: set KUBECONFIG, or run in a pod with a service account",
-    )
+async fn clients() -> anyhow::Result<Clients> {
+    Ok(Clients::infer().await?)
 }
 
 /// What the sidecar does on SIGTERM.
@@ -266,7 +265,7 @@ struct Shutdown {
 }
 
 async fn run_sidecar(
-    client: Client,
+    clients: Clients,
     config: worker::WorkerConfig,
     listen: SocketAddr,
     metrics_addr: Option<SocketAddr>,
@@ -277,7 +276,7 @@ async fn run_sidecar(
         config.namespace.clone(),
         config.identity.clone(),
     );
-    let (worker, watch_task) = worker::Worker::start(client, config);
+    let (worker, watch_task) = worker::Worker::start(clients, config);
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("--listen {listen}: cannot bind"))?;

@@ -44,6 +44,9 @@ pub struct ApiError {
     status: StatusCode,
     code: &'static str,
     message: String,
+    /// With 503 `unavailable` about a held job: when its lease runs out unless a renewal gets
+    /// through, as far as the sidecar knows (`expiresAt` in the answer).
+    expires_at: Option<k8s_openapi::jiff::Timestamp>,
 }
 
 impl ApiError {
@@ -52,17 +55,18 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            expires_at: None,
         }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (
-            self.status,
-            Json(json!({"error": self.code, "message": self.message})),
-        )
-            .into_response()
+        let mut body = json!({"error": self.code, "message": self.message});
+        if let Some(t) = self.expires_at {
+            body["expiresAt"] = json!(t.to_string());
+        }
+        (self.status, Json(body)).into_response()
     }
 }
 
@@ -80,7 +84,11 @@ impl From<WorkerError> for ApiError {
                 StatusCode::SERVICE_UNAVAILABLE
             }
         };
-        ApiError::new(status, e.code(), e.to_string())
+        let mut answer = ApiError::new(status, e.code(), e.to_string());
+        if let WorkerError::Unavailable { expires_at, .. } = e {
+            answer.expires_at = expires_at;
+        }
+        answer
     }
 }
 
@@ -269,7 +277,28 @@ async fn claim(
                 )
             })?,
     };
-    match worker.claim(Duration::from_secs(wait)).await? {
+    // The claim runs as a task of its own: if the worker goes away (its request timed out,
+    // its connection closed) the long poll stops, and a job claimed meanwhile is given back at
+    // once instead of staying Leased to nobody until its lease runs out.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let claimer = worker.clone();
+    tokio::spawn(async move {
+        let mut tx = tx;
+        let claimed = claimer
+            .claim_until(Duration::from_secs(wait), tx.closed())
+            .await;
+        if let Err(Ok(Some(claimed))) = tx.send(claimed) {
+            claimer.give_back(&claimed).await;
+        }
+    });
+    let claimed = rx.await.map_err(|_| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the claim failed inside the sidecar; try again",
+        )
+    })?;
+    match claimed? {
         Some(claimed) => Ok(Json(claimed).into_response()),
         None => Ok(StatusCode::NO_CONTENT.into_response()),
     }

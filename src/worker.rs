@@ -28,7 +28,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, ResourceExt};
 use serde::Serialize;
 use serde_json::Value;
 use thiserror::Error;
@@ -40,7 +40,7 @@ use tracing::{info, warn};
 use crate::claim::{self, ClaimError};
 use crate::crd::{LeasedJob, Phase};
 use crate::fence::{self, FenceError, Outcome, Refusal};
-use crate::kubeapi::{error_chain, is_too_large, store_ready};
+use crate::kubeapi::{error_chain, is_too_large, store_ready, Clients};
 use crate::lease::{self, LeaseError};
 use crate::metrics::{Health, Metrics};
 use crate::token::{Token, TokenError};
@@ -53,6 +53,12 @@ pub const DEFAULT_SPREAD: usize = 16;
 pub const MAX_MESSAGE_BYTES: usize = 4096;
 /// Delay before retrying a failed background renewal.
 const RENEW_RETRY: Duration = Duration::from_secs(1);
+/// How long a job whose claim was undone waits before the next claim, when its Lease name is
+/// taken by something that is not leasehold's (a person must act).
+pub const FOREIGN_LEASE_RETRY: Duration = Duration::from_secs(30);
+/// As [`FOREIGN_LEASE_RETRY`], when the Lease was left by an earlier job of the same name
+/// (garbage collection removes it within seconds).
+pub const STALE_LEASE_RETRY: Duration = Duration::from_secs(3);
 /// The claim window never widens past this many times [`WorkerConfig::spread`].
 const MAX_WINDOW_FACTOR: usize = 64;
 
@@ -142,15 +148,42 @@ pub enum WorkerError {
     /// The sidecar is shutting down and claims no more jobs.
     #[error("this sidecar is shutting down and claims no more jobs; held jobs can still be heartbeated, completed, failed or released")]
     ShuttingDown,
-    /// The API server could not be reached or failed; nothing was written. Retry.
-    #[error("{what} failed: {detail}; nothing was written, try again")]
+    /// The API server could not be reached, failed, or did not answer within the call's bound
+    /// ([`call_bound`]). Retry with the same token: a write that did get through is then
+    /// refused or found done, never applied twice.
+    #[error("{what} failed: {detail}; try again with the same token")]
     Unavailable {
         /// What was being done, naming the job.
         what: String,
         /// The cause.
         detail: String,
+        /// For a held job: when its lease runs out unless a renewal gets through, as far as
+        /// this sidecar knows (the last confirmed renewTime + leaseDurationSeconds).
+        expires_at: Option<Timestamp>,
     },
 }
+
+impl WorkerError {
+    fn unavailable(what: impl Into<String>, detail: impl Into<String>) -> WorkerError {
+        WorkerError::Unavailable {
+            what: what.into(),
+            detail: detail.into(),
+            expires_at: None,
+        }
+    }
+}
+
+/// The longest a worker's call about a held job waits for the API server before it is answered
+/// [`WorkerError::Unavailable`]: `min(5 s, leaseDurationSeconds / 3)`, well inside the lease, so
+/// that a worker always hears back while its lease may still be valid and can decide to stop.
+/// (The issue that set it: a heartbeat through a partition must not block for the whole outage
+/// and answer only after another worker holds the job.)
+pub fn call_bound(lease_duration: Duration) -> Duration {
+    (lease_duration / 3).min(MAX_CALL_BOUND)
+}
+
+/// Upper limit of [`call_bound`].
+pub const MAX_CALL_BOUND: Duration = Duration::from_secs(5);
 
 impl WorkerError {
     /// Stable error code.
@@ -178,7 +211,10 @@ struct Held {
 }
 
 struct HeldState {
+    /// When the last renewal was confirmed (monotonic clock).
     last_renewed: Instant,
+    /// The renewTime of the last confirmed renewal (wall clock), for `expiresAt`.
+    renew_time: Timestamp,
     last_contact: Instant,
     checkpoint: Option<Value>,
     /// Why the lease was declared lost: (error code, message).
@@ -215,15 +251,17 @@ pub struct Worker {
 impl Worker {
     /// Starts watching the queue. Returns the worker and the watch task's handle, which runs
     /// until aborted; await or select it so that its end is noticed.
-    pub fn start(client: Client, config: WorkerConfig) -> (Worker, JoinHandle<()>) {
-        let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &config.namespace);
-        let leases: Api<Lease> = Api::namespaced(client, &config.namespace);
+    pub fn start(clients: impl Into<Clients>, config: WorkerConfig) -> (Worker, JoinHandle<()>) {
+        let clients = clients.into();
+        let jobs: Api<LeasedJob> = Api::namespaced(clients.requests.clone(), &config.namespace);
+        let leases: Api<Lease> = Api::namespaced(clients.requests, &config.namespace);
+        let watched: Api<LeasedJob> = Api::namespaced(clients.watches, &config.namespace);
         let (store, writer) = reflector::store();
         let (tx, changes) = watch::channel(0u64);
         // spec.queue is a selectable field of the CRD, so the API server filters for us.
         let selector = format!("spec.queue={}", config.queue);
         // managedFields are never read here, and are a large share of each cached object.
-        let stream = watcher(jobs.clone(), watcher::Config::default().fields(&selector))
+        let stream = watcher(watched, watcher::Config::default().fields(&selector))
             .backoff(crate::kubeapi::WatchBackoff::default())
             .modify(|job| job.managed_fields_mut().clear())
             .reflect(writer);
@@ -343,9 +381,19 @@ impl Worker {
         e
     }
 
-    /// Number of attempts this worker holds now.
+    /// Number of attempts this worker holds now: ended attempts and leases declared lost are
+    /// not held (a drain does not wait for them).
     pub fn held_count(&self) -> usize {
-        self.inner.held.lock().unwrap().len()
+        self.inner
+            .held
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|h| {
+                let st = h.state.lock().unwrap();
+                !st.ended && st.lost.is_none()
+            })
+            .count()
     }
 
     fn job_ref(&self, name: &str) -> String {
@@ -358,6 +406,21 @@ impl Worker {
     /// # Errors
     /// [`WorkerError::Unavailable`] when the API server failed a claim write.
     pub async fn claim(&self, wait: Duration) -> Result<Option<Claimed>, WorkerError> {
+        self.claim_until(wait, std::future::pending()).await
+    }
+
+    /// As [`Worker::claim`], for a caller that may go away: while no job has been claimed yet,
+    /// `gone` resolving ends the wait with `Ok(None)` and nothing written. (A caller that goes
+    /// away after the claim write must release the job itself: see the sidecar.)
+    ///
+    /// # Errors
+    /// As [`Worker::claim`].
+    pub async fn claim_until(
+        &self,
+        wait: Duration,
+        gone: impl std::future::Future<Output = ()>,
+    ) -> Result<Option<Claimed>, WorkerError> {
+        let mut gone = std::pin::pin!(gone);
         if self.inner.health.is_shutting_down() {
             return Err(WorkerError::ShuttingDown);
         }
@@ -368,10 +431,10 @@ impl Worker {
             .is_err()
         {
             // Not an empty queue: this sidecar cannot see the queue yet.
-            return Err(WorkerError::Unavailable {
-                what: format!("claim from queue {}", self.inner.config.queue),
-                detail: "the LeasedJob watch has not synced yet (see /readyz)".into(),
-            });
+            return Err(WorkerError::unavailable(
+                format!("claim from queue {}", self.inner.config.queue),
+                "the LeasedJob watch has not synced yet (see /readyz)",
+            ));
         }
         let mut draining = self.inner.draining.subscribe();
         loop {
@@ -397,14 +460,15 @@ impl Worker {
                     })
                     .map_or(deadline, |t| t.min(deadline));
             tokio::select! {
+                () = &mut gone => return Ok(None),
                 _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
                 () = tokio::time::sleep_until(wake), if wake < deadline => {}
                 changed = changes.changed() => {
                     if changed.is_err() {
-                        return Err(WorkerError::Unavailable {
-                            what: "claim".into(),
-                            detail: "the LeasedJob watch stopped".into(),
-                        });
+                        return Err(WorkerError::unavailable(
+                            "claim",
+                            "the LeasedJob watch stopped",
+                        ));
                     }
                 }
                 () = tokio::time::sleep_until(deadline) => return Ok(None),
@@ -477,46 +541,105 @@ impl Worker {
     async fn try_claim(&self, snapshot: &LeasedJob) -> Result<Option<Claimed>, WorkerError> {
         self.mark_tried(snapshot);
         let identity = &self.inner.config.identity;
-        let (job, token) = match claim::claim(&self.inner.jobs, snapshot, identity).await {
-            Ok(claimed) => {
+        let lease_duration = Duration::from_secs(
+            u64::try_from(snapshot.spec.lease_duration_seconds.max(1)).unwrap_or(1),
+        );
+        let bound = call_bound(lease_duration);
+        // The claim write runs as a task of its own, so that one whose answer comes too late
+        // is still seen through: if it got through after all, it is given back.
+        let mut write = {
+            let (me, snapshot) = (self.clone(), snapshot.clone());
+            tokio::spawn(async move {
+                let identity = &me.inner.config.identity;
+                claim::claim(&me.inner.jobs, &snapshot, identity).await
+            })
+        };
+        let claimed = match tokio::time::timeout(bound, &mut write).await {
+            Ok(Ok(claimed)) => Ok(claimed),
+            Ok(Err(join)) => {
+                return Err(WorkerError::unavailable(
+                    format!("claim of LeasedJob {}", snapshot.reference()),
+                    format!("the claim failed inside the sidecar: {join}"),
+                ))
+            }
+            Err(elapsed) => {
+                let me = self.clone();
+                tokio::spawn(async move {
+                    if let Ok(Ok((job, token))) = write.await {
+                        let release = Outcome::Release { checkpoint: None };
+                        me.undo_claim(&job, &token, release).await;
+                    }
+                });
+                Err(elapsed)
+            }
+        };
+        let (job, token) = match claimed {
+            Ok(Ok(claimed)) => {
                 self.narrow_window();
                 claimed
             }
-            Err(ClaimError::Conflict { .. }) => {
+            Ok(Err(ClaimError::Conflict { .. })) => {
+                self.inner.metrics.claim_conflicts.inc();
                 self.widen_window();
                 return Ok(None);
             }
-            Err(ClaimError::NotQueued { .. } | ClaimError::Gone { .. }) => return Ok(None),
-            Err(e @ ClaimError::Api { .. }) => {
-                return Err(WorkerError::Unavailable {
-                    what: format!("claim of LeasedJob {}", snapshot.reference()),
-                    detail: error_chain(&e),
-                })
+            Ok(Err(ClaimError::NotQueued { .. } | ClaimError::Gone { .. })) => return Ok(None),
+            Ok(Err(e @ ClaimError::Api { .. })) => {
+                return Err(WorkerError::unavailable(
+                    format!("claim of LeasedJob {}", snapshot.reference()),
+                    error_chain(&e),
+                ))
+            }
+            Err(_) => {
+                // The claim write may have landed without its answer: undo it if it did (a
+                // release fenced by the token it would carry is refused if it did not).
+                return Err(WorkerError::unavailable(
+                    format!("claim of LeasedJob {}", snapshot.reference()),
+                    format!(
+                        "the API server did not answer within {} ms; a claim that got through is being given back",
+                        bound.as_millis()
+                    ),
+                ));
             }
         };
         let job_ref = job.reference();
-        match lease::acquire(&self.inner.leases, &job, &token).await {
-            Ok(_) => {}
-            Err(LeaseError::Lost { .. }) => {
-                warn!(job = %job_ref, attempt = token.attempt(), "Lease of LeasedJob {job_ref} is held by a newer attempt; giving the claim up");
-                return Ok(None);
-            }
-            Err(e) => {
-                // Hand the job straight back rather than let it wait out a lease duration.
-                let released = fence::apply(
-                    &self.inner.jobs,
-                    &self.inner.config.namespace,
-                    &job.name_any(),
-                    &token,
-                    &Outcome::Release { checkpoint: None },
-                )
-                .await;
-                warn!(job = %job_ref, error = %error_chain(&e), released = released.is_ok(), "Lease acquisition failed after claiming LeasedJob {job_ref}");
-                return Err(WorkerError::Unavailable {
-                    what: format!("Lease acquisition for LeasedJob {job_ref}"),
-                    detail: error_chain(&e),
-                });
-            }
+        let acquired =
+            tokio::time::timeout(bound, lease::acquire(&self.inner.leases, &job, &token))
+                .await
+                .unwrap_or(Err(LeaseError::Timeout { after: bound }));
+        if let Err(e) = acquired {
+            // Hand the job straight back, as a release (not a failed attempt), rather than
+            // leave it Leased to nobody until its lease runs out.
+            let outcome = match &e {
+                LeaseError::NotOurs { stale, .. } => {
+                    let (reason, after) = if *stale {
+                        ("StaleLease", STALE_LEASE_RETRY)
+                    } else {
+                        ("LeaseNotOurs", FOREIGN_LEASE_RETRY)
+                    };
+                    let message = format!(
+                        "{e}; the claim by {identity} was undone (not a failed attempt) and the job is retried after {}s",
+                        after.as_secs()
+                    );
+                    Outcome::Unclaim {
+                        reason: reason.to_string(),
+                        message,
+                        retry_after: Timestamp::now()
+                            + SignedDuration::try_from(after).unwrap_or_default(),
+                    }
+                }
+                _ => Outcome::Release { checkpoint: None },
+            };
+            self.undo_claim(&job, &token, outcome).await;
+            warn!(job = %job_ref, attempt = token.attempt(), error = %error_chain(&e), "Gave the claim of LeasedJob {job_ref} back: its Lease could not be taken");
+            return match e {
+                // Another job's business or a leftover: this job waits, the claimer moves on.
+                LeaseError::NotOurs { .. } | LeaseError::Lost { .. } => Ok(None),
+                e => Err(WorkerError::unavailable(
+                    format!("Lease acquisition for LeasedJob {job_ref}"),
+                    error_chain(&e),
+                )),
+            };
         }
         info!(job = %job_ref, attempt = token.attempt(), "Claimed LeasedJob {job_ref} (attempt {})", token.attempt());
         self.inner.metrics.claims.inc();
@@ -544,6 +667,44 @@ impl Worker {
         }))
     }
 
+    /// Undoes the claim of `job` with `token` that could not get its Lease: `outcome` is a
+    /// release or an [`Outcome::Unclaim`], fenced by the token like any end of an attempt.
+    async fn undo_claim(&self, job: &LeasedJob, token: &Token, outcome: Outcome) {
+        let (job_ref, name) = (job.reference(), job.name_any());
+        let undo = fence::apply_from(
+            &self.inner.jobs,
+            &self.inner.config.namespace,
+            &name,
+            token,
+            &outcome,
+            Some(job),
+        );
+        match tokio::time::timeout(MAX_CALL_BOUND, undo).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                warn!(job = %job_ref, error = %error_chain(&e), "Giving back the claim of LeasedJob {job_ref} failed; its lease will expire")
+            }
+            Err(_) => {
+                warn!(job = %job_ref, "Giving back the claim of LeasedJob {job_ref} got no answer in time; its lease will expire")
+            }
+        }
+    }
+
+    /// Gives back a claim whose claimer went away before it was answered (its HTTP client
+    /// disconnected, or timed out): a release, so the job is claimable again at once and the
+    /// attempt does not count as failed.
+    pub async fn give_back(&self, claimed: &Claimed) {
+        let job_ref = self.job_ref(&claimed.name);
+        match self.release(&claimed.name, claimed.token.as_str()).await {
+            Ok(_) => {
+                info!(job = %job_ref, attempt = claimed.attempt, "Released LeasedJob {job_ref}: the claimer went away before the claim was answered")
+            }
+            Err(e) => {
+                warn!(job = %job_ref, error = %e, "Releasing LeasedJob {job_ref} after its claimer went away failed; its lease will expire")
+            }
+        }
+    }
+
     /// Starts holding an attempt: records it and spawns its background renewer.
     fn hold(&self, name: &str, token: Token, duration_s: i32) -> Arc<Held> {
         let now = Instant::now();
@@ -553,6 +714,7 @@ impl Worker {
             duration: Duration::from_secs(u64::try_from(duration_s.max(1)).unwrap_or(1)),
             state: Mutex::new(HeldState {
                 last_renewed: now,
+                renew_time: Timestamp::now(),
                 last_contact: now,
                 checkpoint: None,
                 lost: None,
@@ -611,12 +773,15 @@ impl Worker {
                     return;
                 }
             }
-            let renewed =
-                lease::renew(&self.inner.leases, &held.lease_name, &held.token, None).await;
+            let renewed = self.renew_bounded(held, None).await;
             self.inner.metrics.heartbeat(renewed.is_ok());
             match renewed {
-                Ok(_) => {
-                    held.state.lock().unwrap().last_renewed = Instant::now();
+                Ok(lease) => {
+                    let mut st = held.state.lock().unwrap();
+                    st.last_renewed = Instant::now();
+                    if let Some(t) = lease.spec.as_ref().and_then(|s| s.renew_time.as_ref()) {
+                        st.renew_time = t.0;
+                    }
                     due = Instant::now() + interval;
                 }
                 Err(LeaseError::Lost { .. }) => {
@@ -657,6 +822,7 @@ impl Worker {
     }
 
     /// Declares the held attempt lost with `code` and `message` (what later calls get back).
+    /// A lost attempt is no longer held: a drain waiting for held jobs is woken.
     fn lose(&self, held: &Held, code: &'static str, message: String) {
         let mut st = held.state.lock().unwrap();
         if st.lost.is_none() {
@@ -664,6 +830,7 @@ impl Worker {
         }
         drop(st);
         held.wake.notify_one();
+        self.inner.ended.notify_waiters();
     }
 
     /// The held attempt of `name` if it is this token's, after checking it was not declared
@@ -674,6 +841,15 @@ impl Worker {
             return Ok(None);
         };
         let mut st = held.state.lock().unwrap();
+        if st.lost.is_none() && st.last_renewed.elapsed() >= held.duration {
+            // Renewals may be stuck behind a partition: a whole lease has passed without a
+            // confirmed one, so the controller may have requeued the job by now.
+            let why = format!(
+                "no renewal was confirmed for {}s, a whole lease duration",
+                st.last_renewed.elapsed().as_secs()
+            );
+            st.lost = Some((LEASE_LOST, lost_message(&self.job_ref(name), &why)));
+        }
         if let Some((code, message)) = &st.lost {
             return Err(WorkerError::LeaseLost {
                 code,
@@ -683,6 +859,63 @@ impl Worker {
         st.last_contact = Instant::now();
         drop(st);
         Ok(Some(held))
+    }
+
+    /// The bound of a call about job `name` ([`call_bound`] of its lease duration, as held or
+    /// cached), and when its lease runs out as far as this sidecar knows.
+    fn bound_of(&self, name: &str) -> (Duration, Option<Timestamp>) {
+        if let Some(h) = self.inner.held.lock().unwrap().get(name) {
+            let st = h.state.lock().unwrap();
+            let expires = st.renew_time + SignedDuration::try_from(h.duration).unwrap_or_default();
+            return (call_bound(h.duration), Some(expires));
+        }
+        let key = ObjectRef::new(name).within(&self.inner.config.namespace);
+        let secs = self
+            .inner
+            .store
+            .get(&key)
+            .map_or(5, |j| j.spec.lease_duration_seconds.max(1));
+        let secs = u64::try_from(secs).unwrap_or(5);
+        (call_bound(Duration::from_secs(secs)), None)
+    }
+
+    /// Runs `call` (one of the worker's calls about job `name`) as a task of its own and waits
+    /// for it at most [`Worker::bound_of`] the job. Past the bound the worker is answered
+    /// [`WorkerError::Unavailable`] with the lease's known expiry, while the call goes on to its
+    /// end in the background, so that this process's state stays consistent (a write that lands
+    /// late is recorded as if answered in time; the worker's retry then finds it done).
+    async fn bounded<T: Send + 'static>(
+        &self,
+        name: &str,
+        what: &str,
+        call: impl std::future::Future<Output = Result<T, WorkerError>> + Send + 'static,
+    ) -> Result<T, WorkerError> {
+        let (bound, expires_at) = self.bound_of(name);
+        let task = tokio::spawn(call);
+        match tokio::time::timeout(bound, task).await {
+            Ok(Ok(Err(WorkerError::Unavailable {
+                what,
+                detail,
+                expires_at: None,
+            }))) => Err(WorkerError::Unavailable {
+                what,
+                detail,
+                expires_at: self.bound_of(name).1,
+            }),
+            Ok(Ok(result)) => result,
+            Ok(Err(join)) => Err(WorkerError::unavailable(
+                format!("{what} of LeasedJob {}", self.job_ref(name)),
+                format!("the call failed inside the sidecar: {join}"),
+            )),
+            Err(_) => Err(WorkerError::Unavailable {
+                what: format!("{what} of LeasedJob {}", self.job_ref(name)),
+                detail: format!(
+                    "the API server did not answer within {} ms (the bound for this job's calls: min(5 s, leaseDurationSeconds / 3))",
+                    bound.as_millis()
+                ),
+                expires_at,
+            }),
+        }
     }
 
     /// Renews the lease now, storing `checkpoint` (any JSON up to
@@ -699,9 +932,30 @@ impl Worker {
         token: &str,
         checkpoint: Option<Value>,
     ) -> Result<Renewal, WorkerError> {
-        self.heartbeat_inner(name, token, checkpoint)
+        let (me, n, t) = (self.clone(), name.to_string(), token.to_string());
+        self.bounded(name, "heartbeat", async move {
+            me.heartbeat_inner(&n, &t, checkpoint).await
+        })
+        .await
+        .map_err(|e| self.counted(e))
+    }
+
+    /// One renewal of `held`'s Lease, waiting at most [`call_bound`] of its lease duration.
+    async fn renew_bounded(
+        &self,
+        held: &Held,
+        checkpoint: Option<&Value>,
+    ) -> Result<Lease, LeaseError> {
+        let after = call_bound(held.duration);
+        let renew = lease::renew(
+            &self.inner.leases,
+            &held.lease_name,
+            &held.token,
+            checkpoint,
+        );
+        tokio::time::timeout(after, renew)
             .await
-            .map_err(|e| self.counted(e))
+            .unwrap_or(Err(LeaseError::Timeout { after }))
     }
 
     async fn heartbeat_inner(
@@ -715,9 +969,14 @@ impl Worker {
             lease::checkpoint_text(c).map_err(|e| WorkerError::TooLarge(e.to_string()))?;
         }
         let held = self.held_for(name, &token)?;
-        let lease_name = lease::lease_name(name);
-        let renewed =
-            lease::renew(&self.inner.leases, &lease_name, &token, checkpoint.as_ref()).await;
+        let renewed = match &held {
+            Some(h) => self.renew_bounded(h, checkpoint.as_ref()).await,
+            // Not held by this process (it restarted since the claim): the Lease decides.
+            None => {
+                let lease_name = lease::lease_name(name);
+                lease::renew(&self.inner.leases, &lease_name, &token, checkpoint.as_ref()).await
+            }
+        };
         if !matches!(renewed, Err(LeaseError::CheckpointTooLarge { .. })) {
             self.inner.metrics.heartbeat(renewed.is_ok());
         }
@@ -744,25 +1003,26 @@ impl Worker {
                     .and_then(|s| s.lease_duration_seconds)
                     .unwrap_or(60);
                 let held = held.unwrap_or_else(|| self.hold(name, token.clone(), duration_s));
-                {
-                    let mut st = held.state.lock().unwrap();
-                    st.last_renewed = Instant::now();
-                    if checkpoint.is_some() {
-                        st.checkpoint = checkpoint;
-                    }
-                }
                 let renew_time = lease
                     .spec
                     .as_ref()
                     .and_then(|s| s.renew_time.as_ref())
                     .map_or_else(Timestamp::now, |t| t.0);
+                {
+                    let mut st = held.state.lock().unwrap();
+                    st.last_renewed = Instant::now();
+                    st.renew_time = renew_time;
+                    if checkpoint.is_some() {
+                        st.checkpoint = checkpoint;
+                    }
+                }
                 Ok(Renewal {
                     renew_time,
                     expires_at: renew_time + SignedDuration::from_secs(i64::from(duration_s)),
                     lease_duration_seconds: duration_s,
                 })
             }
-            Err(LeaseError::Lost { .. }) => {
+            Err(LeaseError::Lost { .. } | LeaseError::NotOurs { .. }) => {
                 let err = self.explain_lost(name, &token).await;
                 if let Some(h) = &held {
                     self.lose(h, err.code(), err.to_string());
@@ -773,21 +1033,22 @@ impl Worker {
                 "checkpoint is {size} bytes of JSON; at most {} are accepted",
                 lease::MAX_CHECKPOINT_BYTES
             ))),
-            Err(e @ LeaseError::Api(_)) => {
+            Err(e @ (LeaseError::Api(_) | LeaseError::Timeout { .. })) => {
+                let unavailable = || {
+                    WorkerError::unavailable(
+                        format!("heartbeat of LeasedJob {}", self.job_ref(name)),
+                        error_chain(&e),
+                    )
+                };
                 if let Some(h) = &held {
                     if self.renewals_failed_too_long(&self.job_ref(name), h) {
-                        return Err(self.held_for(name, &token).err().unwrap_or_else(|| {
-                            WorkerError::Unavailable {
-                                what: format!("heartbeat of LeasedJob {}", self.job_ref(name)),
-                                detail: error_chain(&e),
-                            }
-                        }));
+                        return Err(self
+                            .held_for(name, &token)
+                            .err()
+                            .unwrap_or_else(unavailable));
                     }
                 }
-                Err(WorkerError::Unavailable {
-                    what: format!("heartbeat of LeasedJob {}", self.job_ref(name)),
-                    detail: error_chain(&e),
-                })
+                Err(unavailable())
             }
         }
     }
@@ -865,7 +1126,7 @@ impl Worker {
         token: &str,
         result: Value,
     ) -> Result<LeasedJob, WorkerError> {
-        self.end_attempt(name, token, |_| Outcome::Complete { result })
+        self.end_attempt(name, token, false, |_| Outcome::Complete { result })
             .await
     }
 
@@ -895,7 +1156,7 @@ impl Worker {
             });
         }
         let (reason, message) = (reason.to_string(), message.to_string());
-        self.end_attempt(name, token, |checkpoint| Outcome::Fail {
+        self.end_attempt(name, token, true, move |checkpoint| Outcome::Fail {
             reason,
             message,
             retryable,
@@ -909,32 +1170,73 @@ impl Worker {
     /// # Errors
     /// As [`Worker::complete`].
     pub async fn release(&self, name: &str, token: &str) -> Result<LeasedJob, WorkerError> {
-        self.end_attempt(name, token, |checkpoint| Outcome::Release { checkpoint })
-            .await
+        self.end_attempt(name, token, true, |checkpoint| Outcome::Release {
+            checkpoint,
+        })
+        .await
     }
 
+    /// Ends an attempt with the outcome `outcome` builds from the newest checkpoint (`None`
+    /// when `outcome` does not carry one, i.e. a completion).
     async fn end_attempt(
         &self,
         name: &str,
         token: &str,
-        outcome: impl FnOnce(Option<Value>) -> Outcome,
+        carries_checkpoint: bool,
+        outcome: impl FnOnce(Option<Value>) -> Outcome + Send + 'static,
     ) -> Result<LeasedJob, WorkerError> {
-        self.end_attempt_inner(name, token, outcome)
-            .await
-            .map_err(|e| self.counted(e))
+        let (me, n, t) = (self.clone(), name.to_string(), token.to_string());
+        let what = if carries_checkpoint {
+            "end of attempt"
+        } else {
+            "completion"
+        };
+        self.bounded(name, what, async move {
+            me.end_attempt_inner(&n, &t, carries_checkpoint, outcome)
+                .await
+        })
+        .await
+        .map_err(|e| self.counted(e))
+    }
+
+    /// The newest checkpoint of attempt `token`: the one this process last wrote, else the one
+    /// its Lease holds (this process may have restarted since the heartbeat that wrote it). A
+    /// Lease that no longer names the token holds no checkpoint of this attempt.
+    async fn newest_checkpoint(
+        &self,
+        name: &str,
+        token: &Token,
+        held: Option<&Arc<Held>>,
+    ) -> Option<Value> {
+        if let Some(c) = held.and_then(|h| h.state.lock().unwrap().checkpoint.clone()) {
+            return Some(c);
+        }
+        match self.inner.leases.get_opt(&lease::lease_name(name)).await {
+            Ok(Some(l)) if lease::holder_identity(&l) == Some(token.as_str()) => {
+                lease::checkpoint(&l)
+            }
+            Ok(_) => None,
+            Err(e) => {
+                warn!(job = %self.job_ref(name), error = %error_chain(&e), "Reading the Lease's checkpoint failed; ending the attempt without it");
+                None
+            }
+        }
     }
 
     async fn end_attempt_inner(
         &self,
         name: &str,
         token: &str,
+        carries_checkpoint: bool,
         outcome: impl FnOnce(Option<Value>) -> Outcome,
     ) -> Result<LeasedJob, WorkerError> {
         let token = Token::parse(token)?;
         let held = self.held_for(name, &token)?;
-        let checkpoint = held
-            .as_ref()
-            .and_then(|h| h.state.lock().unwrap().checkpoint.clone());
+        let checkpoint = if carries_checkpoint {
+            self.newest_checkpoint(name, &token, held.as_ref()).await
+        } else {
+            None
+        };
         let outcome = outcome(checkpoint);
         let ns = &self.inner.config.namespace;
         let cached = self.inner.store.get(&ObjectRef::new(name).within(ns));
@@ -962,10 +1264,10 @@ impl Worker {
                 )))
             }
             Err(e @ FenceError::Api { .. }) => {
-                return Err(WorkerError::Unavailable {
-                    what: format!("write to LeasedJob {}", self.job_ref(name)),
-                    detail: error_chain(&e),
-                })
+                return Err(WorkerError::unavailable(
+                    format!("write to LeasedJob {}", self.job_ref(name)),
+                    error_chain(&e),
+                ))
             }
         };
         if let Some(h) = self.inner.held.lock().unwrap().remove(name) {
@@ -978,12 +1280,22 @@ impl Worker {
         }
         let job_ref = self.job_ref(name);
         info!(job = %job_ref, attempt = token.attempt(), phase = %job.phase(), "Ended attempt {} of LeasedJob {job_ref}: {}", token.attempt(), job.phase());
-        if let Err(e) =
-            lease::release(&self.inner.leases, &lease::lease_name(name), token.as_str()).await
-        {
-            // The controller releases Leases of ended attempts too.
-            warn!(job = %job_ref, error = %error_chain(&e), "Lease release failed; the controller will release it");
-        }
+        // The job's status already fences the ended attempt; the Lease release only tidies up
+        // (the controller releases it too), so the worker's answer does not wait for it.
+        let leases = self.inner.leases.clone();
+        let lease_name = lease::lease_name(name);
+        tokio::spawn(async move {
+            let release = lease::release(&leases, &lease_name, token.as_str());
+            match tokio::time::timeout(MAX_CALL_BOUND, release).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    warn!(job = %job_ref, error = %error_chain(&e), "Lease release failed; the controller will release it")
+                }
+                Err(_) => {
+                    warn!(job = %job_ref, "Lease release got no answer in time; the controller will release it")
+                }
+            }
+        });
         Ok(job)
     }
 }
