@@ -483,6 +483,7 @@ impl Worker {
                 claimed
             }
             Err(ClaimError::Conflict { .. }) => {
+                self.inner.metrics.claim_conflicts.inc();
                 self.widen_window();
                 return Ok(None);
             }
