@@ -17,7 +17,6 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
@@ -27,6 +26,7 @@ use tracing::{info, warn};
 use crate::crd::{
     LeasedJob, LeasedJobStatus, Phase, CONDITION_LEASE_CONFLICT, MANAGED_BY, MANAGED_BY_LABEL,
 };
+use crate::events::{EventType, Note, Publisher, Reporter};
 use crate::expiry::{self, Observation, Record, Verdict};
 use crate::fence::{self, Outcome, REASON_LEASE_EXPIRED};
 use crate::kubeapi::{is_status, is_too_large, store_ready, Clients};
@@ -122,7 +122,7 @@ pub struct Context {
     leadership: Arc<Leadership>,
     field_manager: String,
     leases: Store<Lease>,
-    recorder: Recorder,
+    events: Publisher,
     /// What the controller has seen of each leased job's Lease, and when (see [`crate::expiry`]).
     observations: Mutex<HashMap<ObjectRef<LeasedJob>, Observation>>,
     /// The (attempt, phase) last seen per job, to record Events for transitions.
@@ -167,13 +167,6 @@ pub async fn run(
         .modify(|lease| lease.managed_fields_mut().clear())
         .reflect(lease_writer)
         .applied_objects();
-    let recorder = Recorder::new(
-        client.clone(),
-        Reporter {
-            controller: REPORTER.into(),
-            instance: Some(config.identity.clone()),
-        },
-    );
     let leadership = Arc::new(match config.election {
         Some(_) => Leadership::default(),
         None => Leadership::always(),
@@ -189,13 +182,21 @@ pub async fn run(
         .chars()
         .take(128)
         .collect();
+    let events = Publisher::new(
+        client.clone(),
+        Reporter {
+            controller: REPORTER.into(),
+            instance: config.identity.clone(),
+        },
+        field_manager.clone(),
+    );
     let ctx = Arc::new(Context {
         client,
         metrics: Arc::clone(&metrics),
         leadership,
         field_manager,
         leases: lease_store.clone(),
-        recorder,
+        events,
         observations: Mutex::default(),
         transitions: Mutex::default(),
         fresh_reads: Mutex::default(),
@@ -350,19 +351,20 @@ impl Context {
         self.release_due.lock().unwrap().retain(|k, _| keep(k));
     }
 
-    async fn event(&self, job: &LeasedJob, type_: EventType, reason: &str, note: String) {
+    /// Records an Event on `job` if this replica leads; the action is the reason. A failure
+    /// is logged, never retried: Events are best-effort.
+    async fn event(&self, job: &LeasedJob, type_: EventType, reason: &str, text: String) {
         if !self.leadership.is_leader() {
             return;
         }
-        let ev = Event {
+        let note = Note {
             type_,
             reason: reason.into(),
-            note: Some(note),
             action: reason.into(),
-            secondary: None,
+            text,
         };
-        if let Err(e) = self.recorder.publish(&ev, &job.object_ref(&())).await {
-            warn!(job = %job.reference(), error = %e, "recording Event {reason} failed");
+        if let Err(e) = self.events.publish(&job.object_ref(&()), &note).await {
+            warn!(job = %job.reference(), category = e.category(), error = %crate::kubeapi::error_chain(&e), "Recording Event {reason} on LeasedJob {} failed", job.reference());
         }
     }
 }

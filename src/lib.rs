@@ -10,6 +10,8 @@
 //! - [`fence`]: the conditional writes that end an attempt; where a stale token is refused.
 //! - [`expiry`]: how the controller judges a lease expired (on its own clock).
 //! - [`controller`]: the reconciler that requeues expired jobs and records Events.
+//! - [`events`]: Kubernetes Events that are always valid, whatever the object's name or the
+//!   length of what they say.
 //! - [`leader`]: leader election among controller replicas, fenced like workers.
 //! - [`worker`]: the client library a worker (or the sidecar) uses.
 //! - [`sidecar`]: that library over local HTTP, for workers in any language.
@@ -22,6 +24,7 @@ pub mod claim;
 pub mod controller;
 pub mod crd;
 pub mod crd_check;
+pub mod events;
 pub mod expiry;
 pub mod fence;
 pub mod kubeapi;

@@ -1,14 +1,32 @@
-//! Running leasehold in production: metrics that move with what they count, health that tells
-//! the truth, JSON logs, and a sidecar that shuts down without losing or doubling a job.
+//! Running leasehold in production: metrics that move with what they count (every documented
+//! one), health that tells the truth, JSON logs, and a sidecar that shuts down without losing
+//! or doubling a job.
 
 mod common;
 
 use std::time::Duration;
 
 use common::*;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::{Patch, PatchParams};
 use kube::Api;
 use leasehold::crd::{LeasedJob, Phase};
+use leasehold::lease;
+use leasehold::metrics::{JobLabels, Metrics};
 use serde_json::json;
+
+/// Every metric the tests below prove to move when what it counts happens. Adding a metric
+/// means adding it here, to docs/protocol.md, and to a test that moves it.
+const MOVED: [&str; 8] = [
+    "leasehold_jobs",
+    "leasehold_lease_expiries_total",
+    "leasehold_claims_total",
+    "leasehold_claim_conflicts_total",
+    "leasehold_stale_token_refusals_total",
+    "leasehold_heartbeats_total",
+    "leasehold_queue_wait_seconds",
+    "leasehold_run_seconds",
+];
 
 fn token_of(claim: &serde_json::Value) -> String {
     claim["token"]
@@ -98,8 +116,34 @@ async fn metrics_move_when_the_events_they_count_happen() {
     let m = metrics_of(sc_port).await;
     assert_eq!(sample(&m, "leasehold_run_seconds_count"), Some(1.0), "{m}");
 
-    // The held job's sidecar dies; the controller counts the expiry.
+    // Another holder takes the held job's Lease: the next renewal fails and is counted.
     let leased_name = c1["name"].as_str().unwrap().to_string();
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    leases
+        .patch(
+            &lease::lease_name(&leased_name),
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"spec": {"holderIdentity": "1.ffffffffffffffffffffffffffffffff"}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let (s, _) = sc
+        .heartbeat(&leased_name, json!({"token": token_of(&c1)}))
+        .await;
+    assert_eq!(s, 409);
+    wait_for(
+        "a failed renewal counted",
+        Duration::from_secs(5),
+        || async {
+            let m = http_get(sc_port, "/metrics").await?.1;
+            (sample(&m, "leasehold_heartbeats_total{result=\"failed\"}")? >= 1.0).then_some(())
+        },
+    )
+    .await;
+
+    // The held job's sidecar dies; the controller counts the expiry.
     sc.proc.signal("KILL");
     drop(sc);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
@@ -123,6 +167,142 @@ async fn metrics_move_when_the_events_they_count_happen() {
     })
     .await;
     assert!(m.contains("leasehold_lease_expiries_total 1"), "{m}");
+}
+
+#[test]
+fn every_metric_registered_and_documented_is_one_the_tests_move() {
+    let mut moved: Vec<String> = MOVED.iter().map(|m| m.to_string()).collect();
+    moved.sort();
+    // docs/protocol.md, "Metrics and health": one table row per metric.
+    let protocol =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/protocol.md")).unwrap();
+    let mut documented: Vec<String> = protocol
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `leasehold_"))
+        .map(|rest| {
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            format!("leasehold_{name}")
+        })
+        .collect();
+    documented.sort();
+    assert_eq!(documented, moved, "docs/protocol.md's metrics table");
+    // The registry: counters are exposed with the suffix _total; a family only once it has a
+    // member.
+    let metrics = Metrics::new();
+    metrics.heartbeat(true);
+    metrics
+        .jobs
+        .get_or_create(&JobLabels {
+            queue: "q".into(),
+            phase: "Queued".into(),
+        })
+        .set(1);
+    let body = futures::executor::block_on(axum::body::to_bytes(
+        metrics.render().into_body(),
+        usize::MAX,
+    ))
+    .unwrap();
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    let mut registered: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| match l.split_once(' ') {
+            Some((name, "counter")) => format!("{name}_total"),
+            Some((name, _)) => name.to_string(),
+            None => l.to_string(),
+        })
+        .collect();
+    registered.sort();
+    assert_eq!(registered, moved, "the metrics src/metrics.rs registers");
+}
+
+/// The sample `metric` summed over the sidecars serving on `ports`.
+async fn summed(ports: &[u16], metric: &str) -> f64 {
+    let mut sum = 0.0;
+    for &port in ports {
+        sum += sample(&metrics_of(port).await, metric).unwrap_or(0.0);
+    }
+    sum
+}
+
+/// Claim writes (PUT leasedjobs/status) the API server answered 409, by its own counter.
+async fn apiserver_claim_conflicts(client: &kube::Client) -> f64 {
+    let req = http::Request::get("/metrics").body(Vec::new()).unwrap();
+    let text = client.request_text(req).await.expect("API server metrics");
+    text.lines()
+        .filter(|l| {
+            l.starts_with("apiserver_request_total{")
+                && [
+                    "code=\"409\"",
+                    "resource=\"leasedjobs\"",
+                    "subresource=\"status\"",
+                    "verb=\"PUT\"",
+                ]
+                .iter()
+                .all(|label| l.contains(label))
+        })
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn claim_writes_answered_409_are_counted_as_claim_conflicts() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "conflicts").await;
+    let _ctl = controller(&ns.name);
+    // Strict FIFO: every claimer goes for the same oldest job, so all but one lose.
+    let mut sidecars = Vec::new();
+    for i in 0..4 {
+        sidecars.push(Sidecar::start(&ns.name, "q", &format!("pod-{i}"), &["--spread", "1"]).await);
+    }
+    let ports: Vec<u16> = sidecars.iter().map(|s| s.proc.port.unwrap()).collect();
+    assert_eq!(summed(&ports, "leasehold_claim_conflicts_total").await, 0.0);
+    let before = apiserver_claim_conflicts(&client).await;
+    let sidecars = std::sync::Arc::new(sidecars);
+    let mut claimed = 0;
+    for round in 0..10 {
+        // Two long polls per sidecar wait; then jobs appear all at once.
+        let waiting: Vec<_> = (0..8)
+            .map(|i| {
+                let sidecars = std::sync::Arc::clone(&sidecars);
+                tokio::spawn(async move { sidecars[i % 4].claim(5).await.0 })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for j in 0..3 {
+            create_job(
+                &client,
+                &ns.name,
+                json!({"metadata": {"name": format!("r{round}-{j}")}, "spec": {"queue": "q"}}),
+            )
+            .await;
+        }
+        for w in waiting {
+            if w.await.unwrap() == 200 {
+                claimed += 1;
+            }
+        }
+        if summed(&ports, "leasehold_claim_conflicts_total").await > 0.0 {
+            break;
+        }
+    }
+    let counted = summed(&ports, "leasehold_claim_conflicts_total").await;
+    let answered = apiserver_claim_conflicts(&client).await - before;
+    assert!(
+        counted > 0.0,
+        "no claim conflict counted in {claimed} claims; the API server answered {answered} claim writes with 409"
+    );
+    // Every conflict the sidecars counted, the API server really answered (other tests may
+    // add their own 409s to the API server's count meanwhile, never remove any).
+    assert!(
+        counted <= answered,
+        "sidecars counted {counted} conflicts, the API server answered {answered} claim writes with 409"
+    );
+    let claims = summed(&ports, "leasehold_claims_total").await;
+    assert_eq!(claims, f64::from(claimed));
 }
 
 #[tokio::test]
