@@ -6,6 +6,9 @@
 //! so they never touch whatever cluster the user's kubeconfig points at.
 #![allow(dead_code)]
 
+pub mod faults;
+pub mod workers;
+
 use std::fs::File;
 use std::io::Write;
 use std::net::TcpListener;

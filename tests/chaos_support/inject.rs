@@ -1,0 +1,300 @@
+//! Injecting each kind of fault, and picking its target.
+
+use crate::*;
+
+impl Chaos {
+    /// A random pod whose worker holds a job right now (its last event is a claim or a
+    /// heartbeat), among the `--insist` ones when `insisting`; any pod when none is busy.
+    /// Returns the pod and whether it was busy.
+    pub(crate) fn pick_pod(&mut self, insisting: bool) -> (usize, bool) {
+        let events = self.events.all();
+        let busy: Vec<usize> = (0..self.pods.len())
+            .filter(|&i| !insisting || self.pods[i].worker_flags.contains(&"--insist"))
+            .filter(|&i| {
+                let worker = format!("worker-{}", self.pods[i].id);
+                let last = events
+                    .iter()
+                    .rev()
+                    .find(|e| e.worker == worker && e.kind() != "error");
+                last.is_some_and(|e| matches!(e.kind(), "claimed" | "heartbeat"))
+            })
+            .collect();
+        match busy.choose(&mut self.rng) {
+            Some(&i) => (i, true),
+            None => (self.rng.random_range(0..self.pods.len()), false),
+        }
+    }
+
+    /// Lines of each leasehold process's log that report a watch answered 410 Gone.
+    pub(crate) fn gone_lines(&self) -> BTreeMap<String, usize> {
+        let mut logs: Vec<(String, String)> = self
+            .controllers
+            .iter()
+            .map(|(id, c)| (id.clone(), c.log_text()))
+            .collect();
+        logs.extend(
+            self.pods
+                .iter()
+                .map(|p| (p.id.clone(), p.sidecar.proc.log_text())),
+        );
+        logs.push(("probe-dispatch".into(), self.probe.proc.log_text()));
+        logs.into_iter()
+            .map(|(who, text)| {
+                let n = text
+                    .lines()
+                    .filter(|l| l.contains("too old resource version") || l.contains("410 Gone"))
+                    .count();
+                (who, n)
+            })
+            .collect()
+    }
+
+    pub(crate) fn respawn_worker(&mut self, i: usize) {
+        let ns = self.ns.clone();
+        let pod = &mut self.pods[i];
+        pod.restarts += 1;
+        pod.worker = spawn_worker(
+            &format!("{ns}-{}-worker-{}", pod.id, pod.restarts),
+            &format!("worker-{}", pod.id),
+            &pod.sidecar.base,
+            &pod.worker_flags,
+            &self.events,
+        );
+    }
+
+    /// Injects `fault`; returns a description and the moment it ended.
+    pub(crate) async fn inject(&mut self, fault: Fault) -> (String, Instant) {
+        let ld = Duration::from_secs(LEASE_SECONDS as u64);
+        match fault {
+            Fault::WorkerStop | Fault::SidecarStop => {
+                // A frozen insisting worker completes anyway when it wakes: a superseded write.
+                let (i, busy) = self.pick_pod(fault == Fault::WorkerStop);
+                if busy && fault == Fault::WorkerStop {
+                    self.zombies += 1;
+                }
+                let pod = &self.pods[i];
+                let target = if fault == Fault::WorkerStop {
+                    &pod.worker
+                } else {
+                    &pod.sidecar.proc
+                };
+                let hold = ld + Duration::from_secs(self.rng.random_range(2..=4));
+                target.signal("STOP");
+                tokio::time::sleep(hold).await;
+                target.signal("CONT");
+                let busy = if busy { "busy" } else { "idle" };
+                (
+                    format!("{} ({busy}) frozen {}s", target.name, hold.as_secs()),
+                    Instant::now(),
+                )
+            }
+            Fault::WorkerKill => {
+                let (i, _) = self.pick_pod(false);
+                self.pods[i].worker.signal("KILL");
+                let _ = self.pods[i].worker.child.wait();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                self.respawn_worker(i);
+                (
+                    format!("worker-{} killed, restarted", self.pods[i].id),
+                    Instant::now(),
+                )
+            }
+            Fault::SidecarKill => {
+                let (i, _) = self.pick_pod(false);
+                let ns = self.ns.clone();
+                let pod = &mut self.pods[i];
+                pod.sidecar.proc.signal("KILL");
+                let _ = pod.sidecar.proc.child.wait();
+                pod.restarts += 1;
+                let id = format!("{}-r{}", pod.id, pod.restarts);
+                pod.sidecar = Sidecar::start_at(
+                    &ns,
+                    "work",
+                    &id,
+                    pod.port,
+                    &pod.kubeconfig,
+                    SIDECAR_FLAGS,
+                    Duration::from_secs(60),
+                )
+                .await;
+                (
+                    format!("sidecar of {} killed, restarted as {id}", pod.id),
+                    Instant::now(),
+                )
+            }
+            Fault::LeaderStop | Fault::LeaderKill => {
+                let leader = self.wait_leader(None).await;
+                let i = self
+                    .controllers
+                    .iter()
+                    .position(|(id, _)| *id == leader)
+                    .unwrap();
+                if fault == Fault::LeaderStop {
+                    self.controllers[i].1.signal("STOP");
+                    let new = self.wait_leader(Some(&leader)).await;
+                    tokio::time::sleep(LEADER_LEASE).await;
+                    self.controllers[i].1.signal("CONT");
+                    (
+                        format!("{leader} frozen until {new} led, +3s"),
+                        Instant::now(),
+                    )
+                } else {
+                    self.controllers[i].1.signal("KILL");
+                    let _ = self.controllers[i].1.child.wait();
+                    let new = self.wait_leader(Some(&leader)).await;
+                    let ended = Instant::now();
+                    self.controller_restarts += 1;
+                    let id = format!("ctl-r{}", self.controller_restarts);
+                    self.controllers[i] = (id.clone(), controller_with(&self.ns, &id, ELECTION));
+                    (
+                        format!("{leader} killed, {new} took over; {id} started"),
+                        ended,
+                    )
+                }
+            }
+            Fault::ApiserverTerm | Fault::ApiserverKill => {
+                let sig = if fault == Fault::ApiserverTerm {
+                    "TERM"
+                } else {
+                    "KILL"
+                };
+                let down = Duration::from_secs(self.rng.random_range(1..=3));
+                tokio::task::spawn_blocking(move || restart_apiserver(sig, down))
+                    .await
+                    .unwrap();
+                (format!("down {}s", down.as_secs()), Instant::now())
+            }
+            Fault::EtcdRestart => {
+                let sig = if self.rng.random_bool(0.5) {
+                    "TERM"
+                } else {
+                    "KILL"
+                };
+                let down = Duration::from_secs(self.rng.random_range(1..=3));
+                tokio::task::spawn_blocking(move || restart_etcd(sig, down))
+                    .await
+                    .unwrap();
+                let ready = self.api_ready(Duration::from_secs(60)).await;
+                if let Err(e) = ready {
+                    self.violations.push(format!("after etcd restart: {e}"));
+                }
+                (format!("{sig}, down {}s", down.as_secs()), Instant::now())
+            }
+            Fault::Compaction => {
+                // A resourceVersion from before the compaction, to resume a watch from.
+                let old_rv = self
+                    .jobs
+                    .list_metadata(&ListParams::default().limit(1))
+                    .await
+                    .expect("list jobs")
+                    .metadata
+                    .resource_version
+                    .expect("list resourceVersion");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let before = self.gone_lines();
+                let c = compact_etcd().await;
+                if !c.old_read_error.contains("compacted") {
+                    self.violations.push(format!(
+                        "compaction at revision {} did not take: a read at the revision before \
+                         answered {:?}",
+                        c.revision, c.old_read_error
+                    ));
+                }
+                // A restart empties the API server's watch cache, so every resumed watch
+                // must be served from the compacted etcd: 410 Gone.
+                tokio::task::spawn_blocking(|| restart_apiserver("TERM", Duration::ZERO))
+                    .await
+                    .unwrap();
+                let ended = Instant::now();
+                let gone = self.watch_is_gone(&old_rv).await;
+                self.gone_checks.push(format!(
+                    "compacted etcd at revision {}; a watch of LeasedJobs from resourceVersion \
+                     {old_rv} then got: {gone}",
+                    c.revision
+                ));
+                if !gone.contains("410") {
+                    self.violations.push(format!(
+                        "after compaction at revision {}: a watch from resourceVersion {old_rv} \
+                         did not get 410 Gone but {gone}",
+                        c.revision
+                    ));
+                }
+                // The leasehold processes' own watches must have met the 410 too.
+                let seen = tokio::time::timeout(Duration::from_secs(15), async {
+                    loop {
+                        let after = self.gone_lines();
+                        let who: Vec<String> = after
+                            .iter()
+                            .filter(|(w, n)| before.get(*w).is_some_and(|b| *n > b))
+                            .map(|(w, n)| format!("{w} ({})", n - before[w]))
+                            .collect();
+                        if !who.is_empty() {
+                            return who;
+                        }
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                })
+                .await;
+                match seen {
+                    Ok(who) => self.gone_checks.push(format!(
+                        "leasehold processes that logged a watch answered 410 after it: {}",
+                        who.join(", ")
+                    )),
+                    Err(_) => self.violations.push(format!(
+                        "after compaction at revision {}: no leasehold process logged a watch \
+                         answered 410 Gone (\"too old resource version\") within 15 s of the \
+                         API server's restart: the fault did not reach them",
+                        c.revision
+                    )),
+                }
+                (
+                    format!("revision {}, apiserver restarted", c.revision),
+                    ended,
+                )
+            }
+            Fault::RelayStall => {
+                let hold = ld + Duration::from_secs(self.rng.random_range(2..=4));
+                let pod = self.pods.iter().find(|p| p.relayed).unwrap();
+                let id = pod.id.clone();
+                self.relay.stall();
+                tokio::time::sleep(hold).await;
+                self.relay.resume();
+                (
+                    format!("{id}'s API connections held {}s", hold.as_secs()),
+                    Instant::now(),
+                )
+            }
+        }
+    }
+
+    /// Waits (up to 30 s) for a leader among the replicas, other than `not` when given.
+    pub(crate) async fn wait_leader(&self, not: Option<&str>) -> String {
+        wait_for(
+            &format!("a controller leader other than {not:?}"),
+            Duration::from_secs(30),
+            || async { self.leader().await.filter(|l| Some(l.as_str()) != not) },
+        )
+        .await
+    }
+
+    /// Resumes a watch of LeasedJobs from `rv`; says what the first answer was.
+    pub(crate) async fn watch_is_gone(&self, rv: &str) -> String {
+        let wp = WatchParams::default().timeout(5);
+        match self.jobs.watch(&wp, rv).await {
+            Err(kube::Error::Api(s)) => format!("HTTP {} {}", s.code, s.message),
+            Err(e) => format!("error {e}"),
+            Ok(stream) => {
+                let mut stream = stream.boxed();
+                match tokio::time::timeout(Duration::from_secs(8), stream.try_next()).await {
+                    Ok(Ok(Some(WatchEvent::Error(e)))) => {
+                        format!("watch event ERROR {} {}", e.code, e.message)
+                    }
+                    Ok(Ok(Some(_))) => "an object event (no 410)".into(),
+                    Ok(Ok(None)) => "the end of the stream (no 410)".into(),
+                    Ok(Err(e)) => format!("stream error {e}"),
+                    Err(_) => "nothing within 8 s".into(),
+                }
+            }
+        }
+    }
+}

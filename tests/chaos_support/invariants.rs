@@ -1,0 +1,286 @@
+//! The final invariants: no job lost, each attempt ended once, no superseded write accepted,
+//! results right, Leases released, processes healthy.
+
+use crate::*;
+
+/// What the worker's result must hold for `task` over `file` (examples/worker.py: wordcount
+/// agrees with `LC_ALL=C wc`; sha256 reports the whole file's digest and the digest of the
+/// concatenated per-chunk hex digests).
+pub(crate) fn expected_result(task: &str, file: &str) -> Value {
+    let bytes = std::fs::read(format!("{DATA_DIR}/{file}")).expect("license text");
+    match task {
+        "wordcount" => {
+            let ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r');
+            let words = bytes.split(ws).filter(|w| !w.is_empty()).count();
+            let lines = bytes.iter().filter(|b| **b == b'\n').count();
+            json!({"task": task, "file": file, "lines": lines, "words": words, "bytes": bytes.len()})
+        }
+        "sha256" => {
+            let chunks: Vec<String> = bytes
+                .chunks(CHUNK_BYTES)
+                .map(|c| format!("{:x}", Sha256::digest(c)))
+                .collect();
+            json!({"task": task, "file": file, "bytes": bytes.len(), "chunkBytes": CHUNK_BYTES,
+                "chunks": chunks.len(), "sha256": format!("{:x}", Sha256::digest(&bytes)),
+                "chunkListSha256": format!("{:x}", Sha256::digest(chunks.concat().as_bytes()))})
+        }
+        _ => unreachable!("{task}"),
+    }
+}
+
+impl Chaos {
+    /// Waits for every workload job to finish; the jobs as last read.
+    pub(crate) async fn drain(&mut self, within: Duration) -> Vec<LeasedJob> {
+        let deadline = Instant::now() + within;
+        loop {
+            let list =
+                tokio::time::timeout(Duration::from_secs(10), self.jobs.list(&Default::default()))
+                    .await;
+            if let Ok(Ok(list)) = list {
+                let work: Vec<LeasedJob> = list
+                    .items
+                    .into_iter()
+                    .filter(|j| self.expected.contains_key(&j.name_any()))
+                    .collect();
+                let open: Vec<&LeasedJob> =
+                    work.iter().filter(|j| !j.phase().is_finished()).collect();
+                if open.is_empty() && work.len() == self.expected.len() {
+                    return work;
+                }
+                if Instant::now() > deadline {
+                    let shown: Vec<String> = open
+                        .iter()
+                        .take(20)
+                        .map(|j| {
+                            let s = j.status.clone().unwrap_or_default();
+                            format!(
+                                "{} {} attempt {} holder {:?}",
+                                j.name_any(),
+                                j.phase().as_str(),
+                                s.attempt,
+                                s.holder
+                            )
+                        })
+                        .collect();
+                    self.violations.push(format!(
+                        "jobs lost: {} of {} workload jobs not finished {within:?} after the last \
+                         fault ({} exist); e.g. {}",
+                        open.len(),
+                        self.expected.len(),
+                        work.len(),
+                        shown.join("; ")
+                    ));
+                    return work;
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
+    /// The final invariants over the jobs, the workers' events and the Events.
+    pub(crate) async fn check_jobs(&mut self, jobs: &[LeasedJob]) {
+        let events = self.events.all();
+        let mut by_job: HashMap<&str, Vec<&WorkerEvent>> = HashMap::new();
+        for e in &events {
+            if let Some(j) = e.job() {
+                by_job.entry(j).or_default().push(e);
+            }
+        }
+        let completed_events: Vec<Event> = Api::<Event>::namespaced(self.client.clone(), &self.ns)
+            .list(&Default::default())
+            .await
+            .map(|l| l.items)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some("Completed"))
+            .collect();
+        let (mut refused, mut transient, mut superseded_refused) = (0, 0, 0);
+        for job in jobs {
+            let name = job.name_any();
+            let status = job.status.clone().unwrap_or_default();
+            let phase = job.phase();
+            if phase != Phase::Succeeded {
+                self.violations.push(format!(
+                    "job {name} ended {} (attempt {}), not Succeeded; failures {:?}",
+                    phase.as_str(),
+                    status.attempt,
+                    status
+                        .failures
+                        .iter()
+                        .map(|f| format!("{} {}", f.attempt, f.reason))
+                        .collect::<Vec<_>>()
+                ));
+                continue;
+            }
+            // The result is what the payload determines.
+            let expected = &self.expected[&name];
+            let result = status.result.clone().unwrap_or(Value::Null);
+            for (k, v) in expected.as_object().unwrap() {
+                if result.get(k) != Some(v) {
+                    self.violations.push(format!(
+                        "job {name}: result.{k} is {}, expected {v} (result {result})",
+                        result.get(k).unwrap_or(&Value::Null)
+                    ));
+                }
+            }
+            let conditions = status
+                .conditions
+                .iter()
+                .filter(|c| c.type_ == "Complete")
+                .count();
+            if conditions != 1 {
+                self.violations.push(format!(
+                    "job {name}: {conditions} Complete conditions, expected 1"
+                ));
+            }
+            let n_events = completed_events
+                .iter()
+                .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(&name))
+                .count();
+            if n_events > 1 {
+                self.violations.push(format!(
+                    "job {name}: {n_events} Completed Events: a result accepted twice"
+                ));
+            }
+            // Each attempt ends once: one accepted complete, fail or release, or one expiry.
+            let mut endings: BTreeMap<i64, Vec<String>> = BTreeMap::new();
+            for f in &status.failures {
+                if f.reason == REASON_LEASE_EXPIRED {
+                    endings
+                        .entry(f.attempt.into())
+                        .or_default()
+                        .push("expired".into());
+                }
+            }
+            let final_attempt = i64::from(status.attempt);
+            for e in by_job.get(name.as_str()).into_iter().flatten() {
+                let kind = e.kind();
+                if !matches!(kind, "complete" | "fail" | "release") {
+                    continue;
+                }
+                match e.status() {
+                    Some(200) => {
+                        endings
+                            .entry(e.attempt())
+                            .or_default()
+                            .push(format!("{kind} by {}", e.worker));
+                        if kind == "complete" && e.attempt() != final_attempt {
+                            self.violations.push(format!(
+                                "job {name}: {} got 200 for the result of attempt {}, but attempt \
+                                 {final_attempt} is the one that succeeded: a superseded \
+                                 attempt's write was accepted",
+                                e.worker,
+                                e.attempt()
+                            ));
+                        }
+                    }
+                    Some(409) => {
+                        refused += 1;
+                        if e.attempt() < final_attempt {
+                            superseded_refused += 1;
+                        }
+                    }
+                    Some(s) if s >= 500 => transient += 1,
+                    other => self.violations.push(format!(
+                        "job {name}: {}'s {kind} of attempt {} answered {other:?} {}: a refused \
+                         late write must be 409",
+                        e.worker,
+                        e.attempt(),
+                        e.event
+                    )),
+                }
+            }
+            for (attempt, ends) in &endings {
+                if ends.len() > 1 {
+                    self.violations.push(format!(
+                        "job {name}: attempt {attempt} ended {} times: {}",
+                        ends.len(),
+                        ends.join(", ")
+                    ));
+                }
+            }
+            let completes = endings
+                .values()
+                .flatten()
+                .filter(|e| e.starts_with("complete"))
+                .count();
+            if completes > 1 {
+                self.violations
+                    .push(format!("job {name}: {completes} results accepted"));
+            }
+        }
+        self.superseded_refused = superseded_refused;
+        self.log(&format!(
+            "worker writes refused with 409: {refused} ({superseded_refused} from superseded \
+             attempts); answered 5xx and retried: {transient}"
+        ));
+    }
+
+    /// Every job Lease's holderIdentity is empty (the holder's release, or the controller's
+    /// after its grace).
+    pub(crate) async fn check_leases_released(&mut self) {
+        let lp = ListParams::default().labels("app.kubernetes.io/managed-by=leasehold");
+        let held = || async {
+            let list = self.leases.list(&lp).await.ok()?;
+            let held: Vec<String> = list
+                .items
+                .iter()
+                .filter(|l| l.name_any() != "leasehold-controller")
+                .filter(|l| {
+                    l.spec
+                        .as_ref()
+                        .and_then(|s| s.holder_identity.as_deref())
+                        .is_some_and(|h| !h.is_empty())
+                })
+                .map(|l| l.name_any())
+                .collect();
+            Some(held)
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let now = held().await;
+            match now {
+                Some(h) if h.is_empty() => return,
+                Some(h) if Instant::now() > deadline => {
+                    self.violations.push(format!(
+                        "{} Leases still held 30 s after the last job finished: {}",
+                        h.len(),
+                        h.join(", ")
+                    ));
+                    return;
+                }
+                _ => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        }
+    }
+
+    /// Every process the test started is alive and says so.
+    pub(crate) async fn check_health(&mut self) {
+        for (id, c) in &mut self.controllers {
+            let port = c.port.unwrap();
+            if let Ok(Some(s)) = c.child.try_wait() {
+                self.violations.push(format!("controller {id} exited: {s}"));
+            } else if http_get(port, "/healthz").await.map(|r| r.0) != Some(200) {
+                self.violations
+                    .push(format!("controller {id} /healthz is not 200"));
+            }
+        }
+        for pod in &mut self.pods {
+            if let Ok(Some(s)) = pod.worker.child.try_wait() {
+                self.violations.push(format!(
+                    "worker-{} exited: {s} (see {})",
+                    pod.id,
+                    pod.worker.log.display()
+                ));
+            }
+            if !pod.sidecar.healthy().await {
+                self.violations
+                    .push(format!("sidecar of {} /healthz is not 200", pod.id));
+            }
+        }
+        if !self.probe.healthy().await {
+            self.violations
+                .push("the dispatch probe sidecar's /healthz is not 200".into());
+        }
+    }
+}

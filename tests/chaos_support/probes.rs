@@ -1,0 +1,203 @@
+//! The two liveness probes run after every fault: dispatch and expiry.
+
+use crate::*;
+
+/// A claim through `sidecar`, retried on 204 (nothing yet) and 503 (watch not synced yet)
+/// until `within` has passed; each request bounded, so a hung sidecar cannot hang the test.
+/// Ok((claim, when it arrived)) or Err(what went wrong).
+async fn claim_within(sidecar: &Sidecar, within: Duration) -> Result<(Value, Instant), String> {
+    let deadline = Instant::now() + within;
+    let mut last = String::from("no answer");
+    while Instant::now() < deadline {
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .as_secs()
+            .clamp(1, 10);
+        let answer = tokio::time::timeout(Duration::from_secs(wait + 5), sidecar.claim(wait)).await;
+        match answer {
+            Ok((200, body)) => return Ok((body, Instant::now())),
+            Ok((204, _)) => last = "204 (nothing claimable)".into(),
+            Ok((s, body)) => {
+                last = format!("{s} {body}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(_) => last = format!("claim?wait={wait} did not answer within {}s", wait + 5),
+        }
+    }
+    Err(format!("no claim within {within:?}; last answer: {last}"))
+}
+
+impl Chaos {
+    /// Waits until the API server answers /readyz with 200.
+    pub(crate) async fn api_ready(&self, within: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let req = http::Request::get("/readyz").body(Vec::new()).unwrap();
+            let r = tokio::time::timeout(Duration::from_secs(5), self.client.request_text(req));
+            if let Ok(Ok(_)) = r.await {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("the API server was not ready within {within:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Dispatch probe: a claim already waiting in the probe sidecar's long poll, a job
+    /// created for it; (create -> claimed, fault end -> claimed).
+    pub(crate) async fn dispatch_probe(
+        &self,
+        n: usize,
+        ended: Instant,
+    ) -> Result<(Duration, Duration), String> {
+        let name = format!("probe-d-{n}");
+        let claimer = claim_within(&self.probe, Duration::from_secs(30));
+        let creator = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            self.create(
+                json!({"metadata": {"name": name}, "spec": {"queue": "dispatch-probe",
+                "leaseDurationSeconds": LEASE_SECONDS}}),
+            )
+            .await
+        };
+        let (claimed, t0) = tokio::join!(claimer, creator);
+        let (claim, at) = claimed?;
+        if claim["name"] != name {
+            return Err(format!(
+                "the probe claimed {} instead of {name}",
+                claim["name"]
+            ));
+        }
+        let token = claim["token"].as_str().unwrap_or_default();
+        let (s, r) = self.probe.complete(&name, token, json!("probe")).await;
+        if s != 200 {
+            return Err(format!("completing {name} answered {s} {r}"));
+        }
+        Ok((at.saturating_duration_since(t0), at - ended))
+    }
+
+    /// Expiry probe: a fresh sidecar claims a job, is killed; the time from the Lease's last
+    /// renewTime to the requeue seen.
+    pub(crate) async fn expiry_probe(&self, n: usize) -> Result<Duration, String> {
+        let name = format!("probe-e-{n}");
+        let queue = format!("expiry-probe-{n}");
+        self.create(json!({"metadata": {"name": name}, "spec": {"queue": queue,
+            "leaseDurationSeconds": LEASE_SECONDS, "maxAttempts": 100}}))
+            .await;
+        let holder = Sidecar::start(&self.ns, &queue, &format!("probe-holder-{n}"), &[]).await;
+        let (claim, _) = claim_within(&holder, Duration::from_secs(30)).await?;
+        if claim["name"] != name {
+            return Err(format!(
+                "the holder claimed {} instead of {name}",
+                claim["name"]
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        holder.proc.signal("KILL");
+        drop(holder);
+        // A renewal in flight at the kill may still land.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let lease =
+            tokio::time::timeout(Duration::from_secs(10), self.leases.get(&lease_name(&name)))
+                .await
+                .map_err(|_| format!("reading the Lease of {name} took over 10 s"))?
+                .map_err(|e| format!("reading the Lease of {name}: {e}"))?;
+        let renewed = lease
+            .spec
+            .and_then(|s| s.renew_time)
+            .ok_or_else(|| format!("the Lease of {name} has no renewTime"))?
+            .0;
+        let limit = Duration::from_secs(3 * LEASE_SECONDS as u64 + 20);
+        let start = Instant::now();
+        loop {
+            if let Ok(Ok(j)) =
+                tokio::time::timeout(Duration::from_secs(5), self.jobs.get(&name)).await
+            {
+                let expired = j.status.as_ref().is_some_and(|s| {
+                    s.failures
+                        .iter()
+                        .any(|f| f.attempt == 1 && f.reason == REASON_LEASE_EXPIRED)
+                });
+                if expired {
+                    let took = Timestamp::now().duration_since(renewed).as_secs_f64();
+                    return Ok(Duration::from_secs_f64(took.max(0.0)));
+                }
+            }
+            if start.elapsed() > limit {
+                return Err(format!(
+                    "{name} was not requeued within {limit:?} of its holder's death"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Both probes at once, recorded as a row of the table; bounds checked.
+    pub(crate) async fn probe_after(
+        &mut self,
+        fault: &str,
+        detail: String,
+        began: Instant,
+        ended: Instant,
+    ) {
+        if let Err(e) = self.api_ready(Duration::from_secs(60)).await {
+            self.violations.push(format!("after {fault}: {e}"));
+        }
+        self.probes += 1;
+        let n = self.probes;
+        let (dispatch, expiry) = tokio::join!(self.dispatch_probe(n, ended), self.expiry_probe(n));
+        let mut fig = Figure {
+            fault: fault.to_string(),
+            detail,
+            lasted: ended - began,
+            recover: None,
+            dispatch: None,
+            expiry: None,
+        };
+        let ld = Duration::from_secs(LEASE_SECONDS as u64);
+        match dispatch {
+            Ok((d, r)) => {
+                fig.dispatch = Some(d);
+                fig.recover = Some(r);
+                if d > DISPATCH_BOUND {
+                    self.violations.push(format!(
+                        "after {fault}: dispatch took {} ms, bound {} ms (probe-d-{n}: create -> \
+                         claimed by a worker waiting in a long poll)",
+                        d.as_millis(),
+                        DISPATCH_BOUND.as_millis()
+                    ));
+                }
+            }
+            Err(e) => self
+                .violations
+                .push(format!("after {fault}: dispatch probe probe-d-{n}: {e}")),
+        }
+        match expiry {
+            Ok(e) => {
+                fig.expiry = Some(e);
+                if e > ld + EXPIRY_SLACK {
+                    self.violations.push(format!(
+                        "after {fault}: expiry took {} s, bound {} s = leaseDurationSeconds + {} s \
+                         (probe-e-{n}: last renewTime of the killed holder -> requeue seen)",
+                        secs(e),
+                        (ld + EXPIRY_SLACK).as_secs(),
+                        EXPIRY_SLACK.as_secs()
+                    ));
+                }
+            }
+            Err(e) => self
+                .violations
+                .push(format!("after {fault}: expiry probe probe-e-{n}: {e}")),
+        }
+        self.log(&format!(
+            "{fault} ({}): lasted {}s, recover {}s, dispatch {} ms, expiry {}s",
+            fig.detail,
+            secs(fig.lasted),
+            opt_s(fig.recover),
+            opt_ms(fig.dispatch),
+            opt_s(fig.expiry)
+        ));
+        self.figures.push(fig);
+    }
+}
