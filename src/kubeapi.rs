@@ -45,6 +45,11 @@ impl Clients {
     /// When a client cannot be built from `config` (e.g. unreadable certificates).
     pub fn from_config(mut config: Config) -> Result<Clients, ClientsError> {
         config.connect_timeout = Some(CONNECT_TIMEOUT);
+        // kube's retry layer honours an API server's Retry-After (5 s from a kube-apiserver
+        // that is starting or shutting down) up to 15 times, below any backoff of ours: a
+        // watch's re-list after a restart waited 5 s or more for it. Retries are leasehold's
+        // own: WatchBackoff for watches, the caller (worker or reconcile) for requests.
+        config.default_retry = false;
         config.write_timeout = Some(REQUEST_TIMEOUT);
         let mut watches = config.clone();
         watches.read_timeout = None;
