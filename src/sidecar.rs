@@ -261,7 +261,7 @@ impl<S: Send + Sync> FromRequest<S> for RequestBody {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         if let Some(length) = announced.filter(|l| *l > MAX_BODY_BYTES as u64) {
-            return Err(too_large(&format!("{length} bytes")));
+            return Err(too_large(&format!("request body of {length} bytes")));
         }
         Bytes::from_request(request, state)
             .await
@@ -270,17 +270,17 @@ impl<S: Send + Sync> FromRequest<S> for RequestBody {
     }
 }
 
-fn too_large(size: &str) -> ApiError {
+fn too_large(what: &str) -> ApiError {
     ApiError::new(
         StatusCode::PAYLOAD_TOO_LARGE,
         "too_large",
-        format!("request body ({size}) is larger than {MAX_BODY_BYTES} bytes"),
+        format!("{what} is larger than {MAX_BODY_BYTES} bytes: send results and checkpoints of at most that size"),
     )
 }
 
 fn body_error(e: BytesRejection) -> ApiError {
     if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        return too_large("more");
+        return too_large("request body");
     }
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
     while let Some(cause) = source {
