@@ -248,6 +248,44 @@ async fn silent_trickling_and_idle_keep_alive_connections_are_closed_within_the_
 }
 
 #[tokio::test]
+async fn the_metrics_endpoints_of_the_controller_and_the_sidecar_close_silent_connections_too() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "edge-metrics").await;
+    let controller = controller_with(&ns.name, "ctl", &["--header-timeout", "1"]);
+    let metrics_port = free_port();
+    let metrics_addr = format!("127.0.0.1:{metrics_port}");
+    let _sc = Sidecar::start(
+        &ns.name,
+        "q",
+        "pod-a",
+        &["--header-timeout", "1", "--metrics-addr", &metrics_addr],
+    )
+    .await;
+    let controller_port = controller.port.unwrap();
+    for port in [controller_port, metrics_port] {
+        wait_for("/healthz answered", Duration::from_secs(30), || {
+            http_get(port, "/healthz")
+        })
+        .await;
+        let a = exchange(
+            port,
+            b"GET /metrics HTTP/1.1\r\nHo",
+            Duration::from_secs(10),
+        )
+        .await;
+        assert!(
+            a.closed && a.elapsed < Duration::from_millis(2500),
+            "{port}: {a:?}"
+        );
+        let a = exchange(port, b"", Duration::from_secs(10)).await;
+        assert!(
+            a.closed && a.elapsed < Duration::from_millis(2500),
+            "{port}: {a:?}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn two_hundred_idle_connections_are_all_closed_and_a_claim_is_served_meanwhile() {
     let client = client().await;
     let ns = TestNamespace::new(&client, "edge-many").await;
