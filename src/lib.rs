@@ -15,6 +15,7 @@
 //! - [`leader`]: leader election among controller replicas, fenced like workers.
 //! - [`worker`]: the client library a worker (or the sidecar) uses.
 //! - [`sidecar`]: that library over local HTTP, for workers in any language.
+//! - [`http`]: serving HTTP with bounded waits, for the sidecar and the metrics endpoints.
 //! - [`kubeapi`]: what the roles share about the API server: error classification, cache
 //!   readiness.
 //! - [`metrics`]: Prometheus metrics and health.
@@ -27,6 +28,7 @@ pub mod crd_check;
 pub mod events;
 pub mod expiry;
 pub mod fence;
+pub mod http;
 pub mod kubeapi;
 pub mod leader;
 pub mod lease;

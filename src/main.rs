@@ -11,7 +11,7 @@ use std::sync::Arc;
 use axum::routing::get;
 use leasehold::kubeapi::Clients;
 use leasehold::metrics::{Health, Metrics};
-use leasehold::{controller, crd, crd_check, leader, sidecar, telemetry, worker};
+use leasehold::{controller, crd, crd_check, http, leader, sidecar, telemetry, worker};
 
 /// A Kubernetes-native job queue in which workers lease jobs and prove the lease on every write.
 ///
@@ -53,6 +53,29 @@ struct ElectionArgs {
     /// Seconds between the leader's renewals and a standby's tries.
     #[arg(long, default_value_t = 2.0)]
     leader_retry_period: f64,
+}
+
+/// Bounds on what an HTTP client can make a server wait for (see `leasehold::http`).
+#[derive(clap::Args)]
+struct HttpArgs {
+    /// Seconds a client may take to send a request's headers, and may leave a keep-alive
+    /// connection idle; then the connection is closed.
+    #[arg(long, env = "LEASEHOLD_HEADER_TIMEOUT", default_value_t = http::DEFAULT_HEADER_TIMEOUT.as_secs_f64())]
+    header_timeout: f64,
+    /// Seconds a client may take to send a whole request body after its headers; then the
+    /// request is answered 408.
+    #[arg(long, env = "LEASEHOLD_BODY_TIMEOUT", default_value_t = http::DEFAULT_BODY_TIMEOUT.as_secs_f64())]
+    body_timeout: f64,
+}
+
+impl HttpArgs {
+    fn limits(&self) -> anyhow::Result<http::Limits> {
+        Ok(http::Limits {
+            header_timeout: seconds("--header-timeout", self.header_timeout)?,
+            body_timeout: seconds("--body-timeout", self.body_timeout)?,
+            ..http::Limits::default()
+        })
+    }
 }
 
 fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
@@ -112,6 +135,8 @@ enum Command {
         metrics_addr: SocketAddr,
         #[command(flatten)]
         election: ElectionArgs,
+        #[command(flatten)]
+        http: HttpArgs,
     },
     /// Serve the worker's HTTP API: claim, heartbeat, complete, fail, release.
     Sidecar {
@@ -148,6 +173,8 @@ enum Command {
         /// Prometheus and the kubelet's probes, which cannot reach the loopback --listen.
         #[arg(long, env = "LEASEHOLD_METRICS_ADDR")]
         metrics_addr: Option<SocketAddr>,
+        #[command(flatten)]
+        http: HttpArgs,
     },
     /// Print the LeasedJob CustomResourceDefinition as YAML.
     Crd,
@@ -167,8 +194,10 @@ async fn main() -> anyhow::Result<()> {
             identity,
             metrics_addr,
             election,
+            http,
         } => {
             telemetry::init(log_format);
+            let limits = http.limits()?;
             if let Some(ns) = &namespace {
                 check_dns_label("--namespace", ns)?;
             }
@@ -184,9 +213,11 @@ async fn main() -> anyhow::Result<()> {
             if let Ok(bound) = listener.local_addr() {
                 tracing::info!(metrics_addr = %bound, "Serving /metrics, /healthz and /readyz");
             }
-            let server = axum::serve(
+            let server = http::serve(
                 listener,
                 observability_router(Arc::clone(&metrics), Arc::clone(&health)),
+                limits,
+                std::future::pending(),
             );
             let draining = Arc::clone(&health);
             tokio::spawn(async move {
@@ -219,8 +250,10 @@ async fn main() -> anyhow::Result<()> {
             drain_timeout,
             release_on_shutdown,
             metrics_addr,
+            http,
         } => {
             telemetry::init(log_format);
+            let limits = http.limits()?;
             check_dns_label("--queue", &queue)?;
             for (flag, value, max) in [
                 ("--drain-timeout", drain_timeout, 86_400),
@@ -249,13 +282,25 @@ async fn main() -> anyhow::Result<()> {
                 drain_timeout: Duration::from_secs(drain_timeout),
                 release_on_shutdown,
             };
-            run_sidecar(clients, config, listen, metrics_addr, shutdown).await
+            let serving = Serving {
+                listen,
+                metrics_addr,
+                limits,
+            };
+            run_sidecar(clients, config, serving, shutdown).await
         }
     }
 }
 
 async fn clients() -> anyhow::Result<Clients> {
     Ok(Clients::infer().await?)
+}
+
+/// Where and how the sidecar serves HTTP.
+struct Serving {
+    listen: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
+    limits: http::Limits,
 }
 
 /// What the sidecar does on SIGTERM.
@@ -267,10 +312,14 @@ struct Shutdown {
 async fn run_sidecar(
     clients: Clients,
     config: worker::WorkerConfig,
-    listen: SocketAddr,
-    metrics_addr: Option<SocketAddr>,
+    serving: Serving,
     shutdown: Shutdown,
 ) -> anyhow::Result<()> {
+    let Serving {
+        listen,
+        metrics_addr,
+        limits,
+    } = serving;
     let (queue, namespace, identity) = (
         config.queue.clone(),
         config.namespace.clone(),
@@ -292,12 +341,22 @@ async fn run_sidecar(
                 .with_context(|| format!("--metrics-addr {addr}: cannot bind"))?;
             let router =
                 observability_router(Arc::clone(worker.metrics()), Arc::clone(worker.health()));
-            Some(tokio::spawn(async move { axum::serve(l, router).await }))
+            Some(tokio::spawn(http::serve(
+                l,
+                router,
+                limits,
+                std::future::pending(),
+            )))
         }
         None => None,
     };
     let drain = drain_on_signal(worker.clone(), shutdown);
-    let server = axum::serve(listener, sidecar::router(worker)).with_graceful_shutdown(drain);
+    let server = http::serve(
+        listener,
+        sidecar::router(worker),
+        limits,
+        drain,
+    );
     let observed = async {
         match observability {
             Some(task) => task.await,
@@ -336,7 +395,7 @@ async fn drain_on_signal(worker: worker::Worker, shutdown: Shutdown) {
     tracing::info!("Stopped leasehold sidecar");
 }
 
-/// `/metrics`, `/healthz` and `/readyz` for the controller.
+/// `/metrics`, `/healthz` and `/readyz`, for the controller and the sidecar's --metrics-addr.
 fn observability_router(metrics: Arc<Metrics>, health: Arc<Health>) -> axum::Router {
     let h = Arc::clone(&health);
     axum::Router::new()

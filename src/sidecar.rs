@@ -10,18 +10,25 @@
 //! - `GET /healthz` (background tasks alive), `GET /readyz` (watch synced, not shutting
 //!   down), `GET /metrics` (Prometheus text format)
 //!
-//! Errors are `{"error": "<code>", "message": "..."}`: 400 `invalid_json`, `invalid_request`,
-//! `invalid_token`, `invalid_name`; 404 `job_not_found` (and `not_found` for unknown routes);
-//! 405 `method_not_allowed`; 409 `lease_lost`, `job_finished`, `cancelled`; 413 `too_large`; 503
-//! `unavailable`, `shutting_down`. No response ever contains a token other than the one a claim
-//! hands out.
+//! Every answer the router gives is JSON. Errors are `{"error": "<code>", "message": "..."}`:
+//! 400 `invalid_json`, `invalid_request`, `invalid_token`, `invalid_name`; 404 `job_not_found`
+//! (and `not_found` for unknown routes); 405 `method_not_allowed`; 408 `body_timeout`; 409
+//! `lease_lost`, `job_finished`, `cancelled`; 413 `too_large`; 503 `unavailable`,
+//! `shutting_down`. No response ever contains a token other than the one a claim
+//! hands out. (A request hyper cannot parse never reaches the router: see [`crate::http`].)
+//!
+//! Bounds: a body must arrive within the server's body timeout ([`crate::http::Limits`]); a
+//! `Content-Length` over [`MAX_BODY_BYTES`] is refused before any of the body is read; every
+//! call about a held job answers within [`crate::worker::call_bound`] (503 `unavailable` with
+//! `expiresAt` past it); a claim answers within its `wait` plus that bound.
 
 use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
-use axum::http::StatusCode;
+use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Path, Query, Request, State};
+use axum::http::request::Parts;
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -158,8 +165,16 @@ impl From<LeasedJob> for Ended {
     }
 }
 
-/// The sidecar's router over `worker`.
+/// The sidecar's router over `worker`. Every call about a held job is answered within the
+/// worker's own bound ([`crate::worker::call_bound`]: min(5 s, leaseDurationSeconds / 3)),
+/// with 503 `unavailable` and the lease's known `expiresAt` when the API server has not
+/// answered by then.
 pub fn router(worker: Worker) -> Router {
+    let jobs = Router::new()
+        .route("/v1/jobs/{name}/heartbeat", post(heartbeat))
+        .route("/v1/jobs/{name}/complete", post(complete))
+        .route("/v1/jobs/{name}/fail", post(fail))
+        .route("/v1/jobs/{name}/release", post(release));
     Router::new()
         .route(
             "/healthz",
@@ -174,10 +189,7 @@ pub fn router(worker: Worker) -> Router {
             get(|State(w): State<Worker>| async move { w.metrics().render() }),
         )
         .route("/v1/claim", post(claim))
-        .route("/v1/jobs/{name}/heartbeat", post(heartbeat))
-        .route("/v1/jobs/{name}/complete", post(complete))
-        .route("/v1/jobs/{name}/fail", post(fail))
-        .route("/v1/jobs/{name}/release", post(release))
+        .merge(jobs)
         .fallback(|| async {
             ApiError::new(
                 StatusCode::NOT_FOUND,
@@ -196,24 +208,86 @@ pub fn router(worker: Worker) -> Router {
         .with_state(worker)
 }
 
+/// The job name of a `/v1/jobs/{name}/...` route, percent-decoded and checked: 400
+/// `invalid_name` when it is not valid percent-encoded UTF-8 or not a valid object name.
+struct JobName(String);
+
+impl<S: Send + Sync> FromRequestParts<S> for JobName {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let Path(name) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_name",
+                    format!("the job name in the URL is not a valid object name: {}; a LeasedJob name is a lowercase RFC 1123 subdomain", e.body_text()),
+                )
+            })?;
+        checked_name(&name)?;
+        Ok(JobName(name))
+    }
+}
+
+/// A request body read in full: 413 `too_large` at once, before any of it is read, when
+/// `Content-Length` announces more than [`MAX_BODY_BYTES`] (and as soon as more arrives
+/// without one); 408 `body_timeout` when it does not arrive within the server's body timeout
+/// ([`crate::http::BodyTimeout`]); 400 `invalid_request` when it cannot be read otherwise.
+struct RequestBody(Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for RequestBody {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
+        let announced = request
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if let Some(length) = announced.filter(|l| *l > MAX_BODY_BYTES as u64) {
+            return Err(too_large(&format!("request body of {length} bytes")));
+        }
+        Bytes::from_request(request, state)
+            .await
+            .map(RequestBody)
+            .map_err(body_error)
+    }
+}
+
+fn too_large(what: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "too_large",
+        format!("{what} is larger than {MAX_BODY_BYTES} bytes: send results and checkpoints of at most that size"),
+    )
+}
+
+fn body_error(e: BytesRejection) -> ApiError {
+    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        return too_large("request body");
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(cause) = source {
+        if let Some(timeout) = cause.downcast_ref::<crate::http::BodyTimeout>() {
+            return ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "body_timeout",
+                format!("{timeout}: send the whole body at once"),
+            );
+        }
+        source = cause.source();
+    }
+    ApiError::new(
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+        format!("request body could not be read: {e}"),
+    )
+}
+
 /// Parses a JSON body whatever its Content-Type (curl users forget it), refusing anything
 /// else with 400 and a message that says where it broke.
-fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let body = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "too_large",
-                format!("request body is larger than {MAX_BODY_BYTES} bytes"),
-            )
-        } else {
-            ApiError::new(
-                e.status(),
-                "invalid_request",
-                format!("request body could not be read: {e}"),
-            )
-        }
-    })?;
+fn parse<T: DeserializeOwned>(RequestBody(body): RequestBody) -> Result<T, ApiError> {
     serde_json::from_slice(&body).map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -306,10 +380,10 @@ async fn claim(
 
 async fn heartbeat(
     State(worker): State<Worker>,
-    Path(name): Path<String>,
-    body: Result<Bytes, BytesRejection>,
+    JobName(name): JobName,
+    body: RequestBody,
 ) -> Result<Response, ApiError> {
-    let name = checked_name(&name)?;
+    let name = name.as_str();
     let body: HeartbeatBody = parse(body)?;
     let token = required(body.token, "token")?;
     let renewal = worker.heartbeat(name, &token, body.checkpoint).await?;
@@ -318,10 +392,10 @@ async fn heartbeat(
 
 async fn complete(
     State(worker): State<Worker>,
-    Path(name): Path<String>,
-    body: Result<Bytes, BytesRejection>,
+    JobName(name): JobName,
+    body: RequestBody,
 ) -> Result<Response, ApiError> {
-    let name = checked_name(&name)?;
+    let name = name.as_str();
     let body: CompleteBody = parse(body)?;
     let token = required(body.token, "token")?;
     let result = required(body.result, "result")?;
@@ -331,10 +405,10 @@ async fn complete(
 
 async fn fail(
     State(worker): State<Worker>,
-    Path(name): Path<String>,
-    body: Result<Bytes, BytesRejection>,
+    JobName(name): JobName,
+    body: RequestBody,
 ) -> Result<Response, ApiError> {
-    let name = checked_name(&name)?;
+    let name = name.as_str();
     let body: FailBody = parse(body)?;
     let token = required(body.token, "token")?;
     let reason = required(body.reason, "reason")?;
@@ -348,10 +422,10 @@ async fn fail(
 
 async fn release(
     State(worker): State<Worker>,
-    Path(name): Path<String>,
-    body: Result<Bytes, BytesRejection>,
+    JobName(name): JobName,
+    body: RequestBody,
 ) -> Result<Response, ApiError> {
-    let name = checked_name(&name)?;
+    let name = name.as_str();
     let body: ReleaseBody = parse(body)?;
     let token = required(body.token, "token")?;
     let job = worker.release(name, &token).await?;
@@ -382,22 +456,25 @@ mod tests {
             b"{\"token\":\"t\",\"extra\":1}",
         ];
         for body in bad {
-            let e = parse::<ReleaseBody>(Ok(Bytes::from_static(body))).unwrap_err();
+            let e = parse::<ReleaseBody>(RequestBody(Bytes::from_static(body))).unwrap_err();
             assert_eq!(
                 (e.status, e.code),
                 (StatusCode::BAD_REQUEST, "invalid_json")
             );
         }
-        let ok: ReleaseBody = parse(Ok(Bytes::from_static(b"{\"token\":\"t\"}"))).unwrap();
+        let ok: ReleaseBody = parse(RequestBody(Bytes::from_static(b"{\"token\":\"t\"}"))).unwrap();
         assert_eq!(ok.token.as_deref(), Some("t"));
     }
 
     #[test]
     fn a_null_result_is_a_result() {
-        let null: CompleteBody =
-            parse(Ok(Bytes::from_static(b"{\"token\":\"t\",\"result\":null}"))).unwrap();
+        let null: CompleteBody = parse(RequestBody(Bytes::from_static(
+            b"{\"token\":\"t\",\"result\":null}",
+        )))
+        .unwrap();
         assert_eq!(null.result, Some(Value::Null));
-        let absent: CompleteBody = parse(Ok(Bytes::from_static(b"{\"token\":\"t\"}"))).unwrap();
+        let absent: CompleteBody =
+            parse(RequestBody(Bytes::from_static(b"{\"token\":\"t\"}"))).unwrap();
         assert_eq!(absent.result, None);
     }
 

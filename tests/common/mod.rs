@@ -304,6 +304,17 @@ pub struct Sidecar {
 impl Sidecar {
     /// Starts a sidecar for `queue` in `ns` with identity `id` and waits until it is ready.
     pub async fn start(ns: &str, queue: &str, id: &str, extra: &[&str]) -> Sidecar {
+        Sidecar::start_as(ns, queue, id, extra, &kubeconfig_path()).await
+    }
+
+    /// As [`Sidecar::start`], reaching the API server with `kubeconfig`.
+    pub async fn start_as(
+        ns: &str,
+        queue: &str,
+        id: &str,
+        extra: &[&str],
+        kubeconfig: &Path,
+    ) -> Sidecar {
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
         let mut args = vec![
@@ -318,11 +329,12 @@ impl Sidecar {
             id,
         ];
         args.extend_from_slice(extra);
-        let mut proc = Proc::spawn(
+        let mut proc = Proc::spawn_as(
             &format!("{ns}-{id}"),
             &leasehold_bin(),
             &args,
             Stdio::null(),
+            kubeconfig,
         );
         proc.port = Some(port);
         let sidecar = Sidecar {

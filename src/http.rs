@@ -1,0 +1,176 @@
+//! Serving HTTP with bounded waits: the one accept loop behind every HTTP server leasehold runs
+//! (the sidecar's worker API, its `--metrics-addr`, the controller's `--metrics-addr`).
+//!
+//! What a client can make the server wait for, and for how long:
+//! - a request's head (request line and headers), and the next head on an idle keep-alive
+//!   connection: [`Limits::header_timeout`]; then hyper closes the connection. hyper starts
+//!   this timer whenever it begins reading a head, so it covers a connection that never sends
+//!   a byte, one that trickles its headers, and one left idle after an answer;
+//! - a request's body: [`Limits::body_timeout`] from the moment its head was read, for the whole
+//!   body, not per chunk (a body read after that fails with [`BodyTimeout`], which a handler
+//!   turns into its own answer);
+//! - the number of open connections: at most [`Limits::max_connections`]; past it, new
+//!   connections wait in the kernel's accept queue until one closes (each closes within the
+//!   timeouts above once idle).
+//!
+//! How long a *handler* may take is the handler's business (the sidecar bounds every route
+//! but the long poll of a claim).
+//!
+//! Only HTTP/1.1 is served: the clients are a worker on loopback, Prometheus and the kubelet.
+//! A request hyper cannot parse (a request line with a raw non-ASCII byte, a malformed header)
+//! is answered by hyper itself, with an empty-bodied 400 (431 for headers over its buffer, 414
+//! for an over-long URI), before any handler runs, and the connection is closed.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::Router;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio::time::{Instant, Sleep};
+use tower::ServiceExt as _;
+
+/// Default for [`Limits::header_timeout`]: 10 seconds.
+pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default for [`Limits::body_timeout`]: 10 seconds.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default for [`Limits::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+/// Pause after a failed accept (e.g. out of file descriptors) before trying again.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+
+/// The waits a client can impose on a server, each bounded.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Longest wait for a request's head, on a new connection or an idle keep-alive one.
+    pub header_timeout: Duration,
+    /// Longest wait for a whole request body, counted from the end of its head.
+    pub body_timeout: Duration,
+    /// Most connections open at once.
+    pub max_connections: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            header_timeout: DEFAULT_HEADER_TIMEOUT,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+        }
+    }
+}
+
+/// The error a request body's read returns once [`Limits::body_timeout`] has passed; found in
+/// the source chain of the body error a handler sees.
+#[derive(Debug, Error)]
+#[error("the request body did not arrive in full within {0:?} of its head")]
+pub struct BodyTimeout(pub Duration);
+
+/// Serves `router` on `listener` with `limits` until `shutdown` resolves; then stops
+/// accepting, lets every request in flight finish, closes idle connections, and returns once
+/// every connection has closed.
+///
+/// Errors: none from connections (a client's failure is logged at debug level and ends only
+/// its connection); failed accepts are retried after a short pause. The result is `io::Result`
+/// so the signature stays that of a server whose accept loop may one day fail for good.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    shutdown: impl Future<Output = ()> + Send,
+) -> std::io::Result<()> {
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .keep_alive(true);
+    let graceful = GracefulShutdown::new();
+    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            () = &mut shutdown => break,
+            permit = Arc::clone(&permits).acquire_owned() => permit.expect("the semaphore is never closed"),
+        };
+        let (stream, peer) = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::warn!(error = %e, "Failed to accept an HTTP connection; retrying");
+                    tokio::time::sleep(ACCEPT_RETRY).await;
+                    continue;
+                }
+            },
+        };
+        let router = router.clone();
+        let body_timeout = limits.body_timeout;
+        // Router's error type is Infallible: every failure is an answer.
+        let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+            let request = request.map(|body| DeadlineBody::new(body, body_timeout));
+            router.clone().oneshot(request)
+        });
+        let connection = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// A request body that fails with [`BodyTimeout`] once its deadline has passed.
+struct DeadlineBody {
+    body: Incoming,
+    timeout: Duration,
+    deadline: Pin<Box<Sleep>>,
+}
+
+impl DeadlineBody {
+    fn new(body: Incoming, timeout: Duration) -> Self {
+        DeadlineBody {
+            body,
+            timeout,
+            deadline: Box::pin(tokio::time::sleep_until(Instant::now() + timeout)),
+        }
+    }
+}
+
+impl Body for DeadlineBody {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if let Poll::Ready(frame) = Pin::new(&mut self.body).poll_frame(cx) {
+            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+        }
+        match self.deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyTimeout(self.timeout))))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
