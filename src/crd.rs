@@ -36,6 +36,7 @@ pub const CONDITION_CANCELLED: &str = "Cancelled";
     shortname = "ljob",
     namespaced,
     status = "LeasedJobStatus",
+    derive = "Default",
     doc = "A job that workers lease: claimed by one worker at a time with a fresh fencing token, kept alive by heartbeats on its Lease, and requeued by the controller when the heartbeats stop.",
     selectable = ".spec.queue",
     validation = Rule::new("self.spec.queue == oldSelf.spec.queue").message("spec.queue is immutable: the sidecars of the new queue could not see this job's claim; create a new LeasedJob instead"),

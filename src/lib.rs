@@ -15,6 +15,8 @@
 //! - [`sidecar`]: that library over local HTTP, for workers in any language.
 //! - [`kubeapi`]: what the roles share about the API server: error classification, cache
 //!   readiness.
+//! - [`watch`]: the watches both roles run, decoding each object on its own so that one
+//!   undecodable object is skipped and reported instead of stalling the watch.
 //! - [`metrics`]: Prometheus metrics and health.
 //! - [`telemetry`]: logging set-up; [`shutdown`]: the shutdown signal.
 
@@ -32,4 +34,5 @@ pub mod shutdown;
 pub mod sidecar;
 pub mod telemetry;
 pub mod token;
+pub mod watch;
 pub mod worker;
