@@ -3,8 +3,9 @@
 //! Names follow `leasehold_<what>_<unit>`. The controller moves `leasehold_jobs` (by queue and
 //! phase, counted from its watch cache at scrape time) and `leasehold_lease_expiries_total`;
 //! the sidecar moves the claim, heartbeat, refusal and duration metrics; both count the
-//! objects their watches skip as undecodable (`leasehold_undecodable_objects_total`). Both serve them at
-//! `/metrics` in the Prometheus text format, beside `/healthz` and `/readyz`.
+//! objects their watches skip as undecodable (`leasehold_undecodable_objects_total`, see
+//! [`crate::watch`]). Both serve them at `/metrics` in the Prometheus text format, beside
+//! `/healthz` and `/readyz`.
 //!
 //! Health tells the truth: `/readyz` is OK only once the watches have synced and before
 //! shutdown begins; `/healthz` fails once a background task has died.
@@ -279,6 +280,7 @@ mod tests {
         let m = Metrics::new();
         m.claims.inc();
         m.heartbeat(true);
+        m.undecodable("Lease");
         m.jobs
             .get_or_create(&JobLabels {
                 queue: "q".into(),
@@ -292,6 +294,10 @@ mod tests {
         assert!(text.contains("leasehold_claims_total 1"), "{text}");
         assert!(
             text.contains("leasehold_heartbeats_total{result=\"ok\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("leasehold_undecodable_objects_total{kind=\"Lease\"} 1"),
             "{text}"
         );
         assert!(
