@@ -37,6 +37,18 @@ fn kubectl_merge_patch(ns: &str, kind: &str, name: &str, subresource: &str, patc
     assert!(ok, "kubectl patch {kind}/{name}: {out}");
 }
 
+/// Deletes the objects named (`-n NS KIND NAME` each) when dropped, pass or fail: objects no
+/// binary can decode must not outlive their test (namespaces are deleted only at best).
+struct DeleteOnDrop(Vec<[String; 3]>);
+
+impl Drop for DeleteOnDrop {
+    fn drop(&mut self) {
+        for [ns, kind, name] in &self.0 {
+            let _ = kubectl(&["-n", ns, "delete", kind, name, "--wait=false"], "");
+        }
+    }
+}
+
 async fn wait_ready(port: u16, what: &str) {
     wait_for(what, Duration::from_secs(30), || async {
         (http_get(port, "/readyz").await?.0 == 200).then_some(())
@@ -96,6 +108,7 @@ async fn a_job_too_deep_to_decode_is_skipped_and_reported_while_every_other_job_
     // A payload nested 130 levels deep: valid JSON the API server stores, deeper than
     // serde_json's recursion limit of 128.
     let deep = format!("{}{}", "[".repeat(130), "]".repeat(130));
+    let _cleanup = DeleteOnDrop(vec![[ns.clone(), "leasedjob".into(), "deep".into()]]);
     kubectl_create(&format!(
         r#"{{"apiVersion":"leasehold.dev/v1alpha1","kind":"LeasedJob","metadata":{{"name":"deep","namespace":"{ns}"}},"spec":{{"queue":"q","payload":{deep}}}}}"#
     ));
@@ -176,6 +189,10 @@ async fn a_lease_renewed_in_year_9999_does_not_stop_the_controller() {
     let client = client().await;
     let ns = TestNamespace::new(&client, "poison-lease").await;
     let ns = ns.name.clone();
+    let _cleanup = DeleteOnDrop(vec![
+        [ns.clone(), "lease".into(), "odd".into()],
+        [ns.clone(), "lease".into(), lease::lease_name("second")],
+    ]);
     // A Lease labelled as leasehold's that no leasehold binary can decode: the API server
     // accepts any four-digit year, but the timestamps k8s-openapi's MicroTime holds end a day
     // before the year 9999 does.
