@@ -29,12 +29,13 @@ use crate::crd::{
 use crate::events::{EventType, Note, Publisher, Reporter};
 use crate::expiry::{self, Observation, Record, Verdict};
 use crate::fence::{self, Outcome, REASON_LEASE_EXPIRED};
-use crate::kubeapi::{is_status, is_too_large, store_ready, Clients};
+use crate::kubeapi::{is_status, is_too_large, is_undecodable, store_ready, Clients};
 use crate::leader::{self, Leadership};
 use crate::lease;
 use crate::metrics::{Health, JobLabels, Metrics};
 use crate::shutdown;
 use crate::token::Token;
+use crate::watch::{self, Undecodable};
 
 /// Name under which the controller reports Events.
 pub const REPORTER: &str = "leasehold-controller";
@@ -159,25 +160,6 @@ pub async fn run(
             Api::all(clients.watches.clone()),
         ),
     };
-    let (lease_store, lease_writer) = reflector::store();
-    let lease_selector = format!("{MANAGED_BY_LABEL}={MANAGED_BY}");
-    // managedFields are never read here, and are a large share of each cached object.
-    let lease_stream = watcher(leases, watcher::Config::default().labels(&lease_selector))
-        .backoff(crate::kubeapi::WatchBackoff::default())
-        .modify(|lease| lease.managed_fields_mut().clear())
-        .reflect(lease_writer)
-        .applied_objects();
-    let leadership = Arc::new(match config.election {
-        Some(_) => Leadership::default(),
-        None => Leadership::always(),
-    });
-    let elector = config.election.clone().map(|election| {
-        let api: Api<Lease> = Api::namespaced(client.clone(), &election.namespace);
-        let leadership = Arc::clone(&leadership);
-        tokio::spawn(
-            async move { leader::run(api, election, &leadership, shutdown::signal()).await },
-        )
-    });
     let field_manager: String = format!("leasehold-controller/{}", config.identity)
         .chars()
         .take(128)
@@ -190,6 +172,30 @@ pub async fn run(
         },
         field_manager.clone(),
     );
+    let leadership = Arc::new(match config.election {
+        Some(_) => Leadership::default(),
+        None => Leadership::always(),
+    });
+    let (lease_store, lease_writer) = reflector::store();
+    let lease_selector = format!("{MANAGED_BY_LABEL}={MANAGED_BY}");
+    // Each object is decoded on its own: one Lease or LeasedJob that cannot be decoded is
+    // skipped and reported (with a Warning Event on it) instead of failing every list.
+    let (report_undecodable, undecodable_events) = undecodable_reporter(&events, &leadership);
+    let lease_stream = watch::watch(
+        &leases,
+        watcher::Config::default().labels(&lease_selector),
+        Arc::clone(&metrics),
+        report_undecodable.clone(),
+    )
+    .reflect(lease_writer)
+    .applied_objects();
+    let elector = config.election.clone().map(|election| {
+        let api: Api<Lease> = Api::namespaced(client.clone(), &election.namespace);
+        let leadership = Arc::clone(&leadership);
+        tokio::spawn(
+            async move { leader::run(api, election, &leadership, shutdown::signal()).await },
+        )
+    });
     let ctx = Arc::new(Context {
         client,
         metrics: Arc::clone(&metrics),
@@ -203,11 +209,14 @@ pub async fn run(
         release_due: Mutex::default(),
     });
     let (job_store, job_writer) = reflector::store();
-    let job_stream = watcher(jobs, watcher::Config::default())
-        .backoff(crate::kubeapi::WatchBackoff::default())
-        .modify(|job| job.managed_fields_mut().clear())
-        .reflect(job_writer)
-        .applied_objects();
+    let job_stream = watch::watch(
+        &jobs,
+        watcher::Config::default(),
+        Arc::clone(&metrics),
+        report_undecodable,
+    )
+    .reflect(job_writer)
+    .applied_objects();
     let controller = Controller::for_stream(job_stream, job_store)
         .owns_stream(lease_stream)
         .shutdown_on_signal();
@@ -265,11 +274,65 @@ pub async fn run(
     // nothing before the Lease cache is ready (reconcile checks readiness itself).
     let (ready, ()) = tokio::join!(wait_leases, run);
     pruner.abort();
+    undecodable_events.abort();
     // The elector gives the leader Lease up on the same signal; let it finish.
     if let Some(elector) = elector {
         let _ = elector.await;
     }
     ready
+}
+
+/// How many skipped objects may wait for this replica to lead before more are dropped (their
+/// log line and metric stand; a later re-list reports them again).
+const UNDECODABLE_BACKLOG: usize = 256;
+
+/// What the controller does with the objects its watches skip as undecodable, besides the log
+/// line and the metric [`watch::watch`] gives them: a Warning Event `Undecodable` on each
+/// (see [`record_undecodable`]), recorded once this replica leads (standbys do not write;
+/// the initial list usually comes before the first election is won). Returns the callback for
+/// the watches and the task that records, to be aborted at shutdown.
+fn undecodable_reporter(
+    events: &Publisher,
+    leadership: &Arc<Leadership>,
+) -> (
+    impl FnMut(Undecodable) + Clone + Send + 'static,
+    tokio::task::JoinHandle<()>,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Undecodable>(UNDECODABLE_BACKLOG);
+    let events = events.clone();
+    let leadership = Arc::clone(leadership);
+    let task = tokio::spawn(async move {
+        while let Some(skipped) = rx.recv().await {
+            while !leadership.is_leader() {
+                tokio::time::sleep(NOT_LEADER_REQUEUE).await;
+            }
+            record_undecodable(&events, &skipped).await;
+        }
+    });
+    let report = move |skipped: Undecodable| {
+        let _ = tx.try_send(skipped);
+    };
+    (report, task)
+}
+
+/// Records a Warning Event `Undecodable` on the object `skipped` names (an ObjectReference
+/// built from its metadata alone, since the object itself could not be read). A failure to
+/// record it is logged, never returned: the object was already reported in the log and the
+/// metric.
+async fn record_undecodable(events: &Publisher, skipped: &Undecodable) {
+    let note = Note {
+        type_: EventType::Warning,
+        reason: "Undecodable".into(),
+        action: "Skipped".into(),
+        text: format!(
+            "leasehold cannot read this {}: {}; it is skipped (never claimed, expired or \
+             requeued) until it is fixed or deleted",
+            skipped.kind, skipped.error
+        ),
+    };
+    if let Err(e) = events.publish(&skipped.object, &note).await {
+        warn!(object = %skipped.reference, category = e.category(), error = %crate::kubeapi::error_chain(&e), "Recording Event Undecodable failed");
+    }
 }
 
 /// Sets `leasehold_jobs` from the cache: one gauge per (queue, phase) seen.
@@ -608,14 +671,18 @@ async fn check_expiry(
     let key = ObjectRef::from_obj(&**job);
     let token = job.token().unwrap_or_default().to_string();
     let read_fresh = || async {
-        leases
-            .get_opt(lease_name)
-            .await
-            .map_err(|source| ReconcileError::Lease {
+        match leases.get_opt(lease_name).await {
+            Ok(fresh) => Ok(fresh),
+            // A Lease this binary cannot read (an admin wrote a renewTime in year 9999) carries
+            // no heartbeat it can judge: as the watch skipped it, so does the expiry. A live
+            // holder would have rewritten renewTime by now.
+            Err(e) if is_undecodable(&e) => Ok(None),
+            Err(source) => Err(ReconcileError::Lease {
                 job: job.reference(),
                 action: "read",
                 source: lease::LeaseError::Api(source),
-            })
+            }),
+        }
     };
     // Where this look's record comes from: the cache, or a fresh read while the cache is known
     // to disagree with one (see Context::fresh_reads).

@@ -41,6 +41,7 @@ pub const CONDITION_LEASE_CONFLICT: &str = "LeaseConflict";
     shortname = "ljob",
     namespaced,
     status = "LeasedJobStatus",
+    derive = "Default",
     doc = "A job that workers lease: claimed by one worker at a time with a fresh fencing token, kept alive by heartbeats on its Lease, and requeued by the controller when the heartbeats stop.",
     selectable = ".spec.queue",
     validation = Rule::new("self.spec.queue == oldSelf.spec.queue").message("spec.queue is immutable: the sidecars of the new queue could not see this job's claim; create a new LeasedJob instead"),
@@ -272,7 +273,11 @@ pub struct LeasedJobStatus {
 
     /// Standard conditions: `Complete`, `Failed` or `Cancelled` (True once finished), as
     /// batch/v1 Job has `Complete` and `Failed`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "lenient_conditions"
+    )]
     pub conditions: Vec<Condition>,
 
     /// The metadata.generation the controller last initialised this status from.
@@ -323,7 +328,48 @@ fn lenient_time<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Time>, 
 
 /// As [`lenient_time`], for a required time: the Unix epoch when unreadable.
 fn lenient_time_or_epoch<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Time, D::Error> {
-    Ok(lenient_time(d)?.unwrap_or(Time(Timestamp::UNIX_EPOCH)))
+    Ok(lenient_time(d)?.unwrap_or_else(epoch))
+}
+
+/// A [`Condition`] as stored, with a lenient lastTransitionTime.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct StoredCondition {
+    #[serde(default = "epoch", deserialize_with = "lenient_time_or_epoch")]
+    last_transition_time: Time,
+    #[serde(default)]
+    message: String,
+    #[serde(default)]
+    observed_generation: Option<i64>,
+    #[serde(default)]
+    reason: String,
+    #[serde(default)]
+    status: String,
+    #[serde(default, rename = "type")]
+    type_: String,
+}
+
+fn epoch() -> Time {
+    Time(Timestamp::UNIX_EPOCH)
+}
+
+/// Reads status.conditions with [`lenient_time_or_epoch`] for each lastTransitionTime: an
+/// admin's condition dated in a year this binary cannot represent (9999) reads as the epoch
+/// instead of making the whole job undecodable.
+fn lenient_conditions<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Condition>, D::Error> {
+    let stored = Option::<Vec<StoredCondition>>::deserialize(d)?;
+    Ok(stored
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| Condition {
+            last_transition_time: c.last_transition_time,
+            message: c.message,
+            observed_generation: c.observed_generation,
+            reason: c.reason,
+            status: c.status,
+            type_: c.type_,
+        })
+        .collect())
 }
 
 fn default_queue() -> String {
@@ -420,15 +466,30 @@ mod tests {
             "status": {
                 "phase": "Queued",
                 "claimedTime": "2026-12-01T00:00:00.123456789012Z",
-                "failures": [{"attempt": 1, "reason": "X", "time": "99999-01-01T00:00:00Z"}]
+                "failures": [{"attempt": 1, "reason": "X", "time": "99999-01-01T00:00:00Z"}],
+                "conditions": [
+                    {"type": "Complete", "status": "True", "reason": "Admin", "message": "m",
+                     "lastTransitionTime": "9999-12-31T23:59:59Z"},
+                    {"type": "Other", "status": "False", "reason": "R", "message": "",
+                     "lastTransitionTime": "2026-01-02T03:04:05Z", "observedGeneration": 2}
+                ]
             }
         }))
         .expect("decodes");
         assert_eq!(job.spec.not_before, None);
         assert_eq!(job.status.as_ref().unwrap().claimed_time, None);
+        let status = job.status.unwrap();
+        assert_eq!(status.failures[0].time, Time(Timestamp::UNIX_EPOCH));
+        let c = &status.conditions;
+        assert_eq!(c[0].last_transition_time, Time(Timestamp::UNIX_EPOCH));
         assert_eq!(
-            job.status.unwrap().failures[0].time,
-            Time(Timestamp::UNIX_EPOCH)
+            (c[0].type_.as_str(), c[0].reason.as_str()),
+            ("Complete", "Admin")
         );
+        assert_eq!(
+            c[1].last_transition_time.0,
+            "2026-01-02T03:04:05Z".parse::<Timestamp>().unwrap()
+        );
+        assert_eq!(c[1].observed_generation, Some(2));
     }
 }

@@ -111,6 +111,12 @@ pub fn is_status(err: &kube::Error, code: u16) -> bool {
     matches!(err, kube::Error::Api(s) if s.code == code)
 }
 
+/// True when the API server answered with success but its answer could not be decoded (one
+/// object leasehold cannot read; see [`crate::watch`]): the request itself was carried out.
+pub fn is_undecodable(err: &kube::Error) -> bool {
+    matches!(err, kube::Error::SerdeError(_))
+}
+
 /// An error and its sources, joined with ": ". An API server's answer ends the chain as its
 /// message and HTTP status (not kube's debug dump of the whole Status).
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {

@@ -22,7 +22,7 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 use crate::crd::{LeasedJob, MANAGED_BY, MANAGED_BY_LABEL};
-use crate::kubeapi::is_status;
+use crate::kubeapi::{is_status, is_undecodable};
 use crate::token::Token;
 
 /// Annotation on the Lease that holds the latest checkpoint, as JSON text.
@@ -423,6 +423,8 @@ pub async fn release(api: &Api<Lease>, name: &str, holder: &str) -> Result<(), L
         .await
     {
         Ok(_) => Ok(()),
+        // Released; only the answer (a Lease with a field this binary cannot read) was not.
+        Err(e) if is_undecodable(&e) => Ok(()),
         Err(e) => match classify_refusal(api, name, holder, e).await {
             LeaseError::Lost { .. } => Ok(()),
             other => Err(other),

@@ -18,6 +18,8 @@
 //! - [`http`]: serving HTTP with bounded waits, for the sidecar and the metrics endpoints.
 //! - [`kubeapi`]: what the roles share about the API server: error classification, cache
 //!   readiness.
+//! - [`watch`]: the watches both roles run, decoding each object on its own so that one
+//!   undecodable object is skipped and reported instead of stalling the watch.
 //! - [`metrics`]: Prometheus metrics and health.
 //! - [`telemetry`]: logging set-up; [`shutdown`]: the shutdown signal.
 
@@ -37,4 +39,5 @@ pub mod shutdown;
 pub mod sidecar;
 pub mod telemetry;
 pub mod token;
+pub mod watch;
 pub mod worker;

@@ -351,12 +351,7 @@ async fn run_sidecar(
         None => None,
     };
     let drain = drain_on_signal(worker.clone(), shutdown);
-    let server = http::serve(
-        listener,
-        sidecar::router(worker),
-        limits,
-        drain,
-    );
+    let server = http::serve(listener, sidecar::router(worker), limits, drain);
     let observed = async {
         match observability {
             Some(task) => task.await,

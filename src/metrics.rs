@@ -2,8 +2,10 @@
 //!
 //! Names follow `leasehold_<what>_<unit>`. The controller moves `leasehold_jobs` (by queue and
 //! phase, counted from its watch cache at scrape time) and `leasehold_lease_expiries_total`;
-//! the sidecar moves the claim, heartbeat, refusal and duration metrics. Both serve them at
-//! `/metrics` in the Prometheus text format, beside `/healthz` and `/readyz`.
+//! the sidecar moves the claim, heartbeat, refusal and duration metrics; both count the
+//! objects their watches skip as undecodable (`leasehold_undecodable_objects_total`, see
+//! [`crate::watch`]). Both serve them at `/metrics` in the Prometheus text format, beside
+//! `/healthz` and `/readyz`.
 //!
 //! Health tells the truth: `/readyz` is OK only once the watches have synced and before
 //! shutdown begins; `/healthz` fails once a background task has died.
@@ -37,6 +39,13 @@ pub struct ResultLabel {
     pub result: &'static str,
 }
 
+/// Label of `leasehold_undecodable_objects_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// The object's kind: `LeasedJob` or `Lease`.
+    pub kind: String,
+}
+
 /// Every leasehold metric.
 pub struct Metrics {
     registry: Registry,
@@ -52,6 +61,9 @@ pub struct Metrics {
     pub stale_token_refusals: Counter,
     /// Lease renewals by result, background and worker-initiated (sidecar).
     pub heartbeats: Family<ResultLabel, Counter>,
+    /// Objects a watch skipped because they could not be decoded, by kind (both roles; counted
+    /// again at every re-list while the object stays unreadable). See [`crate::watch`].
+    pub undecodable_objects: Family<KindLabel, Counter>,
     /// Seconds from a job's creation to its claim (sidecar).
     pub queue_wait_seconds: Histogram,
     /// Seconds from a claim to the end of that attempt by its holder (sidecar).
@@ -74,6 +86,7 @@ impl Metrics {
         let lease_expiries = Counter::default();
         let stale_token_refusals = Counter::default();
         let heartbeats = Family::<ResultLabel, Counter>::default();
+        let undecodable_objects = Family::<KindLabel, Counter>::default();
         // 1 ms .. ~9 h, doubling.
         let queue_wait_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 25));
         let run_seconds = Histogram::new(exponential_buckets(0.01, 2.0, 23));
@@ -96,6 +109,11 @@ impl Metrics {
         );
         registry.register("heartbeats", "Lease renewals by result", heartbeats.clone());
         registry.register(
+            "undecodable_objects",
+            "Objects a watch skipped because they could not be decoded",
+            undecodable_objects.clone(),
+        );
+        registry.register(
             "queue_wait_seconds",
             "Seconds from a job's creation to its claim",
             queue_wait_seconds.clone(),
@@ -113,6 +131,7 @@ impl Metrics {
             lease_expiries,
             stale_token_refusals,
             heartbeats,
+            undecodable_objects,
             queue_wait_seconds,
             run_seconds,
         }
@@ -122,6 +141,15 @@ impl Metrics {
     pub fn heartbeat(&self, ok: bool) {
         let result = if ok { "ok" } else { "failed" };
         self.heartbeats.get_or_create(&ResultLabel { result }).inc();
+    }
+
+    /// Counts one object of `kind` skipped as undecodable.
+    pub fn undecodable(&self, kind: &str) {
+        self.undecodable_objects
+            .get_or_create(&KindLabel {
+                kind: kind.to_string(),
+            })
+            .inc();
     }
 
     /// The registry in the Prometheus text format, as an HTTP response.
@@ -252,6 +280,7 @@ mod tests {
         let m = Metrics::new();
         m.claims.inc();
         m.heartbeat(true);
+        m.undecodable("Lease");
         m.jobs
             .get_or_create(&JobLabels {
                 queue: "q".into(),
@@ -265,6 +294,10 @@ mod tests {
         assert!(text.contains("leasehold_claims_total 1"), "{text}");
         assert!(
             text.contains("leasehold_heartbeats_total{result=\"ok\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("leasehold_undecodable_objects_total{kind=\"Lease\"} 1"),
             "{text}"
         );
         assert!(

@@ -260,11 +260,16 @@ impl Worker {
         let (tx, changes) = watch::channel(0u64);
         // spec.queue is a selectable field of the CRD, so the API server filters for us.
         let selector = format!("spec.queue={}", config.queue);
-        // managedFields are never read here, and are a large share of each cached object.
-        let stream = watcher(watched, watcher::Config::default().fields(&selector))
-            .backoff(crate::kubeapi::WatchBackoff::default())
-            .modify(|job| job.managed_fields_mut().clear())
-            .reflect(writer);
+        // Each job is decoded on its own: one this binary cannot read is skipped and reported
+        // (log, metric), and the rest of the queue is served.
+        let metrics = Arc::new(Metrics::new());
+        let stream = crate::watch::watch(
+            &watched,
+            watcher::Config::default().fields(&selector),
+            Arc::clone(&metrics),
+            |_| {},
+        )
+        .reflect(writer);
         let health = Health::new();
         let synced_store = store.clone();
         let synced = Arc::clone(&health);
@@ -277,7 +282,7 @@ impl Worker {
             let mut stream = std::pin::pin!(stream);
             while let Some(event) = stream.next().await {
                 if let Err(e) = event {
-                    // Decode errors quote the objects they failed on: never log a token.
+                    // Errors may quote the objects they failed on: never log a token.
                     let shown = crate::token::redact(&e.to_string());
                     let shown: String = shown.chars().take(500).collect();
                     warn!(error = %shown, "LeasedJob watch failed; retrying");
@@ -294,7 +299,7 @@ impl Worker {
             changes,
             held: Mutex::default(),
             tried: Mutex::default(),
-            metrics: Arc::new(Metrics::new()),
+            metrics,
             health,
             ended: Notify::new(),
             draining: watch::channel(false).0,

@@ -75,10 +75,13 @@ pub async fn install_crd(client: &Client) {
         established.then_some(())
     })
     .await;
-    // Discovery can lag Established by a moment.
-    let jobs: Api<LeasedJob> = Api::all(client.clone());
+    // Discovery can lag Established by a moment. Served = a one-item list answers; raw, so
+    // that another test's job that no binary can decode (tests/poison.rs) does not read as
+    // "not served".
+    let jobs: Api<leasehold::watch::Raw<LeasedJob>> = Api::all(client.clone());
+    let one = kube::api::ListParams::default().limit(1);
     wait_for("LeasedJob API served", Duration::from_secs(30), || async {
-        jobs.list(&Default::default()).await.ok().map(|_| ())
+        jobs.list(&one).await.ok().map(|_| ())
     })
     .await;
 }

@@ -141,11 +141,14 @@ impl Bench {
         )
         .await
         .context("apply the LeasedJob CRD")?;
-        let jobs: Api<LeasedJob> = Api::all(self.client.clone());
+        // Served = a one-item list answers; raw, so that a job no binary can decode (or
+        // thousands of jobs) left on a reused control plane does not read as "not served".
+        let jobs: Api<leasehold::watch::Raw<LeasedJob>> = Api::all(self.client.clone());
+        let one = kube::api::ListParams::default().limit(1);
         wait_until(
             "the LeasedJob API to be served",
             Duration::from_secs(60),
-            || async { jobs.list(&Default::default()).await.ok().map(|_| ()) },
+            || async { jobs.list(&one).await.ok().map(|_| ()) },
         )
         .await
     }

@@ -1,0 +1,422 @@
+//! Watches that one undecodable object cannot stall, below both roles.
+//!
+//! kube's watcher decodes a LIST as one typed `ObjectList<K>`, so a single item that `K`
+//! cannot decode fails the whole list, and every re-list after it: one LeasedJob whose payload
+//! nests deeper than serde_json's recursion limit (128), or one Lease whose renewTime is a year
+//! no Rust time type holds, would keep the controller and every sidecar of its namespace from
+//! ever syncing. Here the watcher lists and watches [`Raw<K>`] instead: the metadata decoded,
+//! spec and status kept as undecoded JSON text. [`watch`] then decodes each object on its own;
+//! one that fails is skipped (and removed from the cache if an earlier version was there),
+//! logged with its kind and namespace/name, counted in
+//! `leasehold_undecodable_objects_total{kind}`, and handed to the caller's `on_skip` (the
+//! controller records a Warning Event on it).
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::NamespaceResourceScope;
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer};
+use serde_json::value::RawValue;
+use tracing::warn;
+
+use crate::metrics::Metrics;
+
+/// A `K` as the API server sent it, decoded only as far as its metadata: the unit a LIST or
+/// WATCH of `K` can always decode, whatever the spec or status holds.
+///
+/// serde_json skips over a raw value without recursing (its `ignore_value` is a loop), so a
+/// spec nested 10,000 levels deep still decodes here. `metadata.managedFields` is dropped on
+/// the way in: its `fieldsV1` mirrors the shape of the object and would carry a deep payload's
+/// depth into the metadata (leasehold never reads managedFields).
+#[derive(Clone, Debug)]
+pub struct Raw<K> {
+    metadata: ObjectMeta,
+    spec: Option<Box<RawValue>>,
+    status: Option<Box<RawValue>>,
+    /// Why the metadata itself could not be read (only name, namespace, uid and
+    /// resourceVersion were kept), if it could not.
+    metadata_error: Option<String>,
+    kind: PhantomData<fn() -> K>,
+}
+
+impl<K: Resource<DynamicType = ()>> Resource for Raw<K> {
+    type DynamicType = ();
+    type Scope = K::Scope;
+
+    fn kind(dt: &()) -> Cow<'_, str> {
+        K::kind(dt)
+    }
+
+    fn group(dt: &()) -> Cow<'_, str> {
+        K::group(dt)
+    }
+
+    fn version(dt: &()) -> Cow<'_, str> {
+        K::version(dt)
+    }
+
+    fn plural(dt: &()) -> Cow<'_, str> {
+        K::plural(dt)
+    }
+
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// What is on the wire; everything but metadata, spec and status (apiVersion, kind) is skipped.
+#[derive(Deserialize)]
+struct Wire {
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, Box<RawValue>>>,
+    #[serde(default)]
+    spec: Option<Box<RawValue>>,
+    #[serde(default)]
+    status: Option<Box<RawValue>>,
+}
+
+/// The identifying part of metadata, for an object whose full metadata cannot be read.
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct Identity {
+    name: Option<String>,
+    namespace: Option<String>,
+    uid: Option<String>,
+    resource_version: Option<String>,
+}
+
+impl<'de, K> Deserialize<'de> for Raw<K> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let wire = Wire::deserialize(d)?;
+        let mut fields = wire.metadata.unwrap_or_default();
+        fields.remove("managedFields");
+        let (metadata, metadata_error) = match read_metadata(&fields) {
+            Ok(m) => (m, None),
+            Err(e) => {
+                let id: Identity = serde_json::to_string(&fields)
+                    .ok()
+                    .and_then(|text| serde_json::from_str(&text).ok())
+                    .unwrap_or_default();
+                let meta = ObjectMeta {
+                    name: id.name,
+                    namespace: id.namespace,
+                    uid: id.uid,
+                    resource_version: id.resource_version,
+                    ..ObjectMeta::default()
+                };
+                (meta, Some(format!("metadata: {e}")))
+            }
+        };
+        Ok(Raw {
+            metadata,
+            spec: wire.spec,
+            status: wire.status,
+            metadata_error,
+            kind: PhantomData,
+        })
+    }
+}
+
+fn read_metadata(fields: &BTreeMap<String, Box<RawValue>>) -> serde_json::Result<ObjectMeta> {
+    serde_json::from_str(&serde_json::to_string(fields)?)
+}
+
+impl<K> Raw<K>
+where
+    K: Resource<DynamicType = ()> + DeserializeOwned,
+{
+    /// Decodes the whole object as `K`.
+    ///
+    /// # Errors
+    /// The decode error (as text): a value nested deeper than serde_json's recursion limit of
+    /// 128, a time outside what `k8s_openapi::jiff` represents (years -9999 to 9999, and not
+    /// every RFC 3339 text the API server accepts), a field of the wrong type.
+    pub fn decode(&self) -> Result<K, String> {
+        if let Some(e) = &self.metadata_error {
+            return Err(e.clone());
+        }
+        #[derive(serde::Serialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Whole<'a> {
+            api_version: Cow<'a, str>,
+            kind: Cow<'a, str>,
+            metadata: &'a ObjectMeta,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            spec: Option<&'a RawValue>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            status: Option<&'a RawValue>,
+        }
+        let whole = Whole {
+            api_version: K::api_version(&()),
+            kind: K::kind(&()),
+            metadata: &self.metadata,
+            spec: self.spec.as_deref(),
+            status: self.status.as_deref(),
+        };
+        let text = serde_json::to_string(&whole).map_err(|e| e.to_string())?;
+        serde_json::from_str(&text).map_err(|e| e.to_string())
+    }
+
+    /// A `K` carrying only this object's metadata: enough for a reflector to find (and drop)
+    /// the cached object of the same namespace/name.
+    fn tombstone(&self) -> K
+    where
+        K: Default,
+    {
+        let mut k = K::default();
+        *k.meta_mut() = self.metadata.clone();
+        k
+    }
+}
+
+/// An object that was skipped because it could not be decoded.
+#[derive(Clone, Debug)]
+pub struct Undecodable {
+    /// Its kind, e.g. `LeasedJob`.
+    pub kind: String,
+    /// `namespace/name`.
+    pub reference: String,
+    /// Why it could not be decoded; tokens redacted, never the object itself.
+    pub error: String,
+    /// A reference to it, to record an Event on.
+    pub object: ObjectReference,
+}
+
+impl Undecodable {
+    fn of<K: Resource<DynamicType = ()> + DeserializeOwned>(raw: &Raw<K>, error: &str) -> Self {
+        Undecodable {
+            kind: K::kind(&()).into_owned(),
+            reference: format!("{}/{}", raw.namespace().unwrap_or_default(), raw.name_any()),
+            error: crate::token::redact(error).chars().take(500).collect(),
+            object: ObjectReference {
+                api_version: Some(K::api_version(&()).into_owned()),
+                kind: Some(K::kind(&()).into_owned()),
+                name: raw.metadata.name.clone(),
+                namespace: raw.metadata.namespace.clone(),
+                uid: raw.metadata.uid.clone(),
+                resource_version: raw.metadata.resource_version.clone(),
+                ..ObjectReference::default()
+            },
+        }
+    }
+}
+
+/// Turns one watcher event over [`Raw<K>`] into the event over `K` to hand on, if any, and
+/// the object it had to skip, if any:
+/// - `Apply` / `InitApply` of an object that decodes: the same event over `K`.
+/// - `InitApply` of one that does not: nothing (the re-list's new cache will lack it).
+/// - `Apply` of one that does not: `Delete` of a metadata-only `K`, so that an older, readable
+///   version leaves the cache instead of being acted on as if current (the reflector keys
+///   objects by namespace/name alone).
+/// - `Delete`: always handed on, as a metadata-only `K` if the object does not decode.
+pub fn decode_event<K>(
+    event: watcher::Event<Raw<K>>,
+) -> (Option<watcher::Event<K>>, Option<Undecodable>)
+where
+    K: Resource<DynamicType = ()> + DeserializeOwned + Default,
+{
+    use watcher::Event;
+    match event {
+        Event::Init => (Some(Event::Init), None),
+        Event::InitDone => (Some(Event::InitDone), None),
+        Event::InitApply(raw) => match raw.decode() {
+            Ok(k) => (Some(Event::InitApply(k)), None),
+            Err(e) => (None, Some(Undecodable::of(&raw, &e))),
+        },
+        Event::Apply(raw) => match raw.decode() {
+            Ok(k) => (Some(Event::Apply(k)), None),
+            Err(e) => (
+                Some(Event::Delete(raw.tombstone())),
+                Some(Undecodable::of(&raw, &e)),
+            ),
+        },
+        Event::Delete(raw) => {
+            let k = raw.decode().unwrap_or_else(|_| raw.tombstone());
+            (Some(Event::Delete(k)), None)
+        }
+    }
+}
+
+/// Watches `api` (a namespace, or all) with `config`, decoding each object on its own (see the
+/// module documentation): every watch leasehold runs goes through here. Uses
+/// [`crate::kubeapi::WatchBackoff`] and drops `metadata.managedFields` from every object.
+///
+/// Each skipped object is logged (warn, with its kind, namespace/name and the decode error),
+/// counted in `metrics.undecodable_objects`, and passed to `on_skip`. It is skipped again, and
+/// reported again, at every re-list until it is fixed or deleted.
+pub fn watch<K>(
+    api: &Api<K>,
+    config: watcher::Config,
+    metrics: Arc<Metrics>,
+    mut on_skip: impl FnMut(Undecodable) + Send + 'static,
+) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + DeserializeOwned
+        + Default
+        + Clone
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let client: kube::Client = api.clone().into();
+    let raw: Api<Raw<K>> = match api.namespace() {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    };
+    watcher(raw, config)
+        .backoff(crate::kubeapi::WatchBackoff::default())
+        .filter_map(move |event| {
+            let out = match event {
+                Ok(event) => {
+                    let (event, skipped) = decode_event(event);
+                    if let Some(s) = skipped {
+                        warn!(kind = %s.kind, object = %s.reference, error = %s.error,
+                            "Skipped {} {}: it cannot be decoded ({}); other objects are handled as usual",
+                            s.kind, s.reference, s.error);
+                        metrics.undecodable(&s.kind);
+                        on_skip(s);
+                    }
+                    event.map(Ok)
+                }
+                Err(e) => Some(Err(e)),
+            };
+            futures::future::ready(out)
+        })
+        .modify(|o| o.managed_fields_mut().clear())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::LeasedJob;
+    use k8s_openapi::api::coordination::v1::Lease;
+    use kube::core::ObjectList;
+
+    fn nested_array(depth: usize) -> String {
+        format!("{}{}", "[".repeat(depth), "]".repeat(depth))
+    }
+
+    fn job_json(name: &str, payload: &str) -> String {
+        format!(
+            r#"{{"apiVersion":"leasehold.dev/v1alpha1","kind":"LeasedJob","metadata":{{"name":"{name}","namespace":"ns","resourceVersion":"7","managedFields":[{{"manager":"kubectl","fieldsV1":{{"f:spec":{{}}}}}}]}},"spec":{{"queue":"q","payload":{payload}}},"status":{{"phase":"Queued"}}}}"#
+        )
+    }
+
+    fn list_json(items: &[String]) -> String {
+        format!(
+            r#"{{"apiVersion":"leasehold.dev/v1alpha1","kind":"LeasedJobList","metadata":{{"resourceVersion":"9"}},"items":[{}]}}"#,
+            items.join(",")
+        )
+    }
+
+    #[test]
+    fn a_typed_list_fails_whole_on_one_deep_payload() {
+        // The failure this module exists for: kube decodes a LIST like this.
+        let text = list_json(&[job_json("good", "1"), job_json("deep", &nested_array(130))]);
+        let e = serde_json::from_str::<ObjectList<LeasedJob>>(&text).unwrap_err();
+        assert!(e.to_string().contains("recursion limit"), "{e}");
+    }
+
+    #[test]
+    fn a_raw_list_decodes_whatever_the_depth_and_only_the_deep_item_fails() {
+        for depth in [130, 10_000] {
+            let text = list_json(&[
+                job_json("good", r#"{"n":1}"#),
+                job_json("deep", &nested_array(depth)),
+            ]);
+            let list: ObjectList<Raw<LeasedJob>> =
+                serde_json::from_str(&text).expect("a raw list decodes");
+            assert_eq!(list.items.len(), 2);
+            let good = list.items[0].decode().expect("the good job decodes");
+            assert_eq!(good.spec.payload, serde_json::json!({"n": 1}));
+            assert_eq!(good.resource_version().as_deref(), Some("7"));
+            assert!(good.managed_fields().is_empty());
+            let e = list.items[1].decode().unwrap_err();
+            assert!(e.contains("recursion limit"), "{depth}: {e}");
+            assert_eq!(list.items[1].name_any(), "deep");
+        }
+    }
+
+    #[test]
+    fn deep_managed_fields_do_not_make_the_metadata_unreadable() {
+        let deep_fields = format!(
+            "{}{}",
+            r#"{"f:a":"#.repeat(200),
+            "{}".to_string() + &"}".repeat(200)
+        );
+        let text = format!(
+            r#"{{"metadata":{{"name":"x","namespace":"ns","managedFields":[{{"fieldsV1":{deep_fields}}}]}},"spec":{{}}}}"#
+        );
+        let raw: Raw<LeasedJob> = serde_json::from_str(&text).unwrap();
+        assert!(raw.decode().is_ok());
+    }
+
+    #[test]
+    fn a_lease_renewed_in_year_9999_is_skipped_alone() {
+        let text = r#"{"items":[
+            {"metadata":{"name":"ok","namespace":"ns"},"spec":{"renewTime":"2026-01-01T00:00:00.000000Z"}},
+            {"metadata":{"name":"odd","namespace":"ns"},"spec":{"renewTime":"9999-12-31T23:59:59.000000Z"}}]}"#;
+        let list: ObjectList<Raw<Lease>> = serde_json::from_str(text).unwrap();
+        assert!(list.items[0].decode().is_ok());
+        let e = list.items[1].decode().unwrap_err();
+        assert!(e.contains("range") || e.contains("civil"), "{e}");
+    }
+
+    #[test]
+    fn events_of_undecodable_objects_are_skipped_or_become_deletes() {
+        use watcher::Event;
+        let raw = |name: &str, payload: &str| -> Raw<LeasedJob> {
+            serde_json::from_str(&job_json(name, payload)).unwrap()
+        };
+        let deep = nested_array(130);
+        let (e, s) = decode_event(Event::InitApply(raw("a", "1")));
+        assert!(matches!(e, Some(Event::InitApply(_))) && s.is_none());
+        let (e, s) = decode_event(Event::InitApply(raw("b", &deep)));
+        assert!(e.is_none());
+        let s = s.expect("reported");
+        assert_eq!(
+            (s.kind.as_str(), s.reference.as_str()),
+            ("LeasedJob", "ns/b")
+        );
+        assert_eq!(s.object.name.as_deref(), Some("b"));
+        let (e, s) = decode_event(Event::Apply(raw("c", &deep)));
+        match e {
+            Some(Event::Delete(k)) => assert_eq!(k.name_any(), "c"),
+            other => panic!("expected a Delete, got {other:?}"),
+        }
+        assert!(s.is_some());
+        let (e, s) = decode_event(Event::Delete(raw("d", &deep)));
+        assert!(matches!(e, Some(Event::Delete(ref k)) if k.name_any() == "d") && s.is_none());
+    }
+
+    #[test]
+    fn decode_errors_never_carry_a_token() {
+        let text = r#"{"metadata":{"name":"t","namespace":"ns"},"spec":{"queue":"q"},"status":{"attempt":"3.9f86d081884c7d659a2feaa0c55ad015"}}"#;
+        let raw: Raw<LeasedJob> = serde_json::from_str(text).unwrap();
+        let e = raw.decode().unwrap_err();
+        assert!(
+            e.contains("9f86d081884c7d659a2feaa0c55ad015"),
+            "serde quotes it: {e}"
+        );
+        let s = Undecodable::of(&raw, &e);
+        assert!(
+            !s.error.contains("9f86d081884c7d659a2feaa0c55ad015"),
+            "{}",
+            s.error
+        );
+    }
+}
