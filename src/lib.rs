@@ -16,8 +16,8 @@
 //! - [`worker`]: the client library a worker (or the sidecar) uses.
 //! - [`sidecar`]: that library over local HTTP, for workers in any language.
 //! - [`http`]: serving HTTP with bounded waits, for the sidecar and the metrics endpoints.
-//! - [`kubeapi`]: what the roles share about the API server: error classification, cache
-//!   readiness.
+//! - [`kubeapi`]: what the roles share about the API server: clients whose every request has
+//!   a deadline, the watch backoff, error classification, cache readiness.
 //! - [`watch`]: the watches both roles run, decoding each object on its own so that one
 //!   undecodable object is skipped and reported instead of stalling the watch.
 //! - [`metrics`]: Prometheus metrics and health.
