@@ -687,6 +687,18 @@ async fn check_expiry(
     // Where this look's record comes from: the cache, or a fresh read while the cache is known
     // to disagree with one (see Context::fresh_reads).
     let cached_record = record_of(job, lease);
+    // A Lease that was seen carrying this attempt's heartbeats and is now missing from the
+    // cache may only have left the cache (its label was removed): ask before believing it.
+    let vanished = cached_record.holder_identity.is_none()
+        && ctx
+            .observations
+            .lock()
+            .unwrap()
+            .get(&key)
+            .is_some_and(|o| o.record.holder_identity.is_some());
+    if vanished {
+        ctx.fresh_reads.lock().unwrap().insert(key.clone());
+    }
     let mut fresh = None;
     if ctx.fresh_reads.lock().unwrap().contains(&key) {
         let read = read_fresh().await?;
@@ -707,7 +719,9 @@ async fn check_expiry(
         seen.insert(key.clone(), o.clone());
         o
     };
-    let silent_for = match expiry::judge(&observation, duration, now) {
+    let verdict = expiry::judge(&observation, duration, now);
+    tracing::debug!(job = %job.reference(), fresh_read = fresh.is_some(), ?verdict, record = ?observation.record, "Judged the lease of LeasedJob {}", job.reference());
+    let silent_for = match verdict {
         Verdict::Live { expires_in } => return Ok(Action::requeue(expires_in + EXPIRY_SLACK)),
         Verdict::Expired { silent_for } => silent_for,
     };

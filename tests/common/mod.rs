@@ -192,7 +192,11 @@ impl Proc {
         let child = Command::new(program)
             .args(args)
             .env("KUBECONFIG", kubeconfig)
-            .env("RUST_LOG", "info")
+            .env(
+                "RUST_LOG",
+                // More detail for one run: LEASEHOLD_TEST_RUST_LOG=info,kube_runtime=debug
+                std::env::var("LEASEHOLD_TEST_RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .env_remove("POD_NAME")
             .env_remove("POD_NAMESPACE")
             .stdin(Stdio::null())
