@@ -277,7 +277,7 @@ where
         Some(ns) => Api::namespaced(client, ns),
         None => Api::all(client),
     };
-    watcher(raw, config)
+    relisting_watcher(raw, config)
         .backoff(crate::kubeapi::WatchBackoff::default())
         .filter_map(move |event| {
             let out = match event {
@@ -297,6 +297,49 @@ where
             futures::future::ready(out)
         })
         .modify(|o| o.managed_fields_mut().clear())
+}
+
+/// True when a watch error means the API server was lost or is (re)starting: no connection,
+/// a broken stream, or a 5xx or 429 answer to the watch request.
+pub fn lost_the_api_server(err: &watcher::Error) -> bool {
+    match err {
+        watcher::Error::WatchStartFailed(e) | watcher::Error::WatchFailed(e) => match e {
+            kube::Error::Api(status) => status.code >= 500 || status.code == 429,
+            kube::Error::Service(_) | kube::Error::HyperError(_) | kube::Error::ReadEvents(_) => {
+                true
+            }
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// kube's watcher, started over from a fresh LIST whenever it loses the API server
+/// ([`lost_the_api_server`]), instead of resuming the watch from the last resourceVersion it
+/// saw.
+///
+/// Why: a kube-apiserver that just restarted rebuilds its watch cache from etcd's current
+/// revision, so a watch resumed from an older resourceVersion is answered 410 Gone; but it is
+/// answered only once that cache is ready, which took 8 to 19 s after the API server was
+/// ready, while the watch (and every job or expiry behind it) waited. A fresh LIST is served
+/// at once, and the watch that follows starts from a resourceVersion the new cache has. The
+/// price is one LIST per outage, which the 410 would have cost anyway.
+fn relisting_watcher<K>(
+    api: Api<K>,
+    config: watcher::Config,
+) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
+where
+    K: Resource<DynamicType = ()> + DeserializeOwned + Clone + std::fmt::Debug + Send + 'static,
+{
+    let start = move || watcher(api.clone(), config.clone()).boxed();
+    let first = start();
+    futures::stream::unfold((first, start), |(mut current, start)| async move {
+        let item = current.next().await?;
+        if matches!(&item, Err(e) if lost_the_api_server(e)) {
+            current = start();
+        }
+        Some((item, (current, start)))
+    })
 }
 
 #[cfg(test)]
