@@ -138,47 +138,69 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 
 /// The backoff between a failed watch (or re-list) and the next try, for every watch leasehold
 /// runs: 100 ms doubling to at most [`WATCH_BACKOFF_MAX`], each delay drawn uniformly from its
-/// upper half (jitter, so that many sidecars do not retry in step), and back to 100 ms after
-/// any event arrives.
+/// upper half (jitter, so that many sidecars do not retry in step), and back to 100 ms once
+/// the watch has run for [`WATCH_BACKOFF_RESET_AFTER`] without an error.
 ///
 /// Why not kube's `DefaultBackoff` (client-go's reflector: 0.8 s doubling to 30 s, reset only
 /// after 120 s without errors): an API-server restart or an etcd compaction makes every watch
 /// fail a few times in a row, and that backoff then grows across the outage and is applied to
 /// the re-list after it, so jobs created or leases expired after the API server is back went
 /// unseen for tens of seconds. Here the delay after the outage ends is at most one second,
-/// while a watcher still makes at most about one request a second against an API server that
-/// is down.
+/// while a watcher makes at most about one request a second against an API server that is
+/// down. (The reset waits for a healthy stretch because kube's watcher yields an event at the
+/// start of every re-list, before the list itself fails: resetting on that would retry ten
+/// times a second through an outage.)
 #[derive(Clone, Debug)]
 pub struct WatchBackoff {
-    next: std::time::Duration,
+    next: Duration,
+    last_failure: Option<std::time::Instant>,
 }
 
 /// Longest delay of [`WatchBackoff`].
-pub const WATCH_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs(1);
-const WATCH_BACKOFF_MIN: std::time::Duration = std::time::Duration::from_millis(100);
+pub const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// How long a watch must run without an error before [`WatchBackoff`] starts again from its
+/// shortest delay.
+pub const WATCH_BACKOFF_RESET_AFTER: Duration = Duration::from_secs(2);
+const WATCH_BACKOFF_MIN: Duration = Duration::from_millis(100);
 
 impl Default for WatchBackoff {
     fn default() -> Self {
         WatchBackoff {
             next: WATCH_BACKOFF_MIN,
+            last_failure: None,
         }
     }
 }
 
-impl Iterator for WatchBackoff {
-    type Item = std::time::Duration;
-
-    fn next(&mut self) -> Option<std::time::Duration> {
+impl WatchBackoff {
+    /// The delay after a failure at `now` (see the type's documentation for the rule).
+    fn delay_at(&mut self, now: std::time::Instant, jitter: f64) -> Duration {
+        if self
+            .last_failure
+            .is_some_and(|t| now.saturating_duration_since(t) >= WATCH_BACKOFF_RESET_AFTER)
+        {
+            self.next = WATCH_BACKOFF_MIN;
+        }
+        self.last_failure = Some(now);
         let full = self.next;
         self.next = (full * 2).min(WATCH_BACKOFF_MAX);
-        Some(full.mul_f64(0.5 + rand::random::<f64>() / 2.0))
+        full.mul_f64(0.5 + jitter.clamp(0.0, 1.0) / 2.0)
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        Some(self.delay_at(std::time::Instant::now(), rand::random::<f64>()))
     }
 }
 
 impl kube::runtime::utils::Backoff for WatchBackoff {
-    fn reset(&mut self) {
-        self.next = WATCH_BACKOFF_MIN;
-    }
+    /// Called on every event the watch yields; the backoff restarts from its shortest delay
+    /// only after a healthy stretch (see [`WATCH_BACKOFF_RESET_AFTER`]), judged at the next
+    /// failure.
+    fn reset(&mut self) {}
 }
 
 #[cfg(test)]
@@ -187,13 +209,27 @@ mod tests {
     use kube::runtime::utils::Backoff as _;
 
     #[test]
-    fn watch_backoff_is_capped_at_a_second_and_resets() {
+    fn watch_backoff_grows_through_an_outage_and_restarts_after_a_healthy_stretch() {
         let mut b = WatchBackoff::default();
-        let delays: Vec<_> = b.by_ref().take(12).collect();
-        assert!(delays[0] <= WATCH_BACKOFF_MIN && delays[0] >= WATCH_BACKOFF_MIN / 2);
-        assert!(delays.iter().all(|d| *d <= WATCH_BACKOFF_MAX));
-        assert!(delays[11] >= WATCH_BACKOFF_MAX / 2, "{delays:?}");
-        b.reset();
-        assert!(b.next().unwrap() <= WATCH_BACKOFF_MIN);
+        let t0 = std::time::Instant::now();
+        // Failures in quick succession (an outage): 100 ms doubling, capped at a second, even
+        // though the watcher yields an event (reset) between them.
+        let mut at = t0;
+        let mut delays = Vec::new();
+        for _ in 0..8 {
+            b.reset();
+            let d = b.delay_at(at, 1.0);
+            delays.push(d);
+            at += d;
+        }
+        assert_eq!(delays[0], WATCH_BACKOFF_MIN);
+        assert_eq!(delays[1], WATCH_BACKOFF_MIN * 2);
+        assert!(delays.iter().all(|d| *d <= WATCH_BACKOFF_MAX), "{delays:?}");
+        assert_eq!(delays[7], WATCH_BACKOFF_MAX);
+        // Jitter takes off at most half.
+        assert!(b.delay_at(at, 0.0) >= WATCH_BACKOFF_MAX / 2);
+        // After a healthy stretch, the next failure starts again from the shortest delay.
+        let later = at + WATCH_BACKOFF_RESET_AFTER + Duration::from_millis(1);
+        assert_eq!(b.delay_at(later, 1.0), WATCH_BACKOFF_MIN);
     }
 }

@@ -252,10 +252,12 @@ impl Chaos {
         let job: LeasedJob = serde_json::from_value(manifest).expect("job manifest");
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let t0 = Instant::now();
+            let sent = Instant::now();
             match api.create(&Default::default(), &job).await {
-                Ok(_) => return t0,
-                Err(kube::Error::Api(s)) if s.code == 409 => return t0,
+                // Dispatch counts from when the job exists: the answer to its create (the API
+                // server's own latency for the create is not dispatch).
+                Ok(_) => return Instant::now(),
+                Err(kube::Error::Api(s)) if s.code == 409 => return sent,
                 Err(e) if Instant::now() < deadline => {
                     self.log(&format!("create {}: {e}; retrying", job.name_any()));
                     tokio::time::sleep(Duration::from_millis(200)).await;
