@@ -176,13 +176,14 @@ impl Chaos {
         match expiry {
             Ok(e) => {
                 fig.expiry = Some(e);
-                if e > ld + EXPIRY_SLACK {
+                let slack = expiry_slack(fault);
+                if e > ld + slack {
                     self.violations.push(format!(
                         "after {fault}: expiry took {} s, bound {} s = leaseDurationSeconds + {} s \
                          (probe-e-{n}: last renewTime of the killed holder -> requeue seen)",
                         secs(e),
-                        (ld + EXPIRY_SLACK).as_secs(),
-                        EXPIRY_SLACK.as_secs()
+                        (ld + slack).as_secs(),
+                        slack.as_secs()
                     ));
                 }
             }
