@@ -648,7 +648,7 @@ impl Worker {
         let worker = Worker {
             _proc: proc,
             base: format!("http://{listen}"),
-            http: reqwest::Client::new(),
+            http: http_client(),
         };
         wait_for("sidecar ready", Duration::from_secs(30), || async {
             let r = worker

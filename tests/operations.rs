@@ -350,7 +350,7 @@ async fn readiness_follows_the_watch_and_shutdown_and_logs_can_be_json() {
     // A long poll waiting when SIGTERM comes ends with 503 and claims nothing after it.
     let base = sc.base.clone();
     let waiting = tokio::spawn(async move {
-        let r = reqwest::Client::new()
+        let r = http_client()
             .post(format!("{base}/v1/claim?wait=60"))
             .send()
             .await

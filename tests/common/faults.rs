@@ -221,7 +221,7 @@ impl Sidecar {
         let sidecar = Sidecar {
             proc,
             base: format!("http://{listen}"),
-            http: reqwest::Client::new(),
+            http: super::http_client(),
         };
         let http = sidecar.http.clone();
         let url = format!("{}/readyz", sidecar.base);

@@ -292,6 +292,16 @@ pub fn sample(body: &str, name: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
+/// An HTTP client for the sidecar: its pool drops a connection idle for 5 s, under the
+/// sidecar's 10 s keep-alive limit (`--header-timeout`), so that no request is sent on a
+/// connection the sidecar is closing at that moment (docs/protocol.md, Bounded waits).
+pub fn http_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_idle_timeout(Duration::from_secs(5))
+        .build()
+        .expect("HTTP client")
+}
+
 /// A free loopback port (bound, then released).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -347,7 +357,7 @@ impl Sidecar {
         let sidecar = Sidecar {
             proc,
             base: format!("http://{listen}"),
-            http: reqwest::Client::new(),
+            http: http_client(),
         };
         let http = sidecar.http.clone();
         let url = format!("{}/readyz", sidecar.base);

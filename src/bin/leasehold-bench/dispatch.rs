@@ -32,7 +32,7 @@ pub async fn run(bench: &Bench, workers: usize, jobs: usize) -> anyhow::Result<D
     let ns = bench.namespace("bench-dispatch").await?;
     let queue = "dispatch";
     let mut controller = procs::controller(&bench.leasehold, &bench.kubeconfig, &bench.logs, &ns)?;
-    let http = reqwest::Client::new();
+    let http = crate::procs::sidecar_http();
     let sidecars = procs::sidecars(bench, &http, &ns, queue, workers).await?;
     let watch = JobWatch::start(bench.client.clone(), &ns).await?;
     let (tx, mut rx) = mpsc::unbounded_channel::<(String, Instant)>();

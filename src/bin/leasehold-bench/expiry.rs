@@ -41,7 +41,7 @@ pub async fn run(
     let ns = bench.namespace("bench-expiry").await?;
     let queue = "expiry";
     let mut controller = procs::controller(&bench.leasehold, &bench.kubeconfig, &bench.logs, &ns)?;
-    let http = reqwest::Client::new();
+    let http = crate::procs::sidecar_http();
     let mut sidecars = procs::sidecars(bench, &http, &ns, queue, holders).await?;
     let watch = JobWatch::start(bench.client.clone(), &ns).await?;
     bench

@@ -77,7 +77,7 @@ pub async fn run(
             .await?;
     }
     let fill = fill_start.elapsed();
-    let http = reqwest::Client::new();
+    let http = crate::procs::sidecar_http();
     let mut scs = procs::sidecars(bench, &http, &ns, queue, sidecars).await?;
     let claims = scs.iter().enumerate().map(|(i, s)| {
         let share = held / sidecars + usize::from(i < held % sidecars);

@@ -309,3 +309,12 @@ pub async fn sidecars(
     }
     Ok(all)
 }
+
+/// An HTTP client for a sidecar: its pool drops a connection idle for 5 s, under the sidecar's
+/// 10 s keep-alive limit, so that no request goes out on a connection being closed.
+pub fn sidecar_http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_idle_timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("HTTP client")
+}

@@ -65,7 +65,7 @@ async fn leasedjobs(bench: &Bench, items: usize, workers: usize) -> anyhow::Resu
     let ns = bench.namespace("bench-vs-ljobs").await?;
     let queue = "versus";
     let mut controller = procs::controller(&bench.leasehold, &bench.kubeconfig, &bench.logs, &ns)?;
-    let http = reqwest::Client::new();
+    let http = crate::procs::sidecar_http();
     let sidecars = procs::sidecars(bench, &http, &ns, queue, workers).await?;
     let claimed = Arc::new(AtomicU64::new(0));
     let mut loops = Vec::new();
