@@ -215,6 +215,14 @@ pub async fn run(
         Arc::clone(&metrics),
         report_undecodable,
     )
+    // The controller decides nothing from a payload, result or checkpoint (an expiry takes the
+    // checkpoint from the Lease): its memory does not grow with the bytes of the jobs.
+    .modify(|job| {
+        job.drop_payload_and_result();
+        if let Some(status) = job.status.as_mut() {
+            status.checkpoint = None;
+        }
+    })
     .reflect(job_writer)
     .applied_objects();
     let controller = Controller::for_stream(job_stream, job_store)

@@ -425,6 +425,16 @@ impl LeasedJob {
         self.status.as_ref().map_or(0, |s| s.failures.len())
     }
 
+    /// Drops spec.payload and status.result from this copy (a watch cache's), which no
+    /// decision of the controller or of a claimer reads. Never write such a copy's spec back;
+    /// status writes (the status subresource ignores the spec) are fine.
+    pub fn drop_payload_and_result(&mut self) {
+        self.spec.payload = Value::Null;
+        if let Some(status) = self.status.as_mut() {
+            status.result = None;
+        }
+    }
+
     /// The earliest time the job may be claimed: the later of spec.notBefore and
     /// status.retryAfter, if either is set.
     pub fn claimable_at(&self) -> Option<Timestamp> {

@@ -269,6 +269,10 @@ impl Worker {
             Arc::clone(&metrics),
             |_| {},
         )
+        // The cache keeps what choosing and claiming a job need, not its payload or result:
+        // a sidecar's memory then does not grow with the bytes of the queue. The claim's
+        // answer brings the payload; a claim writes only the status (checkpoint kept).
+        .modify(crate::crd::LeasedJob::drop_payload_and_result)
         .reflect(writer);
         let health = Health::new();
         let synced_store = store.clone();
