@@ -114,10 +114,32 @@ pub struct Config {
     pub identity: String,
     /// Leader election among replicas; None runs as the only writer.
     pub election: Option<leader::ElectionConfig>,
+    /// Which transitions get an Event.
+    pub events: EventPolicy,
+}
+
+/// Which transitions the controller records as Events. Events are for people and for
+/// problems: each is one more write to the API server, so the happy path (a claim, a
+/// completion, a release) records none by default, which saves two writes per job.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EventPolicy {
+    /// Warnings (failures, expiries, Lease conflicts, undecodable objects) and cancellations.
+    #[default]
+    Problems,
+    /// Every transition, `Claimed`, `Completed` and `Released` included.
+    All,
+}
+
+impl EventPolicy {
+    /// Whether an Event of `type_` with `reason` is recorded under this policy.
+    pub fn records(self, type_: EventType, reason: &str) -> bool {
+        self == EventPolicy::All || type_ == EventType::Warning || reason == "Cancelled"
+    }
 }
 
 /// Shared state of the reconciler.
 pub struct Context {
+    event_policy: EventPolicy,
     client: Client,
     metrics: Arc<Metrics>,
     leadership: Arc<Leadership>,
@@ -197,6 +219,7 @@ pub async fn run(
         )
     });
     let ctx = Arc::new(Context {
+        event_policy: config.events,
         client,
         metrics: Arc::clone(&metrics),
         leadership,
@@ -425,7 +448,7 @@ impl Context {
     /// Records an Event on `job` if this replica leads; the action is the reason. A failure
     /// is logged, never retried: Events are best-effort.
     async fn event(&self, job: &LeasedJob, type_: EventType, reason: &str, text: String) {
-        if !self.leadership.is_leader() {
+        if !self.leadership.is_leader() || !self.event_policy.records(type_, reason) {
             return;
         }
         let note = Note {

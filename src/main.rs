@@ -137,6 +137,11 @@ enum Command {
         election: ElectionArgs,
         #[command(flatten)]
         http: HttpArgs,
+        /// Which transitions get an Event: `problems` (failures, expiries, Lease conflicts,
+        /// cancellations) or `all` (also every claim, completion and release: two more writes
+        /// per job).
+        #[arg(long, env = "LEASEHOLD_EVENTS", default_value = "problems", value_parser = ["problems", "all"])]
+        events: String,
     },
     /// Serve the worker's HTTP API: claim, heartbeat, complete, fail, release.
     Sidecar {
@@ -195,6 +200,7 @@ async fn main() -> anyhow::Result<()> {
             metrics_addr,
             election,
             http,
+            events,
         } => {
             telemetry::init(log_format);
             let limits = http.limits()?;
@@ -230,6 +236,11 @@ async fn main() -> anyhow::Result<()> {
                     namespace,
                     identity,
                     election,
+                    events: if events == "all" {
+                        controller::EventPolicy::All
+                    } else {
+                        controller::EventPolicy::Problems
+                    },
                 },
                 metrics,
                 Arc::clone(&health),

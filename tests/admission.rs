@@ -707,6 +707,8 @@ async fn job_lifecycle_runs_with_exactly_the_charts_credentials() {
             "controller-0",
             "--metrics-addr",
             "127.0.0.1:0",
+            "--events",
+            "all",
         ],
         &kc_controller,
     );

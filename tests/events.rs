@@ -81,7 +81,7 @@ async fn claim_and_fail_each(sc: &Sidecar, names: &[String], message: &str, retr
 async fn jobs_with_names_up_to_253_characters_and_4_kib_messages_get_their_events() {
     let client = client().await;
     let ns = TestNamespace::new(&client, "events").await;
-    let _ctl = controller(&ns.name);
+    let _ctl = controller_with(&ns.name, "test-controller", &["--events", "all"]);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     // 248..=253 characters, one whose cut for the Event name lands on a dot, and a short one
     // (whose Events fail only on the note's length).
@@ -136,5 +136,62 @@ async fn jobs_with_names_up_to_253_characters_and_4_kib_messages_get_their_event
     for name in &names {
         let claimed = by_job[name].iter().filter(|(r, _)| r == "Claimed").count();
         assert_eq!(claimed, 2, "{name}: one Claimed Event per attempt");
+    }
+}
+
+/// By default only problems are Events: a claim, a completion and a release write none (two
+/// writes per job saved), while a failure still gets its Warning.
+#[tokio::test]
+async fn the_happy_path_records_no_events_by_default() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "quiet-events").await;
+    let _ctl = controller(&ns.name);
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    for name in ["ok", "released", "bad"] {
+        create_job(
+            &client,
+            &ns.name,
+            json!({"metadata": {"name": name}, "spec": {"queue": "q", "maxAttempts": 1}}),
+        )
+        .await;
+    }
+    let mut done = 0;
+    while done < 3 {
+        let (s, c) = sc.claim(10).await;
+        assert_eq!(s, 200, "{c}");
+        let (name, token) = (c["name"].as_str().unwrap(), c["token"].as_str().unwrap());
+        let (s, body) = match name {
+            "ok" => sc.complete(name, token, json!(1)).await,
+            "released" if c["attempt"] == 1 => {
+                sc.post(&format!("/v1/jobs/{name}/release"), json!({"token": token}))
+                    .await
+            }
+            "released" => sc.complete(name, token, json!(2)).await,
+            _ => {
+                sc.post(
+                    &format!("/v1/jobs/{name}/fail"),
+                    json!({"token": token, "reason": "Broken", "retryable": false}),
+                )
+                .await
+            }
+        };
+        assert_eq!(s, 200, "{body}");
+        if !(name == "released" && c["attempt"] == 1) {
+            done += 1;
+        }
+    }
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns.name);
+    let names = vec!["bad".to_string()];
+    wait_for_reason(&events, &names, "Failed").await;
+    // Give the controller time to record anything else it would.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let by_job = events_by_job(&events).await.unwrap_or_default();
+    for (job, list) in &by_job {
+        for (reason, _) in list {
+            assert!(
+                !["Claimed", "Completed", "Released"].contains(&reason.as_str()),
+                "{job}: a happy-path Event {reason} was recorded by default"
+            );
+        }
     }
 }

@@ -359,7 +359,8 @@ async fn next_event(
 async fn a_zombie_worker_woken_after_its_lease_cannot_overwrite_the_new_owner() {
     let client = client().await;
     let ns = TestNamespace::new(&client, "zombie").await;
-    let _controller = controller(&ns.name);
+    // Every transition as an Event: the test counts the Completed ones.
+    let _controller = controller_with(&ns.name, "test-controller", &["--events", "all"]);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     // Slow real work: 4 KiB chunks of the GPL-3 text, 0.5 s each (about 18 s in all).
     create_job(
