@@ -54,6 +54,9 @@ pub struct ApiError {
     /// With 503 `unavailable` about a held job: when its lease runs out unless a renewal gets
     /// through, as far as the sidecar knows (`expiresAt` in the answer).
     expires_at: Option<k8s_openapi::jiff::Timestamp>,
+    /// Answer with `Connection: close`: the body was not (fully) read, so the connection
+    /// cannot carry another request, and the client must not try to reuse it.
+    close: bool,
 }
 
 impl ApiError {
@@ -63,6 +66,7 @@ impl ApiError {
             code,
             message: message.into(),
             expires_at: None,
+            close: false,
         }
     }
 }
@@ -73,7 +77,14 @@ impl IntoResponse for ApiError {
         if let Some(t) = self.expires_at {
             body["expiresAt"] = json!(t.to_string());
         }
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if self.close {
+            response.headers_mut().insert(
+                header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+        }
+        response
     }
 }
 
@@ -256,11 +267,13 @@ impl<S: Send + Sync> FromRequest<S> for RequestBody {
 }
 
 fn too_large(what: &str) -> ApiError {
-    ApiError::new(
+    let mut e = ApiError::new(
         StatusCode::PAYLOAD_TOO_LARGE,
         "too_large",
         format!("{what} is larger than {MAX_BODY_BYTES} bytes: send results and checkpoints of at most that size"),
-    )
+    );
+    e.close = true;
+    e
 }
 
 fn body_error(e: BytesRejection) -> ApiError {
@@ -270,11 +283,13 @@ fn body_error(e: BytesRejection) -> ApiError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
     while let Some(cause) = source {
         if let Some(timeout) = cause.downcast_ref::<crate::http::BodyTimeout>() {
-            return ApiError::new(
+            let mut e = ApiError::new(
                 StatusCode::REQUEST_TIMEOUT,
                 "body_timeout",
                 format!("{timeout}: send the whole body at once"),
             );
+            e.close = true;
+            return e;
         }
         source = cause.source();
     }
