@@ -333,44 +333,8 @@ impl Sidecar {
         kubeconfig: &Path,
     ) -> Sidecar {
         let port = free_port();
-        let listen = format!("127.0.0.1:{port}");
-        let mut args = vec![
-            "sidecar",
-            "--queue",
-            queue,
-            "--namespace",
-            ns,
-            "--listen",
-            &listen,
-            "--identity",
-            id,
-        ];
-        args.extend_from_slice(extra);
-        let mut proc = Proc::spawn_as(
-            &format!("{ns}-{id}"),
-            &leasehold_bin(),
-            &args,
-            Stdio::null(),
-            kubeconfig,
-        );
-        proc.port = Some(port);
-        let sidecar = Sidecar {
-            proc,
-            base: format!("http://{listen}"),
-            http: http_client(),
-        };
-        let http = sidecar.http.clone();
-        let url = format!("{}/readyz", sidecar.base);
-        wait_for("sidecar ready", Duration::from_secs(30), || {
-            let http = http.clone();
-            let url = url.clone();
-            async move {
-                let r = http.get(&url).send().await.ok()?;
-                r.status().is_success().then_some(())
-            }
-        })
-        .await;
-        sidecar
+        let ready_within = Duration::from_secs(30);
+        Sidecar::start_at(ns, queue, id, port, kubeconfig, extra, ready_within).await
     }
 
     /// POSTs a raw body; returns the status and the JSON body (Null when empty).
