@@ -211,6 +211,7 @@ pub async fn run(
     )
     .reflect(lease_writer)
     .applied_objects();
+    let lease_stream = watch::errors_logged("Lease", lease_stream);
     let elector = config.election.clone().map(|election| {
         let api: Api<Lease> = Api::namespaced(client.clone(), &election.namespace);
         let leadership = Arc::clone(&leadership);
@@ -248,6 +249,7 @@ pub async fn run(
     })
     .reflect(job_writer)
     .applied_objects();
+    let job_stream = watch::errors_logged("LeasedJob", job_stream);
     let controller = Controller::for_stream(job_stream, job_store)
         .owns_stream(lease_stream)
         .shutdown_on_signal();

@@ -299,6 +299,42 @@ where
         .modify(|o| o.managed_fields_mut().clear())
 }
 
+/// Logs a watch error (warn, `what` failed; the text redacted of tokens and cut at 500
+/// characters): the one way every role reports a watch that failed and is being retried.
+pub fn log_error(what: &str, err: &watcher::Error) {
+    // Errors may quote the objects they failed on: never log a token.
+    let shown: String = crate::token::redact(&err.to_string())
+        .chars()
+        .take(500)
+        .collect();
+    warn!(error = %shown, "{what} watch failed; retrying");
+}
+
+/// `stream` with its errors logged ([`log_error`]) and dropped, for a consumer that must
+/// never see them: kube-runtime's `Controller` answers any error of any of its trigger
+/// streams by pausing *all* of them under one client-go backoff (0.8 s doubling to 30 s, reset
+/// only after two quiet minutes), so an API-server restart, whose outage fails every watch a
+/// few times, left the controller blind to jobs and renewals for 5 s and more after the API
+/// server was back. Each stream from [`watch`] already retries under its own
+/// [`crate::kubeapi::WatchBackoff`].
+pub fn errors_logged<T>(
+    what: &'static str,
+    stream: impl Stream<Item = Result<T, watcher::Error>> + Send + 'static,
+) -> impl Stream<Item = Result<T, watcher::Error>> + Send + 'static
+where
+    T: Send + 'static,
+{
+    stream.filter_map(move |item| {
+        futures::future::ready(match item {
+            Ok(v) => Some(Ok(v)),
+            Err(e) => {
+                log_error(what, &e);
+                None
+            }
+        })
+    })
+}
+
 /// True when a watch error means the API server was lost or is (re)starting: no connection,
 /// a broken stream, or a 5xx or 429 answer to the watch request.
 pub fn lost_the_api_server(err: &watcher::Error) -> bool {

@@ -286,10 +286,7 @@ impl Worker {
             let mut stream = std::pin::pin!(stream);
             while let Some(event) = stream.next().await {
                 if let Err(e) = event {
-                    // Errors may quote the objects they failed on: never log a token.
-                    let shown = crate::token::redact(&e.to_string());
-                    let shown: String = shown.chars().take(500).collect();
-                    warn!(error = %shown, "LeasedJob watch failed; retrying");
+                    crate::watch::log_error("LeasedJob", &e);
                 }
                 tx.send_modify(|n| *n = n.wrapping_add(1));
             }

@@ -176,14 +176,13 @@ impl Chaos {
         match expiry {
             Ok(e) => {
                 fig.expiry = Some(e);
-                let slack = expiry_slack(fault);
-                if e > ld + slack {
+                if e > ld + EXPIRY_SLACK {
                     self.violations.push(format!(
                         "after {fault}: expiry took {} s, bound {} s = leaseDurationSeconds + {} s \
                          (probe-e-{n}: last renewTime of the killed holder -> requeue seen)",
                         secs(e),
-                        (ld + slack).as_secs(),
-                        slack.as_secs()
+                        (ld + EXPIRY_SLACK).as_secs(),
+                        EXPIRY_SLACK.as_secs()
                     ));
                 }
             }
