@@ -19,7 +19,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-use super::{kubeconfig_path, leasehold_bin, log_dir, wait_for, Proc, Sidecar};
+use super::{kubeconfig_path, leasehold_bin, log_dir, Proc, Sidecar};
 
 /// The state directory of the running control plane (tests/controlplane/start.sh).
 pub fn state_dir() -> PathBuf {
@@ -223,21 +223,36 @@ impl Sidecar {
             base: format!("http://{listen}"),
             http: super::http_client(),
         };
-        let http = sidecar.http.clone();
+        // Each probe has its own deadline, and a timeout says what the last probe saw and
+        // what the sidecar logged, so that a sidecar that never gets ready can be told from a
+        // probe that never got through.
         let url = format!("{}/readyz", sidecar.base);
-        wait_for(
-            &format!("sidecar {id} ready on port {port}"),
-            ready_within,
-            || {
-                let http = http.clone();
-                let url = url.clone();
-                async move {
-                    let r = http.get(&url).send().await.ok()?;
-                    r.status().is_success().then_some(())
+        let deadline = std::time::Instant::now() + ready_within;
+        loop {
+            let probe = sidecar
+                .http
+                .get(&url)
+                .timeout(Duration::from_secs(2))
+                .send();
+            let last = match probe.await {
+                Ok(r) if r.status().is_success() => break,
+                Ok(r) => {
+                    let status = r.status();
+                    format!("{status} {}", r.text().await.unwrap_or_default().trim())
                 }
-            },
-        )
-        .await;
+                Err(e) => format!("{e:?}"),
+            };
+            if std::time::Instant::now() > deadline {
+                let log = sidecar.proc.log_text();
+                let tail: Vec<&str> = log.lines().rev().take(20).collect();
+                panic!(
+                    "sidecar {id} was not ready on port {port} within {ready_within:?}; last \
+                     probe of {url}: {last}; its log ends:\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         sidecar
     }
 
