@@ -15,6 +15,7 @@ mod dispatch;
 mod expiry;
 mod footprint;
 mod metrics;
+mod payload;
 mod procs;
 mod report;
 mod stats;
@@ -105,6 +106,9 @@ struct Cli {
     /// Row 7: idle workers (sidecars) on the LeasedJob side. Default 16.
     #[arg(long)]
     versus_workers: Option<usize>,
+    /// Row 8: queued jobs in each of the two queues (small and large payloads). Default 2000.
+    #[arg(long)]
+    payload_jobs: Option<usize>,
 }
 
 /// The sizes in force.
@@ -125,6 +129,7 @@ struct Sizes {
     heartbeat_intervals: u32,
     versus_jobs: usize,
     versus_workers: usize,
+    payload_jobs: usize,
 }
 
 impl Sizes {
@@ -158,6 +163,7 @@ impl Sizes {
                 .max(1),
             versus_jobs: pick(cli.versus_jobs, 20, 1000),
             versus_workers: pick(cli.versus_workers, 2, 16),
+            payload_jobs: pick(cli.payload_jobs, 20, 2000),
         }
     }
 
@@ -165,7 +171,8 @@ impl Sizes {
         format!(
             "ceiling {} s per N; N = {}; claim M = {} jobs; dispatch {} jobs to {} workers; \
              expiry {} jobs on {} killed sidecars, lease {} s; footprint {} jobs, {} held by {} \
-             sidecars, lease {} s, {} renew intervals; vs Jobs {} items, {} workers",
+             sidecars, lease {} s, {} renew intervals; vs Jobs {} items, {} workers; payloads \
+             {} jobs per queue, {} and {} bytes",
             self.ceiling_seconds,
             self.claimers
                 .iter()
@@ -184,7 +191,10 @@ impl Sizes {
             self.footprint_lease,
             self.heartbeat_intervals,
             self.versus_jobs,
-            self.versus_workers
+            self.versus_workers,
+            self.payload_jobs,
+            PAYLOAD_BYTES[0],
+            PAYLOAD_BYTES[1]
         )
     }
 }
@@ -305,6 +315,13 @@ async fn main() -> anyhow::Result<()> {
         match versus::run(&bench, sizes.versus_jobs, sizes.versus_workers).await {
             Ok(v) => versus_rows(&mut report, &v),
             Err(e) => failures.push(("7", e)),
+        }
+    }
+    if want(8) {
+        eprintln!("row 8: memory against payload bytes");
+        match payload::run(&bench, sizes.payload_jobs, &PAYLOAD_BYTES).await {
+            Ok(p) => payload_rows(&mut report, &p),
+            Err(e) => failures.push(("8", e)),
         }
     }
     bench.cleanup().await;
@@ -694,6 +711,52 @@ fn footprint_rows(report: &mut Report, f: &footprint::Footprint) {
     report
         .details
         .push(("Rows 5 and 6: heartbeat cost and footprint".into(), detail));
+}
+
+/// Row 8's two payload sizes, in bytes: small, then large (the issue's 100 B and 64 KiB).
+const PAYLOAD_BYTES: [usize; 2] = [100, 64 * 1024];
+
+fn payload_rows(report: &mut Report, p: &payload::Payload) {
+    let [small, large] = [&p.sides[0], &p.sides[1]];
+    let growth = |a: &procs::Sample, b: &procs::Sample| mib(b.rss_kib) / mib(a.rss_kib) - 1.0;
+    let sc = growth(&small.sidecar, &large.sidecar);
+    let ctl = growth(&small.controller, &large.controller);
+    let queue_mib = (p.jobs * large.payload_bytes) as f64 / (1024.0 * 1024.0);
+    let side = |s: &payload::Side| {
+        format!(
+            "{} B: sidecar {:.0} MiB (peak {:.0}), controller {:.0} MiB (peak {:.0})",
+            s.payload_bytes,
+            mib(s.sidecar.rss_kib),
+            mib(s.sidecar.hwm_kib),
+            mib(s.controller.rss_kib),
+            mib(s.controller.hwm_kib)
+        )
+    };
+    report.rows.push(Row {
+        id: "8".into(),
+        what: "Memory against queue bytes".into(),
+        figure: format!(
+            "{}; {}; sidecar {:+.0}%, controller {:+.0}%",
+            side(small),
+            side(large),
+            sc * 100.0,
+            ctl * 100.0
+        ),
+        goal: "large within 10% of small, for both; sidecar < 25 MiB".into(),
+        verdict: Verdict::of(
+            sc.abs() <= 0.10 && ctl.abs() <= 0.10 && mib(large.sidecar.rss_kib) < 25.0,
+        ),
+        method: format!(
+            "two namespaces, each with {} queued jobs whose payload is one string of {} or {} \
+             bytes ({queue_mib:.0} MiB of payload in the large queue), its own controller and one \
+             sidecar; VmRSS (and VmHWM, the peak: the initial LIST passes through) from /proc \
+             {} s after the sidecar was ready",
+            p.jobs,
+            small.payload_bytes,
+            large.payload_bytes,
+            payload::SETTLE.as_secs()
+        ),
+    });
 }
 
 fn versus_rows(report: &mut Report, v: &versus::Versus) {
