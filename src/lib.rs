@@ -16,6 +16,7 @@
 //! - [`worker`]: the client library a worker (or the sidecar) uses.
 //! - [`sidecar`]: that library over local HTTP, for workers in any language.
 //! - [`http`]: serving HTTP with bounded waits, for the sidecar and the metrics endpoints.
+//! - [`tls`]: a serving certificate read from files and re-read when they change.
 //! - [`kubeapi`]: what the roles share about the API server: clients whose every request has
 //!   a deadline, the watch backoff, error classification, cache readiness.
 //! - [`watch`]: the watches both roles run, decoding each object on its own so that one
@@ -38,6 +39,7 @@ pub mod metrics;
 pub mod shutdown;
 pub mod sidecar;
 pub mod telemetry;
+pub mod tls;
 pub mod token;
 pub mod watch;
 pub mod worker;
