@@ -444,3 +444,87 @@ async fn a_rotated_certificate_is_served_without_a_restart() {
         webhook.controller.log_text()
     );
 }
+
+/// Runs `leasehold controller` with `args` (no cluster is needed to refuse them); returns
+/// whether it failed and its stderr.
+fn refused(args: &[&str]) -> (bool, String) {
+    let out = Command::new(leasehold_bin())
+        .arg("controller")
+        .args(args)
+        .env("KUBECONFIG", "/nonexistent")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (
+        !out.status.success(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+#[test]
+fn bad_admission_flags_are_refused_at_start_naming_the_problem() {
+    let dir = scratch("admission-bad-flags");
+    let ca = dir.join("ca.crt");
+    make_certs(&dir, "");
+    let junk = dir.join("junk.pem");
+    std::fs::write(&junk, "not PEM at all").unwrap();
+    let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+    let (cert, key, ca, junk) = (
+        cert.to_str().unwrap(),
+        key.to_str().unwrap(),
+        ca.to_str().unwrap(),
+        junk.to_str().unwrap(),
+    );
+    // (arguments, what the error must say)
+    let cases: [(Vec<&str>, &str); 5] = [
+        (
+            vec!["--admission-listen", "127.0.0.1:0"],
+            "--admission-cert <FILE>",
+        ),
+        (
+            vec!["--admission-cert", cert, "--admission-key", key],
+            "--admission-listen <ADDR>",
+        ),
+        (
+            vec![
+                "--admission-listen",
+                "127.0.0.1:0",
+                "--admission-cert",
+                junk,
+                "--admission-key",
+                key,
+            ],
+            "holds no PEM certificate",
+        ),
+        (
+            vec![
+                "--admission-listen",
+                "127.0.0.1:0",
+                "--admission-cert",
+                cert,
+                "--admission-key",
+                "/nonexistent/tls.key",
+            ],
+            "cannot read /nonexistent/tls.key",
+        ),
+        // The CA's certificate with the serving certificate's key: not a pair.
+        (
+            vec![
+                "--admission-listen",
+                "127.0.0.1:0",
+                "--admission-cert",
+                ca,
+                "--admission-key",
+                key,
+            ],
+            "cannot serve the certificate",
+        ),
+    ];
+    for (args, expected) in cases {
+        let (failed, stderr) = refused(&args);
+        assert!(
+            failed && stderr.contains(expected),
+            "{args:?}: expected {expected:?} in:\n{stderr}"
+        );
+    }
+}
