@@ -74,7 +74,9 @@ pub struct LeasedJobSpec {
     )]
     pub queue: String,
 
-    /// The work itself: any JSON value, handed to the worker exactly as given.
+    /// The work itself: any JSON value, handed to the worker exactly as given. The whole job
+    /// may be at most 1 MiB as JSON: keep large inputs in an object store and put a reference
+    /// (a URL or a key) here.
     #[serde(default, skip_serializing_if = "Value::is_null")]
     #[schemars(schema_with = "any_json")]
     pub payload: Value,
@@ -268,6 +270,8 @@ pub struct LeasedJobStatus {
     pub retry_after: Option<Time>,
 
     /// The worker's result: any JSON value, set once, by the holder, with the phase Succeeded.
+    /// Counts towards the job's 1 MiB limit: store large results elsewhere and put a reference
+    /// here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "any_json")]
     pub result: Option<Value>,
