@@ -96,7 +96,7 @@ impl std::fmt::Display for TooLarge {
             ", over leasehold's limit of {} bytes per LeasedJob",
             self.limit
         )?;
-        if self.limit % (1024 * 1024) == 0 {
+        if self.limit > 0 && self.limit % (1024 * 1024) == 0 {
             write!(f, " ({} MiB)", self.limit / (1024 * 1024))?;
         }
         if let Some((field, size)) = &self.largest {
