@@ -31,6 +31,17 @@ pub const CONDITION_CANCELLED: &str = "Cancelled";
 /// attempt that held its Lease ends.
 pub const CONDITION_LEASE_CONFLICT: &str = "LeaseConflict";
 
+/// Largest a LeasedJob may be, in bytes of JSON, the whole object (metadata, spec and status):
+/// 1 MiB.
+///
+/// A LeasedJob is one etcd value, and etcd refuses a request over its `--max-request-bytes`
+/// (1.5 MiB by default) with a 500 that names no field. This limit stays a third below that,
+/// so the object plus the bookkeeping around it (managedFields, a few status writes) always
+/// fits. The controller's admission webhook refuses a create or update that would make a job
+/// larger with a 413 naming the field ([`crate::admission`]); the sidecar refuses a request
+/// body larger than this before reading it ([`crate::sidecar::MAX_BODY_BYTES`]).
+pub const MAX_JOB_BYTES: usize = 1024 * 1024;
+
 /// What to do, and how to lease it. Workers never write the spec.
 #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
@@ -63,7 +74,9 @@ pub struct LeasedJobSpec {
     )]
     pub queue: String,
 
-    /// The work itself: any JSON value, handed to the worker exactly as given.
+    /// The work itself: any JSON value, handed to the worker exactly as given. The whole job
+    /// may be at most 1 MiB as JSON: keep large inputs in an object store and put a reference
+    /// (a URL or a key) here.
     #[serde(default, skip_serializing_if = "Value::is_null")]
     #[schemars(schema_with = "any_json")]
     pub payload: Value,
@@ -257,6 +270,8 @@ pub struct LeasedJobStatus {
     pub retry_after: Option<Time>,
 
     /// The worker's result: any JSON value, set once, by the holder, with the phase Succeeded.
+    /// Counts towards the job's 1 MiB limit: store large results elsewhere and put a reference
+    /// here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "any_json")]
     pub result: Option<Value>,

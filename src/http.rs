@@ -1,7 +1,9 @@
 //! Serving HTTP with bounded waits: the one accept loop behind every HTTP server leasehold runs
-//! (the sidecar's worker API, its `--metrics-addr`, the controller's `--metrics-addr`).
+//! (the sidecar's worker API, its `--metrics-addr`, the controller's `--metrics-addr` and its
+//! admission webhook).
 //!
 //! What a client can make the server wait for, and for how long:
+//! - a TLS handshake ([`serve_tls`] only): [`Limits::header_timeout`] from the accept;
 //! - a request's head (request line and headers), and the next head on an idle keep-alive
 //!   connection: [`Limits::header_timeout`]; then hyper closes the connection. hyper starts
 //!   this timer whenever it begins reading a head, so it covers a connection that never sends
@@ -16,7 +18,8 @@
 //! How long a *handler* may take is the handler's business (the sidecar bounds every route
 //! but the long poll of a claim).
 //!
-//! Only HTTP/1.1 is served: the clients are a worker on loopback, Prometheus and the kubelet.
+//! Only HTTP/1.1 is served: the clients are a worker on loopback, Prometheus, the kubelet and
+//! (over TLS, [`serve_tls`]) the API server calling the controller's admission webhook.
 //! A request hyper cannot parse (a request line with a raw non-ASCII byte, a malformed header)
 //! is answered by hyper itself, with an empty-bodied 400 (431 for headers over its buffer, 414
 //! for an over-long URI), before any handler runs, and the connection is closed.
@@ -88,6 +91,32 @@ pub async fn serve(
     limits: Limits,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
+    serve_on(listener, router, limits, None, shutdown).await
+}
+
+/// As [`serve`], over TLS (HTTP/1.1 only, announced by ALPN): the certificate is whatever
+/// `tls` resolves at each handshake (see [`crate::tls`] for one that follows rotated files).
+/// The handshake must finish within [`Limits::header_timeout`] of the connection's accept;
+/// one that fails or is too slow closes only its connection, and is logged at info level (a
+/// peer that refuses the certificate shows up there).
+pub async fn serve_tls(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    tls: Arc<rustls::ServerConfig>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> std::io::Result<()> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    serve_on(listener, router, limits, Some(acceptor), shutdown).await
+}
+
+async fn serve_on(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> std::io::Result<()> {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
@@ -119,9 +148,33 @@ pub async fn serve(
             let request = request.map(|body| DeadlineBody::new(body, body_timeout));
             router.clone().oneshot(request)
         });
-        let connection = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+        let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), tls.clone());
+        let handshake_timeout = limits.header_timeout;
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
+            let served = match tls {
+                None => {
+                    let connection = builder.serve_connection(TokioIo::new(stream), service);
+                    watcher.watch(connection).await
+                }
+                Some(acceptor) => {
+                    match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            let connection =
+                                builder.serve_connection(TokioIo::new(stream), service);
+                            watcher.watch(connection).await
+                        }
+                        Ok(Err(e)) => {
+                            tracing::info!(%peer, error = %e, "TLS handshake with {peer} failed");
+                            Ok(())
+                        }
+                        Err(_) => {
+                            tracing::info!(%peer, "TLS handshake with {peer} did not finish within {handshake_timeout:?}");
+                            Ok(())
+                        }
+                    }
+                }
+            };
+            if let Err(e) = served {
                 tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
             }
             drop(permit);
@@ -130,6 +183,19 @@ pub async fn serve(
     drop(listener);
     graceful.shutdown().await;
     Ok(())
+}
+
+/// The [`BodyTimeout`] in the source chain of `err`, if the error is one: how a handler tells a
+/// body that took too long from one that could not be read for another reason.
+pub fn body_timeout_in<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a BodyTimeout> {
+    let mut source = Some(err);
+    while let Some(cause) = source {
+        if let Some(timeout) = cause.downcast_ref::<BodyTimeout>() {
+            return Some(timeout);
+        }
+        source = cause.source();
+    }
+    None
 }
 
 /// A request body that fails with [`BodyTimeout`] once its deadline has passed.

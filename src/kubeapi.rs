@@ -97,8 +97,10 @@ where
         .is_some_and(|r| r.is_ok())
 }
 
-/// True when the API server refused a write because the object or request would be too large
-/// (413, or etcd's "request is too large" behind a 500).
+/// True when the API server refused a write because the object or request would be too large:
+/// 413 (the controller's admission webhook past [`crate::crd::MAX_JOB_BYTES`], or the API
+/// server's own request limit), or etcd's "request is too large" behind a 500 where no webhook
+/// answered.
 pub fn is_too_large(err: &kube::Error) -> bool {
     matches!(err, kube::Error::Api(s) if s.code == 413
         || s.message.contains("too large")

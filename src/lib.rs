@@ -15,7 +15,11 @@
 //! - [`leader`]: leader election among controller replicas, fenced like workers.
 //! - [`worker`]: the client library a worker (or the sidecar) uses.
 //! - [`sidecar`]: that library over local HTTP, for workers in any language.
-//! - [`http`]: serving HTTP with bounded waits, for the sidecar and the metrics endpoints.
+//! - [`http`]: serving HTTP with bounded waits, for the sidecar, the metrics endpoints and the
+//!   admission webhook.
+//! - [`admission`]: the controller's admission webhook, which refuses a LeasedJob too large to
+//!   store ([`crd::MAX_JOB_BYTES`]) with a 4xx naming the field.
+//! - [`tls`]: a serving certificate read from files and re-read when they change.
 //! - [`kubeapi`]: what the roles share about the API server: clients whose every request has
 //!   a deadline, the watch backoff, error classification, cache readiness.
 //! - [`watch`]: the watches both roles run, decoding each object on its own so that one
@@ -23,6 +27,7 @@
 //! - [`metrics`]: Prometheus metrics and health.
 //! - [`telemetry`]: logging set-up; [`shutdown`]: the shutdown signal.
 
+pub mod admission;
 pub mod claim;
 pub mod controller;
 pub mod crd;
@@ -38,6 +43,7 @@ pub mod metrics;
 pub mod shutdown;
 pub mod sidecar;
 pub mod telemetry;
+pub mod tls;
 pub mod token;
 pub mod watch;
 pub mod worker;

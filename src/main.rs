@@ -2,6 +2,7 @@
 //! starts logging, builds the client and runs the chosen part of the library.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
@@ -11,7 +12,9 @@ use std::sync::Arc;
 use axum::routing::get;
 use leasehold::kubeapi::Clients;
 use leasehold::metrics::{Health, Metrics};
-use leasehold::{controller, crd, crd_check, http, leader, sidecar, telemetry, worker};
+use leasehold::{
+    admission, controller, crd, crd_check, http, leader, sidecar, telemetry, tls, worker,
+};
 
 /// A Kubernetes-native job queue in which workers lease jobs and prove the lease on every write.
 ///
@@ -78,6 +81,51 @@ impl HttpArgs {
     }
 }
 
+/// The admission webhook that refuses LeasedJobs too large to store (see
+/// `leasehold::admission`). Off unless --admission-listen is given.
+#[derive(clap::Args)]
+struct AdmissionArgs {
+    /// Serve the validating admission webhook (HTTPS, path /validate/leasedjobs) on this
+    /// address. Needs --admission-cert and --admission-key.
+    #[arg(long, env = "LEASEHOLD_ADMISSION_LISTEN", value_name = "ADDR", requires_all = ["admission_cert", "admission_key"])]
+    admission_listen: Option<SocketAddr>,
+    /// PEM file of the webhook's serving certificate (its chain after it); read again
+    /// whenever it changes, so a rotated Secret needs no restart.
+    #[arg(
+        long,
+        env = "LEASEHOLD_ADMISSION_CERT",
+        value_name = "FILE",
+        requires = "admission_listen"
+    )]
+    admission_cert: Option<PathBuf>,
+    /// PEM file of the certificate's private key (PKCS#8, PKCS#1 or SEC1); read again whenever
+    /// it changes.
+    #[arg(
+        long,
+        env = "LEASEHOLD_ADMISSION_KEY",
+        value_name = "FILE",
+        requires = "admission_listen"
+    )]
+    admission_key: Option<PathBuf>,
+}
+
+impl AdmissionArgs {
+    /// The address and TLS configuration to serve the webhook with, when it is on.
+    fn config(&self) -> anyhow::Result<Option<(SocketAddr, Arc<rustls::ServerConfig>)>> {
+        let (Some(addr), Some(cert), Some(key)) = (
+            self.admission_listen,
+            &self.admission_cert,
+            &self.admission_key,
+        ) else {
+            return Ok(None);
+        };
+        let tls = tls::server_config(cert, key).context(
+            "--admission-cert and --admission-key must name a PEM certificate and its key",
+        )?;
+        Ok(Some((addr, tls)))
+    }
+}
+
 fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
     Duration::try_from_secs_f64(value)
         .ok()
@@ -137,6 +185,8 @@ enum Command {
         election: ElectionArgs,
         #[command(flatten)]
         http: HttpArgs,
+        #[command(flatten)]
+        admission: AdmissionArgs,
         /// Which transitions get an Event: `problems` (failures, expiries, Lease conflicts,
         /// cancellations) or `all` (also every claim, completion and release: two more writes
         /// per job).
@@ -200,10 +250,12 @@ async fn main() -> anyhow::Result<()> {
             metrics_addr,
             election,
             http,
+            admission,
             events,
         } => {
             telemetry::init(log_format);
             let limits = http.limits()?;
+            let admission = admission.config()?;
             if let Some(ns) = &namespace {
                 check_dns_label("--namespace", ns)?;
             }
@@ -225,6 +277,29 @@ async fn main() -> anyhow::Result<()> {
                 limits,
                 std::future::pending(),
             );
+            let admission = match admission {
+                Some((addr, tls)) => {
+                    let listener = tokio::net::TcpListener::bind(addr)
+                        .await
+                        .with_context(|| format!("--admission-listen {addr}: cannot bind"))?;
+                    let bound = listener.local_addr().unwrap_or(addr);
+                    tracing::info!(admission_listen = %bound, "Serving the admission webhook at https://{bound}{}", admission::PATH);
+                    Some(tokio::spawn(http::serve_tls(
+                        listener,
+                        admission::router(),
+                        limits,
+                        tls,
+                        std::future::pending(),
+                    )))
+                }
+                None => None,
+            };
+            let admitted = async {
+                match admission {
+                    Some(task) => task.await,
+                    None => std::future::pending().await,
+                }
+            };
             let draining = Arc::clone(&health);
             tokio::spawn(async move {
                 leasehold::shutdown::signal().await;
@@ -248,6 +323,9 @@ async fn main() -> anyhow::Result<()> {
             tokio::select! {
                 done = controller => done?,
                 served = server => served.context("metrics server failed")?,
+                admitted = admitted => {
+                    admitted.context("the admission webhook server panicked")?.context("admission webhook server failed")?;
+                }
             }
             Ok(())
         }

@@ -39,9 +39,10 @@ use serde_json::{json, Value};
 use crate::crd::LeasedJob;
 use crate::worker::{Worker, WorkerError};
 
-/// Largest request body accepted, in bytes (a result is stored in the job's status, and etcd
-/// keeps objects under about 1.5 MiB).
-pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+/// Largest request body accepted, in bytes: a whole LeasedJob's limit
+/// ([`crate::crd::MAX_JOB_BYTES`], 1 MiB), since a result or checkpoint larger than that can
+/// never be stored in one.
+pub const MAX_BODY_BYTES: usize = crate::crd::MAX_JOB_BYTES;
 /// Longest long poll accepted by `/v1/claim?wait=`, in seconds.
 pub const MAX_WAIT_SECONDS: u64 = 300;
 
@@ -280,18 +281,14 @@ fn body_error(e: BytesRejection) -> ApiError {
     if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
         return too_large("request body");
     }
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
-    while let Some(cause) = source {
-        if let Some(timeout) = cause.downcast_ref::<crate::http::BodyTimeout>() {
-            let mut e = ApiError::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "body_timeout",
-                format!("{timeout}: send the whole body at once"),
-            );
-            e.close = true;
-            return e;
-        }
-        source = cause.source();
+    if let Some(timeout) = crate::http::body_timeout_in(&e) {
+        let mut e = ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "body_timeout",
+            format!("{timeout}: send the whole body at once"),
+        );
+        e.close = true;
+        return e;
     }
     ApiError::new(
         StatusCode::BAD_REQUEST,

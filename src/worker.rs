@@ -142,7 +142,8 @@ pub enum WorkerError {
         /// What happened, to which job, what to do.
         message: String,
     },
-    /// The checkpoint is too large.
+    /// The checkpoint is too large, or the write would make the job larger than a job may be
+    /// ([`crate::crd::MAX_JOB_BYTES`]).
     #[error("{0}")]
     TooLarge(String),
     /// The sidecar is shutting down and claims no more jobs.
@@ -1265,8 +1266,9 @@ impl Worker {
             }
             Err(FenceError::Api { source, .. }) if is_too_large(&source) => {
                 return Err(WorkerError::TooLarge(format!(
-                    "LeasedJob {} would exceed the API server's object size limit (about 1.5 MiB for the whole job, payload included) with this write; nothing was written: send a smaller result or message, or store large results elsewhere and send a reference",
-                    self.job_ref(name)
+                    "LeasedJob {} would exceed the size limit of a job ({} bytes for the whole job as JSON, payload included) with this write; nothing was written: send a smaller result or message, or store large results elsewhere and send a reference",
+                    self.job_ref(name),
+                    crate::crd::MAX_JOB_BYTES
                 )))
             }
             Err(e @ FenceError::Api { .. }) => {

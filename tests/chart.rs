@@ -1,6 +1,7 @@
-//! The Helm chart: lint, a server-side dry run of everything it renders, and a real install,
-//! upgrade across a CRD change, and uninstall against the local API server; and the
-//! controller's refusal to start against an out-of-date CRD.
+//! The Helm chart: lint, a server-side dry run of everything it renders (with the admission
+//! webhook's certificate checked against its Service name and CA), and a real install,
+//! upgrade across a CRD change (keeping the webhook's certificate), and uninstall against the
+//! local API server; and the controller's refusal to start against an out-of-date CRD.
 //!
 //! Two tests here replace or delete the cluster's one LeasedJob CRD, so every test here that
 //! uses the cluster holds [`CRD_LOCK`], and those two put the committed CRD back when they end
@@ -15,12 +16,14 @@ use std::time::Duration;
 
 use chart_support::*;
 use common::*;
+use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::DeleteParams;
 use kube::Api;
 use leasehold::crd_check::{CRD_NAME, FIX_COMMAND};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 static CRD_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -61,8 +64,32 @@ fn helm_lint_passes_with_defaults_and_with_every_option_on() {
         "admissionPolicy.extraWorkerUsernames={system:serviceaccount:x:y}",
         "--set",
         "controller.extraArgs={--namespace,jobs}",
+        "--set",
+        "admissionWebhook.failurePolicy=Fail",
+        "--set",
+        "admissionWebhook.namespaceSelector.matchLabels.team=jobs",
     ]);
     assert!(out.contains("0 chart(s) failed"), "{out}");
+    let out = helm_ok(&[
+        "lint",
+        "--strict",
+        chart,
+        "--set",
+        "admissionWebhook.enabled=false",
+    ]);
+    assert!(out.contains("0 chart(s) failed"), "{out}");
+    // Only the two failure policies the API server knows.
+    let (ok, out) = helm(&[
+        "template",
+        "r",
+        chart,
+        "--set",
+        "admissionWebhook.failurePolicy=Sometimes",
+    ]);
+    assert!(
+        !ok && out.contains("admissionWebhook.failurePolicy must be Ignore or Fail"),
+        "{out}"
+    );
     // The chart refuses an example worker outside the worker namespaces (at render time:
     // helm lint reports a template's `fail` only as information).
     let (ok, out) = helm(&[
@@ -129,6 +156,8 @@ async fn everything_the_chart_renders_passes_a_server_side_dry_run() {
         "RoleBinding",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
+        "ValidatingWebhookConfiguration",
+        "Secret",
         "ConfigMap",
     ] {
         assert!(kinds.contains(&kind), "no {kind} rendered: {kinds:?}");
@@ -167,6 +196,8 @@ async fn everything_the_chart_renders_passes_a_server_side_dry_run() {
         "leasehold-worker"
     );
 
+    check_admission_webhook(&docs, &release_ns.name);
+
     // The example in the docs is a manifest of its own: it must pass the same dry run.
     let example = repo("docs/example-worker.yaml");
     let (ok, out) = kubectl(
@@ -181,6 +212,108 @@ async fn everything_the_chart_renders_passes_a_server_side_dry_run() {
         .expect("a Deployment in docs/example-worker.yaml");
     let sidecar = &deployment["spec"]["template"]["spec"]["initContainers"][0];
     assert_eq!(sidecar["restartPolicy"], "Always");
+}
+
+/// The rendered webhook hangs together: the configuration calls the Service on the path the
+/// controller serves, the Service reaches the controller's `admission` port, the Deployment
+/// mounts the Secret and passes the flags, and the Secret's certificate is valid for the
+/// Service's name, signed by the CA the configuration trusts, and loadable by the controller.
+fn check_admission_webhook(docs: &[Value], ns: &str) {
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name} rendered"))
+            .clone()
+    };
+    let vwc = find("ValidatingWebhookConfiguration", "dry-leasehold-job-size");
+    let webhook = &vwc["webhooks"][0];
+    assert_eq!(webhook["failurePolicy"], "Ignore", "{webhook}");
+    assert_eq!(webhook["sideEffects"], "None");
+    let rule = &webhook["rules"][0];
+    assert_eq!(
+        rule["resources"],
+        json!(["leasedjobs", "leasedjobs/status"])
+    );
+    assert_eq!(rule["operations"], json!(["CREATE", "UPDATE"]));
+    let service = &webhook["clientConfig"]["service"];
+    assert_eq!(service["path"], leasehold::admission::PATH);
+    assert_eq!(service["namespace"], ns);
+    let name = service["name"].as_str().unwrap();
+    let svc = find("Service", name);
+    assert_eq!(svc["spec"]["ports"][0]["port"], service["port"]);
+    assert_eq!(svc["spec"]["ports"][0]["targetPort"], "admission");
+
+    let deployment = find("Deployment", "dry-leasehold-controller");
+    let pod = &deployment["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    let args: Vec<&str> = container["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert!(
+        args.contains(&"--admission-listen=0.0.0.0:9443")
+            && args.contains(&"--admission-cert=/etc/leasehold/admission/tls.crt")
+            && args.contains(&"--admission-key=/etc/leasehold/admission/tls.key"),
+        "{args:?}"
+    );
+    assert!(container["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["name"] == "admission" && p["containerPort"] == 9443));
+    assert_eq!(
+        container["volumeMounts"][0]["mountPath"],
+        "/etc/leasehold/admission"
+    );
+    let secret_name = pod["volumes"][0]["secret"]["secretName"].as_str().unwrap();
+
+    let secret = find("Secret", secret_name);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("chart-certs-{ns}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (key, file) in [
+        ("ca.crt", "ca.crt"),
+        ("tls.crt", "tls.crt"),
+        ("tls.key", "tls.key"),
+    ] {
+        let pem = decode_base64(secret["data"][key].as_str().unwrap());
+        std::fs::write(dir.join(file), pem).unwrap();
+    }
+    assert_eq!(
+        webhook["clientConfig"]["caBundle"], secret["data"]["ca.crt"],
+        "the configuration trusts another CA than the Secret's"
+    );
+    let dns = format!("{name}.{ns}.svc");
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "openssl {args:?}: {text}");
+        text
+    };
+    openssl(&[
+        "verify",
+        "-CAfile",
+        "ca.crt",
+        "-verify_hostname",
+        &dns,
+        "-purpose",
+        "sslserver",
+        "tls.crt",
+    ]);
+    leasehold::tls::server_config(&dir.join("tls.crt"), &dir.join("tls.key"))
+        .expect("the controller loads the chart's certificate and key");
+}
+
+/// Secret data (standard base64), decoded.
+fn decode_base64(text: &str) -> Vec<u8> {
+    let bytes: k8s_openapi::ByteString = serde_json::from_value(json!(text)).expect("base64");
+    bytes.0
 }
 
 /// The committed CRD without `status.checkpoint`: what an older release installed.
@@ -376,6 +509,13 @@ async fn helm_install_upgrade_across_a_crd_change_and_uninstall_leave_no_orphans
 
     let rel = "helm-life";
     let workers_set = format!("workers.namespaces={{{}}}", workers.name);
+    // The webhook's configuration is cluster-wide and no controller pod runs here: scoped to
+    // the workers' namespace, where this test writes no LeasedJob, it never delays another
+    // test's writes.
+    let webhook_scope = format!(
+        "admissionWebhook.namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name={}",
+        workers.name
+    );
     helm_ok(&[
         "install",
         rel,
@@ -384,7 +524,12 @@ async fn helm_install_upgrade_across_a_crd_change_and_uninstall_leave_no_orphans
         &ns.name,
         "--set",
         &workers_set,
+        "--set",
+        &webhook_scope,
     ]);
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
+    let secret_name = format!("{rel}-leasehold-admission-tls");
+    let first_secret = secrets.get(&secret_name).await.unwrap().data.unwrap();
     let installed = wait_for("CRD installed by helm", Duration::from_secs(30), || async {
         crds.get_opt(CRD_NAME).await.unwrap()
     })
@@ -404,6 +549,8 @@ async fn helm_install_upgrade_across_a_crd_change_and_uninstall_leave_no_orphans
         &ns.name,
         "--set",
         &workers_set,
+        "--set",
+        &webhook_scope,
     ]);
     assert!(
         !crd_has_checkpoint(&crds.get(CRD_NAME).await.unwrap()),
@@ -458,7 +605,33 @@ async fn helm_install_upgrade_across_a_crd_change_and_uninstall_leave_no_orphans
         "controller.logLevel=debug",
         "--set",
         "controller.extraArgs={--namespace,jobs}",
+        "--set",
+        &webhook_scope,
     ]);
+    // Upgrades keep the webhook's CA and certificate (looked up, not made again), and the
+    // configuration trusts that CA.
+    let kept = secrets.get(&secret_name).await.unwrap().data.unwrap();
+    assert!(
+        kept == first_secret,
+        "an upgrade replaced the webhook's certificate"
+    );
+    let configurations: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+    let vwc = configurations
+        .get(&format!("{rel}-leasehold-job-size"))
+        .await
+        .unwrap();
+    let webhook = &vwc.webhooks.unwrap()[0];
+    assert_eq!(webhook.client_config.ca_bundle.as_ref(), kept.get("ca.crt"));
+    assert_eq!(
+        webhook.namespace_selector.as_ref().unwrap().match_labels,
+        Some(
+            [(
+                "kubernetes.io/metadata.name".to_string(),
+                workers.name.clone()
+            )]
+            .into()
+        )
+    );
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns.name);
     let d = deployments
         .get(&format!("{}-controller", release.fullname()))
@@ -472,6 +645,9 @@ async fn helm_install_upgrade_across_a_crd_change_and_uninstall_leave_no_orphans
         [
             "controller",
             "--metrics-addr=0.0.0.0:9090",
+            "--admission-listen=0.0.0.0:9443",
+            "--admission-cert=/etc/leasehold/admission/tls.crt",
+            "--admission-key=/etc/leasehold/admission/tls.key",
             "--namespace",
             "jobs"
         ]
@@ -494,7 +670,7 @@ async fn helm_install_upgrade_across_a_crd_change_and_uninstall_leave_no_orphans
     std::mem::forget(release); // uninstalled by hand below
     helm_ok(&["uninstall", rel, "--namespace", &ns.name, "--wait"]);
     let namespaced = "deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings,secrets";
-    let cluster = "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings";
+    let cluster = "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings,validatingwebhookconfigurations";
     wait_for(
         "no objects of the release left",
         Duration::from_secs(60),

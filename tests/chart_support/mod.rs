@@ -62,6 +62,10 @@ pub struct Release {
 impl Release {
     /// `helm install NAME chart -n NAMESPACE --set ...`, skipping crds/ (the tests install the
     /// CRD themselves, and a release must not own the one CRD that all tests share).
+    ///
+    /// The admission webhook is off unless `sets` turn it on: no controller pod runs here (no
+    /// kubelet), so the API server could not reach it, and its configuration is cluster-wide:
+    /// every LeasedJob write of every test would wait for its timeout.
     pub fn install(name: &str, namespace: &str, sets: &[&str]) -> Release {
         let chart = chart_dir();
         let mut args = vec![
@@ -71,6 +75,8 @@ impl Release {
             "--namespace",
             namespace,
             "--skip-crds",
+            "--set",
+            "admissionWebhook.enabled=false",
         ];
         for s in sets {
             args.extend_from_slice(&["--set", s]);

@@ -39,6 +39,16 @@ app.kubernetes.io/component: controller
 {{- printf "%s-controller" (include "leasehold.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* The Service the API server calls the admission webhook through. */}}
+{{- define "leasehold.admissionService" -}}
+{{- printf "%s-admission" (include "leasehold.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The Secret holding the admission webhook's serving certificate, key and CA. */}}
+{{- define "leasehold.admissionSecret" -}}
+{{- printf "%s-admission-tls" (include "leasehold.fullname" .) | trunc 253 | trimSuffix "-" }}
+{{- end }}
+
 {{/* The image, tag defaulting to the chart's appVersion. */}}
 {{- define "leasehold.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
