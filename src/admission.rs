@@ -187,7 +187,9 @@ pub struct Reviewed {
 /// 413, reason `RequestEntityTooLarge`, and a message naming the job, the sizes, the limit,
 /// the largest field and where large data belongs ([`TooLarge`]'s Display). Exception: an
 /// update that does not make the object larger is allowed, so that a job stored before the
-/// limit (etcd took up to about 1.5 MiB) can still be cancelled, finished or deleted.
+/// limit (etcd took up to about 1.5 MiB) can still be cancelled, finished or deleted; and a
+/// write to the status subresource may go [`status_headroom`] past the limit, so that a job
+/// created right at the limit can still be initialised, claimed and failed.
 /// Everything else (other resources, `DELETE`, `CONNECT`) is allowed.
 ///
 /// Sizes are the byte lengths of `request.object` and `request.oldObject` exactly as the API
@@ -229,6 +231,11 @@ fn decide(request: &AdmissionRequest<'_>, limit: usize) -> Decision {
     let Some(object) = request.object.filter(|_| ours) else {
         return Decision::Allowed;
     };
+    let limit = if request.sub_resource == "status" {
+        limit + status_headroom(limit)
+    } else {
+        limit
+    };
     let size = object.get().len();
     let old_size = request.old_object.map(|o| o.get().len());
     if size <= limit || old_size.is_some_and(|old| size <= old) {
@@ -245,6 +252,15 @@ fn decide(request: &AdmissionRequest<'_>, limit: usize) -> Decision {
         limit,
         largest: parsed.as_ref().and_then(largest_field),
     })
+}
+
+/// Room a write to the status subresource has beyond the limit: a sixteenth of it (64 KiB of
+/// 1 MiB). A job may be created right at the limit; leasehold's own status writes on it (the
+/// initial status, a claim, a failure record) must still land, and 1 MiB plus this still
+/// leaves etcd's 1.5 MiB room for the metadata around the object. A worker's result or
+/// checkpoint that needs more is refused as usual.
+pub fn status_headroom(limit: usize) -> usize {
+    limit / 16
 }
 
 /// `<namespace>/<name>` of the request's object: the request's name, else the object's, else
@@ -429,6 +445,38 @@ mod tests {
     }
 
     #[test]
+    fn status_writes_have_headroom_so_a_job_created_at_the_limit_can_still_run() {
+        // A job as large as a create may be, then its status grows by less than the headroom.
+        let mut at_limit = job(0, 0);
+        at_limit["spec"]["payload"] = json!("");
+        let pad = LIMIT - size(&at_limit);
+        at_limit["spec"]["payload"] = json!("p".repeat(pad));
+        assert_eq!(size(&at_limit), LIMIT);
+        let out = decide_json(&request("CREATE", "", Some(&at_limit), None));
+        assert_eq!(out.decision, Decision::Allowed);
+        let mut claimed = at_limit.clone();
+        claimed["status"]["phase"] = json!("Leased");
+        assert!(size(&claimed) - LIMIT < status_headroom(LIMIT));
+        let out = decide_json(&request(
+            "UPDATE",
+            "status",
+            Some(&claimed),
+            Some(&at_limit),
+        ));
+        assert_eq!(out.decision, Decision::Allowed);
+        // The same growth through the main resource is refused: the headroom is the status's.
+        let out = decide_json(&request("UPDATE", "", Some(&claimed), Some(&at_limit)));
+        assert!(matches!(out.decision, Decision::TooLarge(_)));
+        // And a status past the headroom is refused, naming the effective limit.
+        let mut huge = at_limit.clone();
+        huge["status"]["result"] = json!("r".repeat(status_headroom(LIMIT) + 1));
+        match decide_json(&request("UPDATE", "status", Some(&huge), Some(&at_limit))).decision {
+            Decision::TooLarge(t) => assert_eq!(t.limit, LIMIT + status_headroom(LIMIT)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
     fn writes_are_judged_by_the_size_of_the_whole_object() {
         let small = job(100, 0);
         let big = job(2000, 0);
@@ -477,7 +525,14 @@ mod tests {
             for part in [
                 "LeasedJob jobs/big".to_string(),
                 format!("{} bytes", size(object)),
-                format!("limit of {LIMIT} bytes"),
+                format!(
+                    "limit of {} bytes",
+                    if sub == "status" {
+                        LIMIT + status_headroom(LIMIT)
+                    } else {
+                        LIMIT
+                    }
+                ),
                 format!("largest field is {field}"),
                 "object store".to_string(),
             ] {
