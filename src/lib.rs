@@ -22,6 +22,8 @@
 //! - [`tls`]: a serving certificate read from files and re-read when they change.
 //! - [`kubeapi`]: what the roles share about the API server: clients whose every request has
 //!   a deadline, the watch backoff, error classification, cache readiness.
+//! - [`memory`]: freed heap memory handed back to the kernel, so resident memory follows
+//!   what the caches keep.
 //! - [`watch`]: the watches both roles run, decoding each object on its own so that one
 //!   undecodable object is skipped and reported instead of stalling the watch.
 //! - [`metrics`]: Prometheus metrics and health.
@@ -39,6 +41,7 @@ pub mod http;
 pub mod kubeapi;
 pub mod leader;
 pub mod lease;
+pub mod memory;
 pub mod metrics;
 pub mod shutdown;
 pub mod sidecar;

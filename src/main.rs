@@ -239,6 +239,9 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let log_format = cli.log_format;
+    if !matches!(cli.command, Command::Crd) {
+        tokio::spawn(leasehold::memory::trim_periodically());
+    }
     match cli.command {
         Command::Crd => {
             print!("{}", crd::crd_yaml()?);

@@ -283,7 +283,7 @@ where
             let out = match event {
                 Ok(event) => {
                     if matches!(event, watcher::Event::InitDone) {
-                        release_freed_memory();
+                        crate::memory::release_freed();
                     }
                     let (event, skipped) = decode_event(event);
                     if let Some(s) = skipped {
@@ -308,20 +308,6 @@ where
 /// 100 it is about 20 MiB. The price is more LIST requests at start-up and after each re-list
 /// (one per 100 objects).
 pub const LIST_PAGE_SIZE: u32 = 100;
-
-/// Hands the heap memory that a (re-)list freed back to the operating system. glibc's
-/// allocator keeps freed memory in its arenas, so a sidecar whose cache holds 2000 small jobs
-/// stayed at 131 MiB resident after listing them with 64 KiB payloads (17 MiB with 100-byte
-/// payloads). `malloc_trim(0)` after each list makes resident memory follow what the caches
-/// keep. A no-op where the allocator is not glibc's (the static musl image).
-pub fn release_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only returns free pages to the kernel; it takes the allocator's own
-    // locks and touches no memory the program owns.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
 
 /// Logs a watch error (warn, `what` failed; the text redacted of tokens and cut at 500
 /// characters): the one way every role reports a watch that failed and is being retried.

@@ -34,7 +34,7 @@ pub struct Payload {
 }
 
 /// How long both processes are left alone after syncing before they are measured.
-pub const SETTLE: Duration = Duration::from_secs(5);
+pub const SETTLE: Duration = Duration::from_secs(10);
 
 /// Runs the scenario with `jobs` jobs per queue, for each size in `payload_bytes`.
 pub async fn run(bench: &Bench, jobs: usize, payload_bytes: &[usize]) -> anyhow::Result<Payload> {
