@@ -1,5 +1,5 @@
-//! The controller: initialises new jobs, requeues jobs whose lease expired, cleans up Leases of
-//! ended attempts, and records Events.
+//! The controller: initialises new jobs, requeues jobs whose lease expired, cancels, deletes
+//! finished jobs after their TTL, and records Events.
 //!
 //! Shape: [`reconcile`] reads the job (from the watch cache) and its Lease (from a second watch
 //! cache), asks the pure core ([`crate::expiry`], [`crate::fence`]) what to do, then writes.
@@ -7,6 +7,13 @@
 //! JSON Patch that tests the expired token and the Leased phase, Lease releases as JSON Patches
 //! that test holderIdentity. When a worker's result lands first, the requeue is refused by the
 //! API server and dropped.
+//!
+//! Leases: the controller clears the holderIdentity of an attempt it ended itself (expiry,
+//! cancel), so that the holder, which does not know, is refused by the API server at its next
+//! renewal. It never writes the Lease of an attempt its holder ended: the job's status fences
+//! that attempt, and a Lease naming a token the job no longer holds as Leased is stale, counts
+//! as no Lease for expiry (`record_of`) and is taken over by the next claim
+//! (docs/protocol.md, "What fences what").
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -46,11 +53,6 @@ const EXPIRY_SLACK: Duration = Duration::from_millis(20);
 const NOT_LEADER_REQUEUE: Duration = Duration::from_secs(1);
 /// Requeue delay after a failed reconcile.
 const ERROR_REQUEUE: Duration = Duration::from_secs(2);
-/// How long the holder gets to release the Lease of an attempt it ended before the controller
-/// releases it on the holder's behalf. The holder releases right after its job write, so
-/// without this wait the controller, seeing the job write first, would race it on every
-/// completion: two PATCHes and a read instead of one PATCH.
-const RELEASE_GRACE: Duration = Duration::from_secs(5);
 
 /// Errors of one reconcile; each has a stable category.
 #[derive(Debug, Error)]
@@ -155,9 +157,6 @@ pub struct Context {
     /// expiry is judged on fresh reads until the cache agrees again, so that the two sources
     /// can never take turns restarting the expiry clock.
     fresh_reads: Mutex<std::collections::HashSet<ObjectRef<LeasedJob>>>,
-    /// Ended attempts whose Lease still names their token: the token, and when the controller
-    /// releases the Lease if the holder has not (see [`RELEASE_GRACE`]).
-    release_due: Mutex<HashMap<ObjectRef<LeasedJob>, (String, Instant)>>,
 }
 
 /// Runs the controller until SIGTERM/SIGINT, reporting into `metrics` and `health` (ready
@@ -230,7 +229,6 @@ pub async fn run(
         observations: Mutex::default(),
         transitions: Mutex::default(),
         fresh_reads: Mutex::default(),
-        release_due: Mutex::default(),
     });
     let (job_store, job_writer) = reflector::store();
     let job_stream = watch::watch(
@@ -444,7 +442,6 @@ impl Context {
         self.observations.lock().unwrap().retain(|k, _| keep(k));
         self.transitions.lock().unwrap().retain(|k, _| keep(k));
         self.fresh_reads.lock().unwrap().retain(keep);
-        self.release_due.lock().unwrap().retain(|k, _| keep(k));
     }
 
     /// Records an Event on `job` if this replica leads; the action is the reason. A failure
@@ -512,40 +509,8 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
                 .lock()
                 .unwrap()
                 .remove(&ObjectRef::from_obj(&*job));
-            // An ended attempt whose Lease still names its token: once the holder has had
-            // RELEASE_GRACE to release it (its release did not get through), release it on
-            // the holder's behalf.
-            let key = ObjectRef::from_obj(&*job);
-            let held = lease.as_deref().and_then(lease::holder_identity);
-            if let (Some(held), Some(token)) = (held, job.token()) {
-                if held == token {
-                    let now = Instant::now();
-                    let due = {
-                        let mut pending = ctx.release_due.lock().unwrap();
-                        let entry = pending
-                            .entry(key.clone())
-                            .or_insert_with(|| (token.to_string(), now + RELEASE_GRACE));
-                        if entry.0 != token {
-                            *entry = (token.to_string(), now + RELEASE_GRACE);
-                        }
-                        entry.1
-                    };
-                    if now < due {
-                        return Ok(Action::requeue(due - now));
-                    }
-                    ctx.leading(&job)?;
-                    ctx.release_due.lock().unwrap().remove(&key);
-                    lease::release(&leases, &lease_name, token)
-                        .await
-                        .map_err(|source| ReconcileError::Lease {
-                            job: job.reference(),
-                            action: "release",
-                            source,
-                        })?;
-                    return Ok(Action::await_change());
-                }
-            }
-            ctx.release_due.lock().unwrap().remove(&key);
+            // A Lease still naming an ended attempt's token is left as it is: the job's status
+            // fences that attempt (docs/protocol.md, "What fences what").
             if phase.is_finished() {
                 return delete_after_ttl(&job, &ctx, &jobs).await;
             }

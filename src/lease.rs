@@ -1,6 +1,6 @@
-//! The per-job `coordination.k8s.io/v1` Lease: its name, and the three writes a holder makes to
-//! it — acquire (create or take over), renew (the heartbeat, optionally with a checkpoint) and
-//! release.
+//! The per-job `coordination.k8s.io/v1` Lease: its name, and the writes made to it — acquire
+//! (create or take over), renew (the heartbeat, optionally with a checkpoint) and release (the
+//! controller's, for an attempt it ended itself: expiry or cancel).
 //!
 //! Field meanings follow client-go's leader election (`tools/leaderelection/resourcelock`):
 //! `holderIdentity` is the current fencing token, `acquireTime` the claim time, `renewTime` the
@@ -11,6 +11,12 @@
 //! first operation `test`s that holderIdentity is still the caller's token, so the API server
 //! applies them atomically or not at all: a renewal never re-creates or re-takes a Lease that
 //! expired or went to someone else.
+//!
+//! A Lease proves a holder only together with its job: the job's status is the authority, and a
+//! Lease whose holderIdentity is not the token of a job Leased with it is stale and free to take
+//! over. The holder leaves its Lease as it is after ending its attempt, so a Lease normally
+//! keeps naming the last attempt's token until the next claim takes it over or garbage
+//! collection deletes it with the job (docs/protocol.md, "What fences what").
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
@@ -211,8 +217,10 @@ pub fn ownership(lease: &Lease, job: &LeasedJob) -> Ownership {
 }
 
 /// Whether a holder with `ours` may take over a Lease now held by `current`: yes when it is
-/// free or held by an older attempt; never from the same or a newer attempt (that would let a
-/// delayed claimer steal the Lease of the owner that replaced it).
+/// free or held by an older attempt (released, or left naming an attempt that ended: the usual
+/// case, since a holder does not release the Lease of an attempt it ended); never from the same
+/// or a newer attempt (that would let a delayed claimer steal the Lease of the owner that
+/// replaced it).
 pub fn may_take_over(current: Option<&str>, ours: &Token) -> bool {
     match current.map(Token::parse) {
         None => true,
@@ -408,8 +416,9 @@ pub async fn renew(
     }
 }
 
-/// Releases the Lease `name` if `holder` still holds it. A Lease already released, re-taken or
-/// gone counts as released.
+/// Releases the Lease `name` if `holder` still holds it: the controller's, after it ended the
+/// attempt itself (expiry, cancel), so that the holder's next renewal is refused by the API
+/// server. A Lease already released, re-taken or gone counts as released.
 ///
 /// # Errors
 /// [`LeaseError::Api`] when the API server could not be asked.

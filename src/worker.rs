@@ -7,7 +7,8 @@
 //! Background renewal runs every `leaseDurationSeconds / 3` per held job (client-go's leader
 //! election renews at a similar fraction of its lease). It stops when:
 //! - the attempt ends (complete, fail, release);
-//! - a renewal finds holderIdentity changed or the Lease gone: the lease is lost;
+//! - a renewal finds holderIdentity changed or the Lease gone, or the watch cache shows the job
+//!   no longer Leased to the attempt (expired, cancelled, superseded): the lease is lost;
 //! - renewals have failed (network, 5xx, 403) for a whole lease duration, measured on the
 //!   monotonic clock from the last success: the lease is declared lost, since the controller
 //!   may have requeued the job by then;
@@ -17,6 +18,14 @@
 //!
 //! From the moment a lease is declared lost, every call with its token is answered with
 //! [`WorkerError::LeaseLost`], without asking the API server.
+//!
+//! An attempt this process ends (complete, fail, release) leaves its Lease as it is: the job's
+//! status fences the ended attempt, so the Lease keeps naming the ended token until the next
+//! claim takes it over or garbage collection deletes it with the job (docs/protocol.md, "What
+//! fences what"). Since the Lease would still accept that token's renewals, a heartbeat is
+//! accepted only when the job is also still Leased to the token: this process remembers the
+//! attempts it ended, checks its watch cache before and after the renewal, and reads the job
+//! afresh before renewing for a token it does not hold.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -61,6 +70,9 @@ pub const FOREIGN_LEASE_RETRY: Duration = Duration::from_secs(30);
 pub const STALE_LEASE_RETRY: Duration = Duration::from_secs(3);
 /// The claim window never widens past this many times [`WorkerConfig::spread`].
 const MAX_WINDOW_FACTOR: usize = 64;
+/// At most this many attempts ended by this process are remembered (one per job name, the
+/// latest); past it the memory starts over and the watch cache and fresh reads answer alone.
+const MAX_ENDED: usize = 10_000;
 
 /// Options of a [`Worker`].
 #[derive(Clone, Debug)]
@@ -233,6 +245,10 @@ struct Inner {
     /// Snapshots (name -> resourceVersion) already tried, so a stale cache entry is not
     /// claimed twice.
     tried: Mutex<HashMap<String, String>>,
+    /// The latest attempt this process ended per job name, with the refusal its token now
+    /// earns: its Lease still names it (see the module doc), so a heartbeat with it must be
+    /// refused here.
+    ended_here: Mutex<HashMap<String, (Token, Refusal)>>,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     /// Wakes [`Worker::drained`] when a held attempt ends.
@@ -301,6 +317,7 @@ impl Worker {
             changes,
             held: Mutex::default(),
             tried: Mutex::default(),
+            ended_here: Mutex::default(),
             metrics,
             health,
             ended: Notify::new(),
@@ -780,6 +797,13 @@ impl Worker {
                     return;
                 }
             }
+            // An attempt that ended elsewhere (expired, cancelled) may keep a Lease that still
+            // accepts renewals: the job decides.
+            if let Some((code, why)) = self.cached_job_moved_on(name, &held.token) {
+                warn!(job = %job_ref, attempt = held.token.attempt(), "Stopped renewing LeasedJob {job_ref}: {why}");
+                self.lose(held, code, lost_message(&job_ref, &why));
+                return;
+            }
             let renewed = self.renew_bounded(held, None).await;
             self.inner.metrics.heartbeat(renewed.is_ok());
             match renewed {
@@ -976,9 +1000,22 @@ impl Worker {
             lease::checkpoint_text(c).map_err(|e| WorkerError::TooLarge(e.to_string()))?;
         }
         let held = self.held_for(name, &token)?;
+        // The Lease alone proves nothing: the Lease of an attempt that ended still names its
+        // token. A token whose attempt is known to have ended is refused before any write.
+        match &held {
+            Some(h) => {
+                if let Some((code, why)) = self.cached_job_moved_on(name, &token) {
+                    let message = lost_message(&self.job_ref(name), &why);
+                    self.lose(h, code, message.clone());
+                    return Err(WorkerError::LeaseLost { code, message });
+                }
+            }
+            None => self.check_unheld(name, &token).await?,
+        }
         let renewed = match &held {
             Some(h) => self.renew_bounded(h, checkpoint.as_ref()).await,
-            // Not held by this process (it restarted since the claim): the Lease decides.
+            // Not held by this process (it restarted since the claim), and the job says the
+            // token holds it: the Lease decides.
             None => {
                 let lease_name = lease::lease_name(name);
                 lease::renew(&self.inner.leases, &lease_name, &token, checkpoint.as_ref()).await
@@ -989,8 +1026,12 @@ impl Worker {
         }
         match renewed {
             Ok(lease) => {
-                // The Lease may lag the job by one write (requeued, not yet released): the
-                // job itself must still be Leased to this token.
+                // The attempt may have ended while the renewal was on its way (a complete sent
+                // meanwhile, an expiry, a cancel): the job itself must still be Leased to this
+                // token.
+                if let Some(r) = self.ended_refusal(name, &token) {
+                    return Err(WorkerError::Refused(r));
+                }
                 let moved_on = match self.cached_job_moved_on(name, &token) {
                     None if self.job_deleted(name).await => {
                         Some(("job_not_found", "the LeasedJob was deleted".to_string()))
@@ -1060,6 +1101,39 @@ impl Worker {
         }
     }
 
+    /// The refusal `token` earns when this process ended its attempt (see
+    /// [`Inner::ended_here`]).
+    fn ended_refusal(&self, name: &str, token: &Token) -> Option<Refusal> {
+        let ended = self.inner.ended_here.lock().unwrap();
+        ended
+            .get(name)
+            .filter(|(t, _)| t == token)
+            .map(|(_, r)| r.clone())
+    }
+
+    /// Before a renewal for a token this process does not hold: refuses it when this process
+    /// ended its attempt, else asks the API server whether the job is still Leased to it. (This
+    /// process may have restarted since the claim; the Lease of an ended attempt would accept
+    /// the renewal, so only the job can tell.) One read, for the first heartbeat of an attempt
+    /// after a restart; a successful renewal makes the attempt held again.
+    ///
+    /// # Errors
+    /// [`WorkerError::Refused`] with the job's refusal; [`WorkerError::Unavailable`] when the
+    /// job could not be read.
+    async fn check_unheld(&self, name: &str, token: &Token) -> Result<(), WorkerError> {
+        if let Some(r) = self.ended_refusal(name, token) {
+            return Err(WorkerError::Refused(r));
+        }
+        let job_ref = self.job_ref(name);
+        let job = self.inner.jobs.get_opt(name).await.map_err(|e| {
+            WorkerError::unavailable(format!("heartbeat of LeasedJob {job_ref}"), error_chain(&e))
+        })?;
+        match fence::refusal(&job_ref, job.as_ref(), token) {
+            Some(r) => Err(WorkerError::Refused(r)),
+            None => Ok(()),
+        }
+    }
+
     /// Why the watch cache says the job no longer belongs to `token`, if it does: (error code,
     /// reason).
     fn cached_job_moved_on(&self, name: &str, token: &Token) -> Option<(&'static str, String)> {
@@ -1123,7 +1197,8 @@ impl Worker {
     }
 
     /// Completes the attempt with `result`: Succeeded, if and only if the API server still
-    /// shows this token as the holder of a Leased job. Then releases the Lease.
+    /// shows this token as the holder of a Leased job. The Lease is left as it is (the job's
+    /// status fences the ended attempt; see the module doc).
     ///
     /// # Errors
     /// As [`Worker::heartbeat`], plus [`Refusal::Finished`] for a job already finished.
@@ -1278,6 +1353,18 @@ impl Worker {
                 ))
             }
         };
+        // The job's status now fences the ended attempt, so its Lease is not written again: it
+        // keeps naming this token until the next claim takes it over or garbage collection
+        // deletes it with the job. Its token is refused from here on (the Lease would still
+        // accept its renewals). Recorded before the attempt stops being held, so that no
+        // heartbeat in between finds neither.
+        if let Some(r) = fence::refusal(&self.job_ref(name), Some(&job), &token) {
+            let mut ended = self.inner.ended_here.lock().unwrap();
+            if ended.len() >= MAX_ENDED {
+                ended.clear();
+            }
+            ended.insert(name.to_string(), (token.clone(), r));
+        }
         if let Some(h) = self.inner.held.lock().unwrap().remove(name) {
             end(&h);
         }
@@ -1288,22 +1375,6 @@ impl Worker {
         }
         let job_ref = self.job_ref(name);
         info!(job = %job_ref, attempt = token.attempt(), phase = %job.phase(), "Ended attempt {} of LeasedJob {job_ref}: {}", token.attempt(), job.phase());
-        // The job's status already fences the ended attempt; the Lease release only tidies up
-        // (the controller releases it too), so the worker's answer does not wait for it.
-        let leases = self.inner.leases.clone();
-        let lease_name = lease::lease_name(name);
-        tokio::spawn(async move {
-            let release = lease::release(&leases, &lease_name, token.as_str());
-            match tokio::time::timeout(MAX_CALL_BOUND, release).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    warn!(job = %job_ref, error = %error_chain(&e), "Lease release failed; the controller will release it")
-                }
-                Err(_) => {
-                    warn!(job = %job_ref, "Lease release got no answer in time; the controller will release it")
-                }
-            }
-        });
         Ok(job)
     }
 }

@@ -796,6 +796,9 @@ async fn job_lifecycle_runs_with_exactly_the_charts_credentials() {
     for name in [xa, yb] {
         let j = jobs.get(name).await.unwrap();
         assert_eq!(j.phase(), Phase::Succeeded, "{name}");
+        // The holder leaves its Lease as it is: the job's status fences the ended attempt
+        // (docs/protocol.md, "What fences what"). It names the last attempt, which the next
+        // claim, were there one, would take over.
         let l = w
             .leases(&w.admin)
             .get(&lease::lease_name(name))
@@ -803,8 +806,8 @@ async fn job_lifecycle_runs_with_exactly_the_charts_credentials() {
             .unwrap();
         assert_eq!(
             lease::holder_identity(&l),
-            None,
-            "Lease of {name} not released"
+            j.token(),
+            "Lease of {name} does not name the job's last attempt"
         );
     }
     // The controller recorded Events with its credentials.

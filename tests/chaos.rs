@@ -6,8 +6,9 @@
 //!
 //! It asserts: no job lost (every job Succeeded), no result accepted twice, no write accepted
 //! from a superseded attempt (each attempt ends exactly once: one accepted complete, fail or
-//! release, or one expiry), every result equal to what the payload determines, every job Lease
-//! released at the end, every process still healthy; and after each fault ends, once the API
+//! release, or one expiry), every result equal to what the payload determines, no job Lease left
+//! naming a token its job still holds or a newer attempt than its job's (nothing blocks a claim),
+//! every process still healthy; and after each fault ends, once the API
 //! server is ready: dispatch (create -> claimed by a worker waiting in a long poll) <= 1 s and
 //! expiry (last renewTime of a killed holder -> requeue seen) <= leaseDurationSeconds + 1 s.
 //!
@@ -454,7 +455,7 @@ async fn under_chaos_no_job_is_lost_or_accepted_twice_and_dispatch_and_expiry_re
     chaos.log(&format!("waiting up to {within:?} for every job to finish"));
     let jobs = chaos.drain(within).await;
     chaos.check_jobs(&jobs).await;
-    chaos.check_leases_released().await;
+    chaos.check_no_lease_blocks_its_job().await;
     chaos.check_health().await;
     for line in &chaos.gone_checks {
         chaos.log(line);

@@ -6,8 +6,9 @@ mod common;
 use std::process::Command;
 
 use common::*;
-use kube::Api;
-use leasehold::crd::LeasedJob;
+use kube::api::{ListParams, PostParams};
+use kube::{Api, ResourceExt};
+use leasehold::crd::{LeasedJob, LeasedJobStatus, Phase};
 use serde_json::json;
 
 #[test]
@@ -153,4 +154,95 @@ async fn defaults_apply_and_the_payload_comes_back_unchanged() {
     assert_eq!(job.spec.priority, 0);
     let (ok, out) = kubectl(&["explain", "leasedjob.spec.leaseDurationSeconds"], "");
     assert!(ok && out.contains("heartbeat"), "{out}");
+}
+
+/// `status.phase` and `spec.queue` are selectable fields: the API server itself filters jobs by
+/// them, for `kubectl get ljob --field-selector status.phase=Failed` as for a client's list or
+/// watch; a field that is not declared selectable is refused.
+#[tokio::test]
+async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "crd-select").await;
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let cases = [
+        ("a", "q", Phase::Queued),
+        ("b", "q", Phase::Failed),
+        ("c", "q", Phase::Succeeded),
+        ("d", "other", Phase::Failed),
+        ("e", "q", Phase::Failed),
+    ];
+    for (name, queue, phase) in cases {
+        let mut job = create_job(
+            &client,
+            &ns.name,
+            json!({"metadata": {"name": name}, "spec": {"queue": queue}}),
+        )
+        .await;
+        job.status = Some(LeasedJobStatus {
+            phase: Some(phase),
+            ..LeasedJobStatus::default()
+        });
+        jobs.replace_status(name, &PostParams::default(), &job)
+            .await
+            .unwrap();
+    }
+    let (ok, out) = kubectl(
+        &[
+            "get",
+            "ljob",
+            "-n",
+            &ns.name,
+            "--field-selector",
+            "status.phase=Failed",
+            "-o",
+            "name",
+        ],
+        "",
+    );
+    assert!(ok, "{out}");
+    let mut names: Vec<&str> = out.lines().filter(|l| l.starts_with("leasedjob")).collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        [
+            "leasedjob.leasehold.dev/b",
+            "leasedjob.leasehold.dev/d",
+            "leasedjob.leasehold.dev/e"
+        ],
+        "{out}"
+    );
+    let listed = |fields: &'static str| {
+        let jobs = jobs.clone();
+        async move {
+            let mut names: Vec<String> = jobs
+                .list(&ListParams::default().fields(fields))
+                .await
+                .unwrap()
+                .items
+                .iter()
+                .map(ResourceExt::name_any)
+                .collect();
+            names.sort_unstable();
+            names
+        }
+    };
+    assert_eq!(listed("status.phase=Failed,spec.queue=q").await, ["b", "e"]);
+    assert_eq!(
+        listed("status.phase!=Failed,spec.queue=q").await,
+        ["a", "c"]
+    );
+    assert_eq!(listed("spec.queue=other").await, ["d"]);
+    let (ok, out) = kubectl(
+        &[
+            "get",
+            "ljob",
+            "-n",
+            &ns.name,
+            "--field-selector",
+            "status.holder=pod-a",
+        ],
+        "",
+    );
+    assert!(!ok, "a field that is not selectable was accepted: {out}");
+    assert!(out.contains("status.holder"), "{out}");
 }

@@ -232,6 +232,107 @@ async fn heartbeats_keep_a_30s_job_alive_without_touching_the_job() {
     assert_eq!(s, 200);
 }
 
+/// The Lease of `job` as it is now: (holderIdentity, renewTime, leaseTransitions).
+async fn lease_now(leases: &Api<Lease>, job: &str) -> (Option<String>, String, Option<i32>) {
+    let l = leases.get(&lease::lease_name(job)).await.unwrap();
+    let spec = l.spec.unwrap_or_default();
+    (
+        spec.holder_identity,
+        format!("{:?}", spec.renew_time),
+        spec.lease_transitions,
+    )
+}
+
+/// An attempt its holder ended leaves its Lease naming the ended token (no Lease write after a
+/// complete or a release: the job's status fences the attempt), and that Lease fences nothing:
+/// the ended token's heartbeats are refused without a write, by the sidecar that ended it and
+/// by one that never held it, the controller leaves the Lease alone past its old release grace,
+/// and the next claim takes the Lease over.
+#[tokio::test]
+async fn an_ended_attempts_lease_is_left_as_is_and_its_token_stays_refused() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "ended-lease").await;
+    let _controller = controller(&ns.name);
+    let a = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "done"}, "spec": {"queue": "q"}}),
+    )
+    .await;
+    let (s, c) = a.claim(10).await;
+    assert_eq!(s, 200, "{c}");
+    let t1 = token_of(&c);
+    let (s, r) = a.heartbeat("done", json!({"token": t1})).await;
+    assert_eq!(s, 200, "{r}");
+    let (s, r) = a.complete("done", &t1, json!("ok")).await;
+    assert_eq!((s, r["phase"].as_str()), (200, Some("Succeeded")), "{r}");
+    let left = lease_now(&leases, "done").await;
+    assert_eq!(
+        left.0.as_deref(),
+        Some(t1.as_str()),
+        "the Lease was written"
+    );
+    // The sidecar that ended the attempt refuses its token at once.
+    let (s, r) = a.heartbeat("done", json!({"token": t1})).await;
+    assert_eq!((s, r["error"].as_str()), (409, Some("job_finished")), "{r}");
+    // So does a sidecar that never held it (a restarted one), although the Lease would accept
+    // the renewal: it asks the job first.
+    let b = Sidecar::start(&ns.name, "q", "pod-b", &[]).await;
+    let (s, r) = b.heartbeat("done", json!({"token": t1})).await;
+    assert_eq!((s, r["error"].as_str()), (409, Some("job_finished")), "{r}");
+    // Past the 5 s in which the controller used to release it on the holder's behalf, nothing
+    // has written the Lease.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(
+        lease_now(&leases, "done").await,
+        left,
+        "the Lease was written"
+    );
+
+    // A release: the job is Queued again with its Lease still naming attempt 1.
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "back"}, "spec": {"queue": "q"}}),
+    )
+    .await;
+    let (s, c) = a.claim(10).await;
+    assert_eq!((s, c["name"].as_str()), (200, Some("back")), "{c}");
+    let t1 = token_of(&c);
+    let (s, r) = a.post("/v1/jobs/back/release", json!({"token": t1})).await;
+    assert_eq!((s, r["phase"].as_str()), (200, Some("Queued")), "{r}");
+    let left = lease_now(&leases, "back").await;
+    assert_eq!(left.0.as_deref(), Some(t1.as_str()));
+    for sc in [&a, &b] {
+        let (s, r) = sc.heartbeat("back", json!({"token": t1})).await;
+        assert_eq!((s, r["error"].as_str()), (409, Some("lease_lost")), "{r}");
+    }
+    assert_eq!(
+        lease_now(&leases, "back").await,
+        left,
+        "a refused heartbeat wrote the Lease"
+    );
+    // The next claim takes the Lease over from the ended attempt and holds the job.
+    let (s, c) = b.claim(10).await;
+    assert_eq!(
+        (s, c["name"].as_str(), c["attempt"].as_i64()),
+        (200, Some("back"), Some(2)),
+        "{c}"
+    );
+    let t2 = token_of(&c);
+    let taken = lease_now(&leases, "back").await;
+    assert_eq!(taken.0.as_deref(), Some(t2.as_str()));
+    assert_eq!(taken.2, Some(left.2.unwrap_or(0) + 1));
+    let (s, r) = b.heartbeat("back", json!({"token": t2})).await;
+    assert_eq!(s, 200, "{r}");
+    let (s, r) = a.heartbeat("back", json!({"token": t1})).await;
+    assert_eq!((s, r["error"].as_str()), (409, Some("lease_lost")), "{r}");
+    let (s, r) = b.complete("back", &t2, json!("ok")).await;
+    assert_eq!((s, r["phase"].as_str()), (200, Some("Succeeded")), "{r}");
+}
+
 /// Kills the sidecar (and so the pod's worker) with SIGKILL; returns the renewTime of the last
 /// heartbeat the Lease recorded.
 async fn kill_holder(sc: Sidecar, leases: &Api<Lease>, job: &str) -> Timestamp {

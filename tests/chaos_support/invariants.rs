@@ -1,5 +1,5 @@
 //! The final invariants: no job lost, each attempt ended once, no superseded write accepted,
-//! results right, Leases released, processes healthy.
+//! results right, no job blocked by its Lease, processes healthy.
 
 use crate::*;
 
@@ -216,42 +216,69 @@ impl Chaos {
         ));
     }
 
-    /// Every job Lease's holderIdentity is empty (the holder's release, or the controller's
-    /// after its grace).
-    pub(crate) async fn check_leases_released(&mut self) {
+    /// No job is left blocked by its Lease: every job Lease that names a holder names a token
+    /// of an attempt no newer than its job's (so the next claim could take it over), and not
+    /// one the job still holds as Leased once every job finished. The holder no longer clears
+    /// the Lease of an attempt it ended (the job's status fences it; docs/protocol.md, "What
+    /// fences what"), so a finished job's Lease may well still name its last token: that is
+    /// the rule, not a leak. Leases whose job is gone are garbage collection's business.
+    pub(crate) async fn check_no_lease_blocks_its_job(&mut self) {
         let lp = ListParams::default().labels("app.kubernetes.io/managed-by=leasehold");
-        let held = || async {
-            let list = self.leases.list(&lp).await.ok()?;
-            let held: Vec<String> = list
-                .items
-                .iter()
-                .filter(|l| l.name_any() != "leasehold-controller")
-                .filter(|l| {
-                    l.spec
-                        .as_ref()
-                        .and_then(|s| s.holder_identity.as_deref())
-                        .is_some_and(|h| !h.is_empty())
-                })
-                .map(|l| l.name_any())
-                .collect();
-            Some(held)
+        let (leases, jobs) = match (
+            self.leases.list(&lp).await,
+            self.jobs.list(&ListParams::default()).await,
+        ) {
+            (Ok(l), Ok(j)) => (l.items, j.items),
+            (l, j) => {
+                self.violations.push(format!(
+                    "could not list Leases and jobs for the final Lease check: {:?} {:?}",
+                    l.err(),
+                    j.err()
+                ));
+                return;
+            }
         };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let now = held().await;
-            match now {
-                Some(h) if h.is_empty() => return,
-                Some(h) if Instant::now() > deadline => {
+        let by_lease: HashMap<String, &LeasedJob> = jobs
+            .iter()
+            .map(|j| (leasehold::lease::lease_name(&j.name_any()), j))
+            .collect();
+        let (mut stale, mut orphans) = (0, 0);
+        for l in leases
+            .iter()
+            .filter(|l| l.name_any() != "leasehold-controller")
+        {
+            let Some(held) = leasehold::lease::holder_identity(l).filter(|h| !h.is_empty()) else {
+                continue;
+            };
+            let Some(job) = by_lease.get(&l.name_any()) else {
+                orphans += 1;
+                continue;
+            };
+            let name = job.name_any();
+            match leasehold::token::Token::parse(held) {
+                Err(_) => self.violations.push(format!(
+                    "Lease of {name} names {held:?}, which is not a leasehold token"
+                )),
+                Ok(t) if t.attempt() > job.attempt() => self.violations.push(format!(
+                    "Lease of {name} names attempt {}, newer than the job's attempt {}: the next \
+                     claim could not take it over",
+                    t.attempt(),
+                    job.attempt()
+                )),
+                Ok(_) if job.phase() == Phase::Leased && job.token() == Some(held) => {
                     self.violations.push(format!(
-                        "{} Leases still held 30 s after the last job finished: {}",
-                        h.len(),
-                        h.join(", ")
-                    ));
-                    return;
+                        "Lease of {name} is still held by attempt {} of a job left Leased at the end",
+                        job.attempt()
+                    ))
                 }
-                _ => tokio::time::sleep(Duration::from_millis(500)).await,
+                Ok(_) => stale += 1,
             }
         }
+        self.log(&format!(
+            "job Leases at the end: {} in all; {stale} still name an ended attempt (left for \
+             the next claim or garbage collection, as the rule says); {orphans} of deleted jobs",
+            leases.len()
+        ));
     }
 
     /// Every process the test started is alive and says so.

@@ -546,6 +546,7 @@ fn claim_rows(
     if results.is_empty() {
         return;
     }
+    report.rows.push(writes_per_job_row(results));
     let columns: Vec<(String, &metrics::Requests, f64)> = results
         .iter()
         .map(|c| (format!("N={}", c.claimers), &c.requests, c.jobs as f64))
@@ -563,6 +564,61 @@ fn claim_rows(
     report
         .details
         .push(("Row 2: claim throughput".into(), detail));
+}
+
+/// Largest number of API writes a claimed-and-completed job may cost (issue 9's goal: the
+/// claim, the Lease create and the completion, plus a little for claim conflicts).
+const WRITES_PER_JOB_GOAL: f64 = 3.2;
+
+/// True for a write leasehold makes on a job's behalf: to LeasedJobs (and their status),
+/// Leases and Events.
+fn is_job_write(k: &metrics::Key) -> bool {
+    k.is_write() && matches!(k.resource.as_str(), "leasedjobs" | "leases" | "events")
+}
+
+/// The row "API writes per happy-path job": every write to LeasedJobs, Leases and Events during
+/// each claim run of row 2 (default settings: the controller records Events for problems only),
+/// per job claimed and completed; the goal must hold at every N, conflicts (409) included.
+fn writes_per_job_row(results: &[claims::Claims]) -> Row {
+    let per_job: Vec<(usize, f64, f64)> = results
+        .iter()
+        .map(|c| {
+            let jobs = c.jobs.max(1) as f64;
+            let all = c.requests.sum(is_job_write) / jobs;
+            let refused = c
+                .requests
+                .sum(|k| is_job_write(k) && !k.code.starts_with('2'))
+                / jobs;
+            (c.claimers, all, refused)
+        })
+        .collect();
+    let figure = per_job
+        .iter()
+        .map(|(n, all, refused)| {
+            if *refused >= 0.005 {
+                format!("{all:.2} at N={n} ({refused:.2} of them refused, mostly 409)")
+            } else {
+                format!("{all:.2} at N={n}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    Row {
+        id: "2 (all N)".into(),
+        what: "API writes per happy-path job (claim + complete), default settings".into(),
+        figure: format!("{figure} writes/job"),
+        goal: format!("<= {WRITES_PER_JOB_GOAL} at every N"),
+        verdict: Verdict::of(
+            per_job
+                .iter()
+                .all(|(_, all, _)| *all <= WRITES_PER_JOB_GOAL),
+        ),
+        method: "the claim runs of row 2 (controller with its default --events problems): \
+                 apiserver_request_total writes (POST, PUT, PATCH, DELETE) on leasedjobs (and \
+                 their status), leases and events, whatever their answer, / jobs; includes the \
+                 few writes of the control plane's own Leases in the same seconds"
+            .into(),
+    }
 }
 
 fn dispatch_rows(report: &mut Report, d: &dispatch::Dispatch) {
