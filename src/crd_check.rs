@@ -349,6 +349,10 @@ mod tests {
                     version: "v1alpha1".into(),
                     json_path: ".spec.queue".into()
                 },
+                Missing::SelectableField {
+                    version: "v1alpha1".into(),
+                    json_path: ".status.phase".into()
+                },
             ]
         );
         let mut unserved = installed();
