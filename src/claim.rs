@@ -6,10 +6,12 @@
 //! Consistency"). The "is it still Queued?" check and the write therefore use one snapshot: if
 //! anyone wrote the job since, the API server answers 409 Conflict and the claimer moves on.
 
+use std::collections::HashSet;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::PostParams;
 use kube::{Api, ResourceExt};
 use rand::Rng;
@@ -109,6 +111,110 @@ pub fn pick<R: Rng>(
     Some(Arc::clone(candidates[chosen]))
 }
 
+/// Room the claim window makes per competing claimer. C claimers picking at random among the
+/// same W oldest jobs collide about (C - 1) / W of the time, so 32 per claimer keeps a pick's
+/// chance of a 409 near 3 %.
+pub const WINDOW_PER_CLAIMER: usize = 32;
+
+/// How recent a claim must be (by its `status.claimedTime`) for its holder to count as a
+/// claimer competing now, in seconds.
+pub const RECENT_CLAIM_SECONDS: i64 = 10;
+
+/// The claimers of `queue` seen claiming lately: the distinct `status.holder` of its jobs
+/// claimed within [`RECENT_CLAIM_SECONDS`] of `now` (in any phase since), with `me` among
+/// them.
+///
+/// A sidecar cannot see the other sidecars of its queue, but it sees their claims in its
+/// watch: while workers are quick this names everyone claiming; with long jobs claims are rare
+/// and so is contention, and the set stays small, keeping picks close to FIFO.
+pub fn recent_claimers<'a>(
+    jobs: &'a [Arc<LeasedJob>],
+    queue: &str,
+    me: &'a str,
+    now: Timestamp,
+) -> HashSet<&'a str> {
+    let since = now - SignedDuration::from_secs(RECENT_CLAIM_SECONDS);
+    let mut holders: HashSet<&str> = jobs
+        .iter()
+        .filter(|j| j.spec.queue == queue)
+        .filter_map(|j| j.status.as_ref())
+        .filter(|s| s.claimed_time.as_ref().is_some_and(|t| t.0 >= since))
+        .filter_map(|s| s.holder.as_deref())
+        .collect();
+    holders.insert(me);
+    holders
+}
+
+/// The window a pick uses: the adaptive `window` (widened by 409s, narrowed by successes), but
+/// never less than [`WINDOW_PER_CLAIMER`] times the `claimers` seen, and never more than
+/// `max`. `spread` 1 is strict FIFO and stays 1.
+pub fn window_for(window: usize, spread: usize, claimers: usize, max: usize) -> usize {
+    if spread <= 1 {
+        return 1;
+    }
+    window
+        .max(claimers.saturating_mul(WINDOW_PER_CLAIMER))
+        .min(max)
+        .max(spread)
+}
+
+/// Where `me` stands among `claimers` for `job` (0 = first), by rendezvous hashing (Thaler and
+/// Ravishankar's highest random weight): every claimer ranks the same claimers the same way for
+/// a given job, without talking to the others, and each job puts a different claimer first.
+///
+/// Used when a queue has fewer claimable jobs than claimers (its end, or one job arriving for
+/// many idle claimers): a random pick would then make most claimers race for the same few jobs
+/// and all but one get a 409. Instead the claimer ranked first for a job claims it at once and
+/// the others wait their turn ([`RENDEZVOUS_STEP_MS`] per place ahead of them), in case the
+/// first is busy or gone.
+pub fn rendezvous_rank(job: &str, me: &str, claimers: &HashSet<&str>) -> usize {
+    let weight = |claimer: &str| {
+        let mut h = std::hash::DefaultHasher::new();
+        (job, claimer).hash(&mut h);
+        (h.finish(), claimer.to_string())
+    };
+    let mine = weight(me);
+    claimers.iter().filter(|c| weight(c) > mine).count()
+}
+
+/// How long a claimer waits per claimer ranked ahead of it for a job
+/// ([`rendezvous_rank`]) before it tries that job itself, in milliseconds.
+pub const RENDEZVOUS_STEP_MS: u64 = 25;
+
+/// The longest such wait, in milliseconds, however many claimers are ahead.
+pub const RENDEZVOUS_MAX_WAIT_MS: u64 = 200;
+
+/// The wait for `rank` ([`RENDEZVOUS_STEP_MS`] per place, at most
+/// [`RENDEZVOUS_MAX_WAIT_MS`]).
+pub fn rendezvous_wait(rank: usize) -> std::time::Duration {
+    let ms = (rank as u64).saturating_mul(RENDEZVOUS_STEP_MS);
+    std::time::Duration::from_millis(ms.min(RENDEZVOUS_MAX_WAIT_MS))
+}
+
+/// The claimable jobs of the highest priority present, oldest first by FIFO order, at most
+/// `limit` of them.
+pub fn top_candidates<'a>(
+    jobs: &'a [Arc<LeasedJob>],
+    queue: &str,
+    now: Timestamp,
+    limit: usize,
+) -> Vec<&'a Arc<LeasedJob>> {
+    if limit == 0 {
+        return Vec::new();
+    }
+    let mut candidates: Vec<&Arc<LeasedJob>> =
+        jobs.iter().filter(|j| claimable(j, queue, now)).collect();
+    let Some(top) = candidates.iter().map(|j| j.spec.priority).max() else {
+        return candidates;
+    };
+    candidates.retain(|j| j.spec.priority == top);
+    if candidates.len() > limit {
+        candidates.select_nth_unstable_by(limit - 1, |a, b| fifo_key(a).cmp(&fifo_key(b)));
+        candidates.truncate(limit);
+    }
+    candidates
+}
+
 /// FIFO order: creationTimestamp, then name.
 fn fifo_key(job: &LeasedJob) -> (Option<Timestamp>, Option<&str>) {
     (
@@ -200,6 +306,104 @@ mod tests {
             ..Default::default()
         });
         Arc::new(j)
+    }
+
+    fn claimed_by(name: &str, holder: &str, seconds_ago: i64, now: Timestamp) -> Arc<LeasedJob> {
+        let mut j = (*job(name, "q", 0, 1, Some(Phase::Succeeded))).clone();
+        let status = j.status.as_mut().unwrap();
+        status.holder = Some(holder.into());
+        status.claimed_time = Some(Time(now - SignedDuration::from_secs(seconds_ago)));
+        Arc::new(j)
+    }
+
+    #[test]
+    fn recent_claimers_are_the_holders_of_recent_claims_and_me() {
+        let now = Timestamp::now();
+        let jobs = vec![
+            claimed_by("a1", "pod-a", 1, now),
+            claimed_by("a2", "pod-a", 2, now),
+            claimed_by("b1", "pod-b", RECENT_CLAIM_SECONDS - 1, now),
+            claimed_by("c1", "pod-c", RECENT_CLAIM_SECONDS + 5, now),
+            job("queued", "q", 0, 1, Some(Phase::Queued)),
+        ];
+        let got = recent_claimers(&jobs, "q", "me", now);
+        let mut got: Vec<&str> = got.into_iter().collect();
+        got.sort_unstable();
+        assert_eq!(got, ["me", "pod-a", "pod-b"]);
+        assert_eq!(recent_claimers(&jobs, "other", "me", now).len(), 1);
+    }
+
+    #[test]
+    fn the_window_makes_room_for_the_claimers_seen_within_its_bounds() {
+        // (adaptive window, spread, claimers, max) -> window
+        let cases = [
+            ((16, 16, 1, 1024), 32),
+            ((16, 16, 32, 1024), 1024),
+            ((16, 16, 100, 1024), 1024),
+            ((400, 16, 2, 1024), 400),
+            ((16, 1, 32, 64), 1),
+            ((4, 4, 0, 256), 4),
+        ];
+        for ((window, spread, claimers, max), want) in cases {
+            assert_eq!(
+                window_for(window, spread, claimers, max),
+                want,
+                "{window} {spread} {claimers} {max}"
+            );
+        }
+    }
+
+    #[test]
+    fn rendezvous_puts_exactly_one_claimer_first_for_each_job_and_spreads_them() {
+        let claimers: HashSet<&str> = (0..8)
+            .map(|i| &*Box::leak(format!("pod-{i}").into_boxed_str()))
+            .collect();
+        let mut firsts = std::collections::HashMap::new();
+        for n in 0..400 {
+            let job = format!("job-{n}");
+            let mut ranks: Vec<usize> = claimers
+                .iter()
+                .map(|c| rendezvous_rank(&job, c, &claimers))
+                .collect();
+            ranks.sort_unstable();
+            assert_eq!(ranks, (0..8).collect::<Vec<_>>(), "{job}: a permutation");
+            let first = claimers
+                .iter()
+                .find(|c| rendezvous_rank(&job, c, &claimers) == 0)
+                .unwrap();
+            *firsts.entry(*first).or_insert(0) += 1;
+        }
+        // Each of the 8 claimers is first for some jobs (50 each on average).
+        assert_eq!(firsts.len(), 8);
+        assert!(firsts.values().all(|n| (20..=90).contains(n)), "{firsts:?}");
+        assert_eq!(rendezvous_wait(0), std::time::Duration::ZERO);
+        assert_eq!(
+            rendezvous_wait(2),
+            std::time::Duration::from_millis(2 * RENDEZVOUS_STEP_MS)
+        );
+        assert_eq!(
+            rendezvous_wait(1000),
+            std::time::Duration::from_millis(RENDEZVOUS_MAX_WAIT_MS)
+        );
+    }
+
+    #[test]
+    fn top_candidates_are_the_oldest_of_the_top_priority() {
+        let jobs = vec![
+            job("c", "q", 1, 30, None),
+            job("a", "q", 1, 10, None),
+            job("b", "q", 1, 20, None),
+            job("low", "q", 0, 1, None),
+            job("leased", "q", 1, 1, Some(Phase::Leased)),
+        ];
+        let mut got: Vec<String> = top_candidates(&jobs, "q", Timestamp::now(), 2)
+            .iter()
+            .map(|j| j.name_any())
+            .collect();
+        got.sort_unstable();
+        assert_eq!(got, ["a", "b"]);
+        assert_eq!(top_candidates(&jobs, "q", Timestamp::now(), 10).len(), 3);
+        assert!(top_candidates(&jobs, "none", Timestamp::now(), 10).is_empty());
     }
 
     #[test]

@@ -36,7 +36,7 @@ use crate::crd::{
 use crate::events::{EventType, Note, Publisher, Reporter};
 use crate::expiry::{self, Observation, Record, Verdict};
 use crate::fence::{self, Outcome, REASON_LEASE_EXPIRED};
-use crate::kubeapi::{is_status, is_too_large, is_undecodable, store_ready, Clients};
+use crate::kubeapi::{is_status, is_too_large, is_undecodable, Clients};
 use crate::leader::{self, Leadership};
 use crate::lease;
 use crate::metrics::{Health, JobLabels, Metrics};
@@ -98,14 +98,6 @@ impl ReconcileError {
     }
 }
 
-/// Errors that stop the controller.
-#[derive(Debug, Error)]
-pub enum ControllerError {
-    /// A watch cache never synced.
-    #[error("a watch did not sync: {0}")]
-    LeaseWatch(String),
-}
-
 /// Options of [`run`].
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -147,6 +139,8 @@ pub struct Context {
     leadership: Arc<Leadership>,
     field_manager: String,
     leases: Store<Lease>,
+    /// Set once `leases` has listed every Lease.
+    leases_synced: watch::Synced,
     events: Publisher,
     /// What the controller has seen of each leased job's Lease, and when (see [`crate::expiry`]).
     observations: Mutex<HashMap<ObjectRef<LeasedJob>, Observation>>,
@@ -161,15 +155,7 @@ pub struct Context {
 
 /// Runs the controller until SIGTERM/SIGINT, reporting into `metrics` and `health` (ready
 /// once both watches have synced).
-///
-/// # Errors
-/// [`ControllerError::LeaseWatch`] if the Lease cache never becomes ready.
-pub async fn run(
-    clients: Clients,
-    config: Config,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-) -> Result<(), ControllerError> {
+pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health: Arc<Health>) {
     let client = clients.requests;
     let (jobs, leases): (Api<LeasedJob>, Api<Lease>) = match &config.namespace {
         Some(ns) => (
@@ -208,8 +194,9 @@ pub async fn run(
         Arc::clone(&metrics),
         report_undecodable.clone(),
     )
-    .reflect(lease_writer)
-    .applied_objects();
+    .reflect(lease_writer);
+    let leases_synced = watch::Synced::default();
+    let lease_stream = leases_synced.track(lease_stream).applied_objects();
     let lease_stream = watch::errors_logged("Lease", lease_stream);
     let elector = config.election.clone().map(|election| {
         let api: Api<Lease> = Api::namespaced(client.clone(), &election.namespace);
@@ -225,6 +212,7 @@ pub async fn run(
         leadership,
         field_manager,
         leases: lease_store.clone(),
+        leases_synced: leases_synced.clone(),
         events,
         observations: Mutex::default(),
         transitions: Mutex::default(),
@@ -245,8 +233,9 @@ pub async fn run(
             status.checkpoint = None;
         }
     })
-    .reflect(job_writer)
-    .applied_objects();
+    .reflect(job_writer);
+    let jobs_synced = watch::Synced::default();
+    let job_stream = jobs_synced.track(job_stream).applied_objects();
     let job_stream = watch::errors_logged("LeasedJob", job_stream);
     let controller = Controller::for_stream(job_stream, job_store)
         .owns_stream(lease_stream)
@@ -256,7 +245,6 @@ pub async fn run(
     // then.
     let prune_ctx = Arc::clone(&ctx);
     let counted_store = job_store.clone();
-    let synced_store = job_store.clone();
     let pruner = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         for n in 0u64.. {
@@ -267,17 +255,10 @@ pub async fn run(
             }
         }
     });
-    let wait_leases = async {
-        lease_store
-            .wait_until_ready()
-            .await
-            .map_err(|e| ControllerError::LeaseWatch(e.to_string()))?;
-        synced_store
-            .wait_until_ready()
-            .await
-            .map_err(|e| ControllerError::LeaseWatch(e.to_string()))?;
+    let wait_synced = async {
+        leases_synced.wait().await;
+        jobs_synced.wait().await;
         health.set_synced();
-        Ok(())
     };
     let scope = config.namespace.as_deref().unwrap_or("(all namespaces)");
     info!(namespace = scope, "Started leasehold controller");
@@ -303,14 +284,13 @@ pub async fn run(
         });
     // The Lease stream only flows while the controller runs, so wait for both together; judge
     // nothing before the Lease cache is ready (reconcile checks readiness itself).
-    let (ready, ()) = tokio::join!(wait_leases, run);
+    tokio::join!(wait_synced, run);
     pruner.abort();
     undecodable_events.abort();
     // The elector gives the leader Lease up on the same signal; let it finish.
     if let Some(elector) = elector {
         let _ = elector.await;
     }
-    ready
 }
 
 /// How many skipped objects may wait for this replica to lead before more are dropped (their
@@ -478,7 +458,7 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
     if job.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    if !store_ready(&ctx.leases) {
+    if !ctx.leases_synced.is_synced() {
         // Without the Lease cache every record would look new; try again shortly.
         return Ok(Action::requeue(Duration::from_millis(200)));
     }

@@ -5,7 +5,6 @@
 
 use std::time::Duration;
 
-use kube::runtime::reflector::Store;
 use kube::{Client, Config};
 
 /// Longest wait for a TCP and TLS connection to the API server.
@@ -83,18 +82,6 @@ pub enum ClientsError {
     /// The configuration was found but a client could not be built from it.
     #[error("cannot build a Kubernetes client")]
     Client(#[from] kube::Error),
-}
-
-/// True once a reflector store has received its first complete listing.
-pub fn store_ready<K: kube::Resource + Clone>(store: &Store<K>) -> bool
-where
-    K::DynamicType: Eq + std::hash::Hash + Clone,
-{
-    use futures::FutureExt;
-    store
-        .wait_until_ready()
-        .now_or_never()
-        .is_some_and(|r| r.is_ok())
 }
 
 /// True when the API server refused a write because the object or request would be too large:

@@ -324,7 +324,7 @@ async fn main() -> anyhow::Result<()> {
                 Arc::clone(&health),
             );
             tokio::select! {
-                done = controller => done?,
+                () = controller => {}
                 served = server => served.context("metrics server failed")?,
                 admitted = admitted => {
                     admitted.context("the admission webhook server panicked")?.context("admission webhook server failed")?;

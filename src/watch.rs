@@ -302,6 +302,60 @@ where
         .modify(|o| o.managed_fields_mut().clear())
 }
 
+/// Whether a watch's cache has had its first complete listing: set when the watch yields its
+/// first `InitDone` after the reflector ([`Synced::track`]), read and awaited by any number of
+/// tasks.
+///
+/// Why not kube's `Store::wait_until_ready`: it is a futures oneshot receiver behind a mutex,
+/// which keeps the waker of only the last task that polled it. With two waiters (a sidecar's
+/// readiness task and a claim waiting for the cache) one was never woken: a sidecar served
+/// claims while its `/readyz` said "watches have not synced yet" forever (seen in the long
+/// chaos run); and polling it with `now_or_never` from a reconcile would steal the waker of
+/// whoever awaited it. Here every waiter has its own `tokio::sync::watch` receiver.
+#[derive(Clone, Debug)]
+pub struct Synced {
+    tx: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl Default for Synced {
+    fn default() -> Self {
+        Synced {
+            tx: Arc::new(tokio::sync::watch::channel(false).0),
+        }
+    }
+}
+
+impl Synced {
+    /// True once the cache has listed everything.
+    pub fn is_synced(&self) -> bool {
+        *self.tx.borrow()
+    }
+
+    /// Waits until the cache has listed everything (at once if it has).
+    pub async fn wait(&self) {
+        let mut rx = self.tx.subscribe();
+        // The sender lives in `self`, so the channel cannot close while this waits.
+        let _ = rx.wait_for(|synced| *synced).await;
+    }
+
+    /// `stream` (a watch after its reflector) marking this synced at its first `InitDone`.
+    pub fn track<K, E>(
+        &self,
+        stream: impl Stream<Item = Result<watcher::Event<K>, E>> + Send + 'static,
+    ) -> impl Stream<Item = Result<watcher::Event<K>, E>> + Send + 'static
+    where
+        K: Send + 'static,
+        E: Send + 'static,
+    {
+        let tx = Arc::clone(&self.tx);
+        stream.inspect(move |event| {
+            if matches!(event, Ok(watcher::Event::InitDone)) {
+                tx.send_if_modified(|synced| !std::mem::replace(synced, true));
+            }
+        })
+    }
+}
+
 /// Objects per page of a watch's LIST (kube's default is 500). A page is held three times
 /// over while it is decoded (the response, the raw objects, the decoded ones before
 /// `modify` drops their payloads): at 500 jobs of 64 KiB that was about 100 MiB at once, at
@@ -410,6 +464,34 @@ mod tests {
             r#"{{"apiVersion":"leasehold.dev/v1alpha1","kind":"LeasedJobList","metadata":{{"resourceVersion":"9"}},"items":[{}]}}"#,
             items.join(",")
         )
+    }
+
+    #[tokio::test]
+    async fn every_waiter_for_a_sync_is_woken() {
+        // kube's Store::wait_until_ready woke only the last of several waiters.
+        let synced = Synced::default();
+        let waiters: Vec<_> = (0..3)
+            .map(|_| {
+                let s = synced.clone();
+                tokio::spawn(async move { s.wait().await })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        assert!(!synced.is_synced());
+        let events = futures::stream::iter(vec![
+            Ok::<_, ()>(watcher::Event::<LeasedJob>::Init),
+            Ok(watcher::Event::InitDone),
+        ]);
+        let _: Vec<_> = synced.track(events).collect().await;
+        assert!(synced.is_synced());
+        for w in waiters {
+            tokio::time::timeout(std::time::Duration::from_secs(5), w)
+                .await
+                .expect("woken")
+                .unwrap();
+        }
+        // A later waiter returns at once.
+        synced.wait().await;
     }
 
     #[test]

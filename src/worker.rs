@@ -49,7 +49,7 @@ use tracing::{info, warn};
 use crate::claim::{self, ClaimError};
 use crate::crd::{LeasedJob, Phase};
 use crate::fence::{self, FenceError, Outcome, Refusal};
-use crate::kubeapi::{error_chain, is_too_large, store_ready, Clients};
+use crate::kubeapi::{error_chain, is_too_large, Clients};
 use crate::lease::{self, LeaseError};
 use crate::metrics::{Health, Metrics};
 use crate::token::{Token, TokenError};
@@ -68,6 +68,16 @@ pub const FOREIGN_LEASE_RETRY: Duration = Duration::from_secs(30);
 /// As [`FOREIGN_LEASE_RETRY`], when the Lease was left by an earlier job of the same name
 /// (garbage collection removes it within seconds).
 pub const STALE_LEASE_RETRY: Duration = Duration::from_secs(3);
+/// What a claimer found to do.
+enum Pick {
+    /// Try to claim this job.
+    Job(Arc<LeasedJob>),
+    /// Nothing claimable.
+    Nothing,
+    /// Fewer jobs than claimers, and other claimers go first: look again at this instant.
+    Defer(Instant),
+}
+
 /// The claim window never widens past this many times [`WorkerConfig::spread`].
 const MAX_WINDOW_FACTOR: usize = 64;
 /// At most this many attempts ended by this process are remembered (one per job name, the
@@ -240,11 +250,16 @@ struct Inner {
     jobs: Api<LeasedJob>,
     leases: Api<Lease>,
     store: Store<LeasedJob>,
+    /// Set once `store` has listed the queue.
+    synced: crate::watch::Synced,
     changes: watch::Receiver<u64>,
     held: Mutex<HashMap<String, Arc<Held>>>,
     /// Snapshots (name -> resourceVersion) already tried, so a stale cache entry is not
     /// claimed twice.
     tried: Mutex<HashMap<String, String>>,
+    /// When this claimer first saw each job it waits its rendezvous turn for, by (name,
+    /// resourceVersion) (see [`Worker::rendezvous`]).
+    turns: Mutex<HashMap<(String, String), Instant>>,
     /// The latest attempt this process ended per job name, with the refusal its token now
     /// earns: its Lease still names it (see the module doc), so a heartbeat with it must be
     /// refused here.
@@ -291,19 +306,17 @@ impl Worker {
         // answer brings the payload; a claim writes only the status (checkpoint kept).
         .modify(crate::crd::LeasedJob::drop_payload_and_result)
         .reflect(writer);
+        let synced = crate::watch::Synced::default();
+        let stream = synced.track(stream);
         let health = Health::new();
-        let synced_store = store.clone();
-        let synced = Arc::clone(&health);
-        tokio::spawn(async move {
-            if synced_store.wait_until_ready().await.is_ok() {
-                synced.set_synced();
-            }
-        });
+        let ready = Arc::clone(&health);
         let watch_task = tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
             while let Some(event) = stream.next().await {
-                if let Err(e) = event {
-                    crate::watch::log_error("LeasedJob", &e);
+                match event {
+                    Ok(watcher::Event::InitDone) => ready.set_synced(),
+                    Ok(_) => {}
+                    Err(e) => crate::watch::log_error("LeasedJob", &e),
                 }
                 tx.send_modify(|n| *n = n.wrapping_add(1));
             }
@@ -314,9 +327,11 @@ impl Worker {
             jobs,
             leases,
             store,
+            synced,
             changes,
             held: Mutex::default(),
             tried: Mutex::default(),
+            turns: Mutex::default(),
             ended_here: Mutex::default(),
             metrics,
             health,
@@ -339,7 +354,7 @@ impl Worker {
 
     /// True once the queue's watch has listed everything.
     pub fn is_ready(&self) -> bool {
-        store_ready(&self.inner.store)
+        self.inner.synced.is_synced()
     }
 
     /// This worker's metrics.
@@ -450,7 +465,7 @@ impl Worker {
         }
         let deadline = Instant::now() + wait;
         let mut changes = self.inner.changes.clone();
-        if tokio::time::timeout_at(deadline, self.inner.store.wait_until_ready())
+        if tokio::time::timeout_at(deadline, self.inner.synced.wait())
             .await
             .is_err()
         {
@@ -463,7 +478,12 @@ impl Worker {
         let mut draining = self.inner.draining.subscribe();
         loop {
             changes.borrow_and_update();
-            if let Some(snapshot) = self.pick() {
+            let picked = self.pick();
+            let turn = match picked {
+                Pick::Defer(turn) => Some(turn),
+                _ => None,
+            };
+            if let Pick::Job(snapshot) = picked {
                 if *draining.borrow() {
                     return Err(WorkerError::ShuttingDown);
                 }
@@ -483,6 +503,9 @@ impl Worker {
                             + Duration::try_from(t.duration_since(now)).unwrap_or_default()
                     })
                     .map_or(deadline, |t| t.min(deadline));
+            // A claimer waiting its turn for a job looks again when the turn comes, even if no
+            // change arrives (the claimers ahead of it may be busy or gone).
+            let wake = turn.map_or(wake, |t| wake.min(t));
             tokio::select! {
                 () = &mut gone => return Ok(None),
                 _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
@@ -500,20 +523,73 @@ impl Worker {
         }
     }
 
-    fn pick(&self) -> Option<Arc<LeasedJob>> {
+    /// The job to try to claim next, if any.
+    ///
+    /// With more claimable jobs than claimers seen lately ([`claim::recent_claimers`]): one at
+    /// random among the oldest (the adaptive window, at least [`claim::WINDOW_PER_CLAIMER`] per
+    /// claimer). With fewer (the end of a queue, or one job for many idle claimers): the job
+    /// this claimer is ranked first for ([`claim::rendezvous_rank`]), or, once its turn has
+    /// come, one it is ranked lower for; else [`Pick::Defer`] until that turn.
+    fn pick(&self) -> Pick {
         let jobs = self.inner.store.state();
+        let config = &self.inner.config;
+        let now = Timestamp::now();
+        let claimers = claim::recent_claimers(&jobs, &config.queue, &config.identity, now);
         let tried = self.inner.tried.lock().unwrap();
-        claim::pick(
-            &jobs,
-            &self.inner.config.queue,
-            Timestamp::now(),
+        let skip = |j: &LeasedJob| {
+            let name = j.metadata.name.as_deref().unwrap_or_default();
+            tried.get(name) == j.metadata.resource_version.as_ref()
+        };
+        if config.spread > 1 && claimers.len() > 1 {
+            let candidates = claim::top_candidates(&jobs, &config.queue, now, claimers.len());
+            if candidates.len() < claimers.len() {
+                return self.rendezvous(&candidates, &claimers, skip);
+            }
+        }
+        self.inner.turns.lock().unwrap().clear();
+        let window = claim::window_for(
             self.inner.window.load(Ordering::Relaxed),
-            |j| {
-                let name = j.metadata.name.as_deref().unwrap_or_default();
-                tried.get(name) == j.metadata.resource_version.as_ref()
-            },
-            &mut rand::rng(),
-        )
+            config.spread,
+            claimers.len(),
+            config.spread * MAX_WINDOW_FACTOR,
+        );
+        claim::pick(&jobs, &config.queue, now, window, skip, &mut rand::rng())
+            .map_or(Pick::Nothing, Pick::Job)
+    }
+
+    /// [`Worker::pick`] with fewer `candidates` than `claimers`: the candidate whose turn has
+    /// come for this claimer (its rank times [`claim::RENDEZVOUS_STEP_MS`] after this claimer
+    /// first saw it claimable), lowest rank first; else when the next turn comes.
+    fn rendezvous(
+        &self,
+        candidates: &[&Arc<LeasedJob>],
+        claimers: &std::collections::HashSet<&str>,
+        skip: impl Fn(&LeasedJob) -> bool,
+    ) -> Pick {
+        let now = Instant::now();
+        let me = self.inner.config.identity.as_str();
+        let mut turns = self.inner.turns.lock().unwrap();
+        // Forget jobs that are no longer candidates (claimed, or changed).
+        let key = |j: &LeasedJob| (j.name_any(), j.resource_version().unwrap_or_default());
+        let current: std::collections::HashSet<(String, String)> =
+            candidates.iter().map(|j| key(j)).collect();
+        turns.retain(|k, _| current.contains(k));
+        let mut ranked: Vec<(usize, &Arc<LeasedJob>)> = candidates
+            .iter()
+            .filter(|j| !skip(j))
+            .map(|j| (claim::rendezvous_rank(&j.name_any(), me, claimers), *j))
+            .collect();
+        ranked.sort_by_key(|(rank, _)| *rank);
+        let mut next: Option<Instant> = None;
+        for (rank, job) in ranked {
+            let seen = *turns.entry(key(job)).or_insert(now);
+            let turn = seen + claim::rendezvous_wait(rank);
+            if turn <= now {
+                return Pick::Job(Arc::clone(job));
+            }
+            next = Some(next.map_or(turn, |n| n.min(turn)));
+        }
+        next.map_or(Pick::Nothing, Pick::Defer)
     }
 
     /// After a 409: widens the claim window fourfold, if more jobs are claimable than it holds
@@ -1169,7 +1245,7 @@ impl Worker {
     /// (the Lease of a deleted job lives on until garbage collection removes it).
     async fn job_deleted(&self, name: &str) -> bool {
         let key = ObjectRef::new(name).within(&self.inner.config.namespace);
-        if self.inner.store.get(&key).is_some() || !store_ready(&self.inner.store) {
+        if self.inner.store.get(&key).is_some() || !self.inner.synced.is_synced() {
             return false;
         }
         matches!(self.inner.jobs.get_opt(name).await, Ok(None))
