@@ -257,9 +257,6 @@ struct Inner {
     /// Snapshots (name -> resourceVersion) already tried, so a stale cache entry is not
     /// claimed twice.
     tried: Mutex<HashMap<String, String>>,
-    /// When this claimer first saw each job it waits its rendezvous turn for, by (name,
-    /// resourceVersion) (see [`Worker::rendezvous`]).
-    turns: Mutex<HashMap<(String, String), Instant>>,
     /// The latest attempt this process ended per job name, with the refusal its token now
     /// earns: its Lease still names it (see the module doc), so a heartbeat with it must be
     /// refused here.
@@ -331,7 +328,6 @@ impl Worker {
             changes,
             held: Mutex::default(),
             tried: Mutex::default(),
-            turns: Mutex::default(),
             ended_here: Mutex::default(),
             metrics,
             health,
@@ -476,9 +472,10 @@ impl Worker {
             ));
         }
         let mut draining = self.inner.draining.subscribe();
+        let mut waiting_since = None;
         loop {
             changes.borrow_and_update();
-            let picked = self.pick();
+            let picked = self.pick(&mut waiting_since);
             let turn = match picked {
                 Pick::Defer(turn) => Some(turn),
                 _ => None,
@@ -525,12 +522,17 @@ impl Worker {
 
     /// The job to try to claim next, if any.
     ///
-    /// With more claimable jobs than claimers seen lately ([`claim::recent_claimers`]): one at
-    /// random among the oldest (the adaptive window, at least [`claim::WINDOW_PER_CLAIMER`] per
-    /// claimer). With fewer (the end of a queue, or one job for many idle claimers): the job
-    /// this claimer is ranked first for ([`claim::rendezvous_rank`]), or, once its turn has
-    /// come, one it is ranked lower for; else [`Pick::Defer`] until that turn.
-    fn pick(&self) -> Pick {
+    /// With enough claimable jobs for a window of [`claim::WINDOW_PER_CLAIMER`] per claimer
+    /// seen ([`claim::recent_claimers`]): one at random among the oldest (the adaptive window,
+    /// at least that wide). With fewer (a short queue, its end, or one job for many idle
+    /// claimers): the oldest job this claimer is ranked first for
+    /// ([`claim::rendezvous_rank`]), or, once its turn has come, one it is ranked lower for;
+    /// else [`Pick::Defer`] until that turn.
+    ///
+    /// `waiting_since` is when this claim call began waiting its turn (set here the first time
+    /// it has to): turns count from then, not from when a job was first seen, since jobs wait
+    /// in a busy queue for long before anyone's turn comes.
+    fn pick(&self, waiting_since: &mut Option<Instant>) -> Pick {
         let jobs = self.inner.store.state();
         let config = &self.inner.config;
         let now = Timestamp::now();
@@ -540,56 +542,56 @@ impl Worker {
             let name = j.metadata.name.as_deref().unwrap_or_default();
             tried.get(name) == j.metadata.resource_version.as_ref()
         };
+        let max_window = config.spread * MAX_WINDOW_FACTOR;
         if config.spread > 1 && claimers.len() > 1 {
-            let candidates = claim::top_candidates(&jobs, &config.queue, now, claimers.len());
-            if candidates.len() < claimers.len() {
-                return self.rendezvous(&candidates, &claimers, skip);
+            // Too few jobs for a window with room for every claimer: take turns instead.
+            let room = claim::window_for(0, config.spread, claimers.len(), max_window);
+            let candidates = claim::top_candidates(&jobs, &config.queue, now, room);
+            if candidates.len() < room {
+                let since = *waiting_since.get_or_insert_with(Instant::now);
+                return self.rendezvous(&candidates, &claimers, since, skip);
             }
         }
-        self.inner.turns.lock().unwrap().clear();
         let window = claim::window_for(
             self.inner.window.load(Ordering::Relaxed),
             config.spread,
             claimers.len(),
-            config.spread * MAX_WINDOW_FACTOR,
+            max_window,
         );
         claim::pick(&jobs, &config.queue, now, window, skip, &mut rand::rng())
             .map_or(Pick::Nothing, Pick::Job)
     }
 
-    /// [`Worker::pick`] with fewer `candidates` than `claimers`: the candidate whose turn has
-    /// come for this claimer (its rank times [`claim::RENDEZVOUS_STEP_MS`] after this claimer
-    /// first saw it claimable), lowest rank first; else when the next turn comes.
+    /// [`Worker::pick`] with too few `candidates` for the `claimers`: the oldest candidate
+    /// whose turn has come for this claimer (its rank times [`claim::RENDEZVOUS_STEP_MS`] after
+    /// `since`), lowest rank first; else when the next turn comes.
     fn rendezvous(
         &self,
         candidates: &[&Arc<LeasedJob>],
         claimers: &std::collections::HashSet<&str>,
+        since: Instant,
         skip: impl Fn(&LeasedJob) -> bool,
     ) -> Pick {
         let now = Instant::now();
         let me = self.inner.config.identity.as_str();
-        let mut turns = self.inner.turns.lock().unwrap();
-        // Forget jobs that are no longer candidates (claimed, or changed).
-        let key = |j: &LeasedJob| (j.name_any(), j.resource_version().unwrap_or_default());
-        let current: std::collections::HashSet<(String, String)> =
-            candidates.iter().map(|j| key(j)).collect();
-        turns.retain(|k, _| current.contains(k));
         let mut ranked: Vec<(usize, &Arc<LeasedJob>)> = candidates
             .iter()
             .filter(|j| !skip(j))
             .map(|j| (claim::rendezvous_rank(&j.name_any(), me, claimers), *j))
             .collect();
+        // Stable: candidates come oldest first, so within a rank the oldest is tried first.
         ranked.sort_by_key(|(rank, _)| *rank);
-        let mut next: Option<Instant> = None;
-        for (rank, job) in ranked {
-            let seen = *turns.entry(key(job)).or_insert(now);
-            let turn = seen + claim::rendezvous_wait(rank);
-            if turn <= now {
-                return Pick::Job(Arc::clone(job));
+        match ranked.first() {
+            None => Pick::Nothing,
+            Some((rank, job)) => {
+                let turn = since + claim::rendezvous_wait(*rank);
+                if turn <= now {
+                    Pick::Job(Arc::clone(job))
+                } else {
+                    Pick::Defer(turn)
+                }
             }
-            next = Some(next.map_or(turn, |n| n.min(turn)));
         }
-        next.map_or(Pick::Nothing, Pick::Defer)
     }
 
     /// After a 409: widens the claim window fourfold, if more jobs are claimable than it holds
