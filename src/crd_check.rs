@@ -14,10 +14,10 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     CustomResourceDefinition, CustomResourceDefinitionVersion, JSONSchemaProps,
     JSONSchemaPropsOrArray,
 };
-use kube::{Api, Client, CustomResourceExt};
+use kube::{Api, Client};
 use thiserror::Error;
 
-use crate::crd::LeasedJob;
+use crate::crd::definition;
 use crate::kubeapi::is_status;
 
 /// Name of the LeasedJob CustomResourceDefinition.
@@ -232,7 +232,7 @@ pub async fn check(client: &Client) -> Result<(), CrdCheckError> {
         Err(e) if is_status(&e, 403) => return Err(CrdCheckError::Forbidden),
         Err(e) => return Err(CrdCheckError::Api(e)),
     };
-    let missing = missing(&LeasedJob::crd(), &installed);
+    let missing = missing(&definition(), &installed);
     if missing.is_empty() {
         Ok(())
     } else {
@@ -248,7 +248,7 @@ mod tests {
     use super::*;
 
     fn installed() -> CustomResourceDefinition {
-        LeasedJob::crd()
+        definition()
     }
 
     fn props<'a>(crd: &'a mut CustomResourceDefinition, path: &[&str]) -> &'a mut JSONSchemaProps {
@@ -267,7 +267,7 @@ mod tests {
 
     #[test]
     fn the_generated_crd_lacks_nothing() {
-        assert_eq!(missing(&LeasedJob::crd(), &installed()), vec![]);
+        assert_eq!(missing(&definition(), &installed()), vec![]);
     }
 
     #[test]
@@ -283,7 +283,7 @@ mod tests {
             .as_mut()
             .unwrap()
             .remove("priority");
-        let got = missing(&LeasedJob::crd(), &old);
+        let got = missing(&definition(), &old);
         assert_eq!(
             got,
             vec![
@@ -320,7 +320,7 @@ mod tests {
             JSONSchemaPropsOrArray::Schemas(_) => unreachable!(),
         }
         props(&mut old, &["spec", "payload"]).x_kubernetes_preserve_unknown_fields = None;
-        let got = missing(&LeasedJob::crd(), &old);
+        let got = missing(&definition(), &old);
         assert_eq!(
             got,
             vec![
@@ -342,7 +342,7 @@ mod tests {
         old.spec.versions[0].subresources = None;
         old.spec.versions[0].selectable_fields = None;
         assert_eq!(
-            missing(&LeasedJob::crd(), &old),
+            missing(&definition(), &old),
             vec![
                 Missing::StatusSubresource("v1alpha1".into()),
                 Missing::SelectableField {
@@ -358,7 +358,7 @@ mod tests {
         let mut unserved = installed();
         unserved.spec.versions[0].served = false;
         assert_eq!(
-            missing(&LeasedJob::crd(), &unserved),
+            missing(&definition(), &unserved),
             vec![Missing::Version("v1alpha1".into())]
         );
     }
@@ -371,11 +371,11 @@ mod tests {
             .as_mut()
             .unwrap()
             .insert("fromTheFuture".into(), JSONSchemaProps::default());
-        assert_eq!(missing(&LeasedJob::crd(), &newer), vec![]);
+        assert_eq!(missing(&definition(), &newer), vec![]);
         let mut loose = installed();
         let status = props(&mut loose, &["status"]);
         status.properties = None;
         status.x_kubernetes_preserve_unknown_fields = Some(true);
-        assert_eq!(missing(&LeasedJob::crd(), &loose), vec![]);
+        assert_eq!(missing(&definition(), &loose), vec![]);
     }
 }

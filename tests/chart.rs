@@ -44,6 +44,113 @@ fn chart_copies_of_the_crd_and_the_example_worker_equal_their_sources() {
         "charts/leasehold/files/worker.py differs from examples/worker.py: \
          `cp examples/worker.py charts/leasehold/files/`"
     );
+    // The Python client the example runs on: the same files, none missing, none extra.
+    let sources = |dir: &str| -> Vec<String> {
+        let mut names: Vec<String> =
+            std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(dir))
+                .unwrap_or_else(|e| panic!("{dir}: {e}"))
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".py"))
+                .collect();
+        names.sort();
+        names
+    };
+    let package = sources("clients/python/leasehold");
+    assert_eq!(
+        sources("charts/leasehold/files/leasehold"),
+        package,
+        "`rm charts/leasehold/files/leasehold/*.py && cp clients/python/leasehold/*.py \
+         charts/leasehold/files/leasehold/`"
+    );
+    for name in &package {
+        assert!(
+            repo(&format!("charts/leasehold/files/leasehold/{name}"))
+                == repo(&format!("clients/python/leasehold/{name}")),
+            "charts/leasehold/files/leasehold/{name} differs from clients/python/leasehold/{name}: \
+             `cp clients/python/leasehold/*.py charts/leasehold/files/leasehold/`"
+        );
+    }
+}
+
+/// The example worker's pod, laid out as the kubelet would from the rendered ConfigMap and
+/// the volume's items, imports the client from the container's PYTHONPATH and runs
+/// (`python3 /opt/leasehold/worker.py --help`).
+#[test]
+fn chart_example_worker_runs_from_its_configmap_with_the_client_on_pythonpath() {
+    let chart = chart_dir();
+    let rendered = helm_ok(&[
+        "template",
+        "r",
+        chart.to_str().unwrap(),
+        "--set",
+        "workers.namespaces={jobs}",
+        "--set",
+        "exampleWorker.enabled=true",
+    ]);
+    let docs = documents(&rendered);
+    let find = |kind: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == "r-leasehold-example-worker")
+            .unwrap_or_else(|| panic!("the example worker's {kind}"))
+    };
+    let (config, deployment) = (find("ConfigMap"), find("Deployment"));
+    let pod = &deployment["spec"]["template"]["spec"];
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "worker-script")
+        .expect("the worker-script volume");
+    let root = std::env::temp_dir().join(format!("leasehold-example-pod-{}", std::process::id()));
+    let items = volume["configMap"]["items"].as_array().expect("items");
+    assert!(items.len() > 2, "{volume}");
+    for item in items {
+        let key = item["key"].as_str().unwrap();
+        let path = root.join(item["path"].as_str().unwrap());
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let text = config["data"][key]
+            .as_str()
+            .unwrap_or_else(|| panic!("no key {key}"));
+        std::fs::write(&path, text).unwrap();
+    }
+    let container = &pod["containers"][0];
+    let pythonpath = container["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "PYTHONPATH")
+        .and_then(|e| e["value"].as_str())
+        .expect("PYTHONPATH");
+    let mount = container["volumeMounts"][0]["mountPath"].as_str().unwrap();
+    assert_eq!(
+        pythonpath, mount,
+        "the client must be importable from the mount"
+    );
+    assert_eq!(container["command"][1], format!("{mount}/worker.py"));
+    // Run from elsewhere, so that only PYTHONPATH can find the package.
+    let python = |args: &[&str]| {
+        let out = Command::new("python3")
+            .args(args)
+            .env("PYTHONPATH", &root)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .current_dir(std::env::temp_dir())
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    let (ok, text) = python(&["-c", "import leasehold; print(leasehold.__file__)"]);
+    assert!(
+        ok && text.starts_with(root.join("leasehold").to_str().unwrap()),
+        "{text}"
+    );
+    let (ok, text) = python(&[root.join("worker.py").to_str().unwrap(), "--help"]);
+    assert!(ok && text.contains("--sidecar"), "{text}");
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]

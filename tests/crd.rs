@@ -246,3 +246,44 @@ async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
     assert!(!ok, "a field that is not selectable was accepted: {out}");
     assert!(out.contains("status.holder"), "{out}");
 }
+
+/// `kubectl explain` fills each description's paragraphs to its 80 columns: no line ends
+/// early where the next line's first word would have fit, which is what a hard line break
+/// inside a description (a doc comment's source line ending) looks like in its output. A
+/// line that ends a sentence may be followed by a short one: for a list field, kubectl prints
+/// the items' own description on the next line.
+#[tokio::test]
+async fn kubectl_explain_prints_descriptions_as_filled_paragraphs() {
+    let client = client().await;
+    install_crd(&client).await;
+    for path in [
+        "ljob.spec",
+        "ljob.status",
+        "ljob.status.failures",
+        "ljob.spec.backoff",
+    ] {
+        let (ok, out) = kubectl(&["explain", path], "");
+        assert!(ok, "{out}");
+        let lines: Vec<&str> = out.lines().collect();
+        let early: Vec<String> = lines
+            .windows(2)
+            .filter(|w| {
+                let (a, b) = (w[0], w[1]);
+                let text = |l: &str| l.starts_with("    ") && !l.trim().is_empty();
+                let next_word = b.split_whitespace().next().unwrap_or_default();
+                let new_sentence = a.trim_end().ends_with('.')
+                    && next_word.starts_with(|c: char| c.is_ascii_uppercase());
+                text(a)
+                    && text(b)
+                    && !new_sentence
+                    && a.trim_end().len() + 1 + next_word.len() <= 80
+            })
+            .map(|w| format!("{:?} / {:?}", w[0], w[1]))
+            .collect();
+        assert!(
+            early.is_empty(),
+            "kubectl explain {path}: lines broken before the wrap width:\n{}\n\n{out}",
+            early.join("\n")
+        );
+    }
+}

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Example leasehold worker: standard-library Python, no dependencies.
+"""Example leasehold worker, on the Python client (clients/python, package `leasehold`).
 
-It long-polls the leasehold sidecar for a job, does the work in chunks, sends a
-heartbeat carrying a resumable checkpoint after every chunk, and finally
-completes (or fails) the job, proving its lease with the token every time.
+It claims jobs from the leasehold sidecar, does the work in chunks, saves a resumable
+checkpoint after every chunk (the client sends it with its background heartbeats), and
+completes or fails the job. Lease loss, cancellation and SIGTERM are the client's: see
+clients/python/README.md. What is left here is the task.
 
 Job payload:
     {"task": "wordcount" | "sha256" | "gzip",
@@ -11,7 +12,7 @@ Job payload:
      "chunkBytes": 4096,            # optional, 1..16777216
      "chunkDelaySeconds": 0.2}      # optional, 0..3600 (simulated slow work)
 
-Checkpoint (sent with every per-chunk heartbeat, handed back on a re-claim):
+Checkpoint (saved after every chunk, handed back on a re-claim):
     {"v": 1, "task", "file", "chunkBytes", "fileSize", "offset": bytes_done,
      "state": {...task specific...}}
   wordcount: {"lines", "words", "bytes", "inWord"}; inWord carries a word that
@@ -28,7 +29,7 @@ Checkpoint (sent with every per-chunk heartbeat, handed back on a re-claim):
   A checkpoint that does not match the payload or the file (different task,
   file, chunkBytes or file size, or malformed state) is ignored: start fresh.
 
-Stdout: one JSON object per line, flushed at once:
+Stdout: one JSON object per line, flushed at once (the client's events):
     {"event":"claimed","name","attempt","resumeFrom"}
     {"event":"heartbeat","name","attempt","status","error","offset"}
     {"event":"complete","name","attempt","status","error"}
@@ -37,27 +38,30 @@ Stdout: one JSON object per line, flushed at once:
     {"event":"lost","name","attempt"}
     {"event":"idle"}
     {"event":"error","message"}
-"status" is the HTTP status, "error" the server's error code or null.
-Every "claimed" is followed by exactly one outcome: a complete, fail or
-release event with status 200, or a "lost" event. Connection failures produce
-"error" events (no status) and are retried with a short backoff.
+"status" is the HTTP status, "error" the server's error code or null; "offset"
+the checkpoint's offset the heartbeat carried (or the last one sent). Every
+"claimed" is followed by exactly one outcome: a complete, fail or release event
+with status 200, or a "lost" event. A call that got no answer is an "error"
+event (no status); the client repeats it.
 Narration for humans goes to stderr, prefixed with "[NAME]".
 """
 
 import argparse
 import hashlib
-import http.client
 import json
+import logging
 import os
-import signal
 import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import zlib
+
+try:
+    import leasehold
+except ImportError:  # run from a checkout: the client beside it
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients", "python"))
+    import leasehold
 
 TASKS = ("gzip", "sha256", "wordcount")
 CHECKPOINT_VERSION = 1
@@ -71,20 +75,13 @@ GZIP_LEVEL = 6
 GZIP_WINDOW = 32 * 1024
 GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # no name, no mtime, OS unknown
 GZIP_TRAILER_BYTES = 8
-HTTP_TIMEOUT = 10.0
-WRITE_TRIES = 5  # complete / fail / release attempts on connection errors or 5xx
-HEARTBEAT_TRIES = 3
 
 
-class BadPayload(Exception):
-    pass
+class BadPayload(leasehold.Fail):
+    """A payload no attempt can run: the job fails at once, not retried."""
 
-
-class WorkError(Exception):
-    def __init__(self, reason, message, retryable):
-        Exception.__init__(self, message)
-        self.reason = reason
-        self.retryable = retryable
+    def __init__(self, message):
+        leasehold.Fail.__init__(self, "BadPayload", message, False)
 
 
 # --------------------------------------------------------------------------
@@ -92,9 +89,12 @@ class WorkError(Exception):
 
 
 class Output:
+    """The JSON event lines on stdout and the narration on stderr."""
+
     def __init__(self, name):
         self.name = name
         self.lock = threading.Lock()
+        self.offsets = {}  # (job, attempt) -> offset of the last checkpoint sent
 
     def event(self, **fields):
         line = json.dumps(fields, separators=(",", ":"))
@@ -107,69 +107,30 @@ class Output:
             sys.stderr.write("[%s] %s\n" % (self.name, message))
             sys.stderr.flush()
 
-
-# --------------------------------------------------------------------------
-# sidecar client
-
-
-class ConnectionFailed(Exception):
-    pass
-
-
-class Reply:
-    def __init__(self, status, body):
-        self.status = status
-        self.body = body
-        self.error = None
-        if isinstance(body, dict) and isinstance(body.get("error"), str):
-            self.error = body["error"]
-
-    def describe(self):
-        text = "HTTP %d" % self.status
-        if self.error:
-            text += " " + self.error
-        if isinstance(self.body, dict) and isinstance(self.body.get("message"), str):
-            text += ": " + self.body["message"]
-        return text
-
-
-class Sidecar:
-    def __init__(self, base_url):
-        self.base = base_url.rstrip("/")
-        # The sidecar is local: never route it through an HTTP(S)_PROXY.
-        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-    def post(self, path, body=None, timeout=HTTP_TIMEOUT):
-        headers = {"Accept": "application/json"}
-        data = b""
-        if body is not None:
-            data = json.dumps(body).encode("utf-8")
-            headers["Content-Type"] = "application/json"
-        request = urllib.request.Request(self.base + path, data=data, headers=headers, method="POST")
-        try:
-            try:
-                with self.opener.open(request, timeout=timeout) as response:
-                    status, raw = response.status, response.read()
-            except urllib.error.HTTPError as err:
-                status = err.code
-                try:
-                    raw = err.read()
-                finally:
-                    err.close()
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
-            reason = getattr(err, "reason", None) or err
-            raise ConnectionFailed("%s %s: %s" % ("POST", self.base + path, reason))
-        parsed = None
-        if raw:
-            try:
-                parsed = json.loads(raw.decode("utf-8"))
-            except ValueError:
-                parsed = None
-        return Reply(status, parsed)
-
-    @staticmethod
-    def job_path(name, verb):
-        return "/v1/jobs/%s/%s" % (urllib.parse.quote(name, safe=""), verb)
+    def on_event(self, e):
+        """The client's events, in the format of the module docstring."""
+        if e.kind == "claimed":
+            return  # the handler reports it, with resumeFrom
+        if e.kind in ("idle", "error") or e.status is None:
+            if e.kind == "idle":
+                self.event(event="idle")
+            else:
+                self.event(event="error", message="%s: %s" % (e.kind, e.message) if e.kind != "error" else e.message)
+            return
+        if e.kind == "lost":
+            self.event(event="lost", name=e.name, attempt=e.attempt)
+            self.say("lost %s (%s)" % (e.name, e.message))
+            return
+        if e.kind == "heartbeat":
+            key = (e.name, e.attempt)
+            if isinstance(e.checkpoint, dict) and e.status == 200:
+                self.offsets[key] = e.checkpoint.get("offset")
+            offset = e.checkpoint.get("offset") if isinstance(e.checkpoint, dict) else self.offsets.get(key, 0)
+            self.event(event="heartbeat", name=e.name, attempt=e.attempt, status=e.status, error=e.error, offset=offset)
+            return
+        self.event(event=e.kind, name=e.name, attempt=e.attempt, status=e.status, error=e.error)
+        if e.status != 200:
+            self.say("%s of %s refused: %s %s: %s" % (e.kind, e.name, e.status, e.error, e.message))
 
 
 # --------------------------------------------------------------------------
@@ -247,7 +208,7 @@ class Sha256:
             chunk = f.read(plan["chunkBytes"] if i + 1 < len(digests) else plan["size"] - i * plan["chunkBytes"])
             whole.update(chunk)
             if hashlib.sha256(chunk).hexdigest() != expected:
-                raise WorkError(
+                raise leasehold.Fail(
                     "FileChanged",
                     "payload.file: %s changed while being hashed (chunk %d differs from its checkpointed digest)"
                     % (json.dumps(plan["file"]), i),
@@ -409,152 +370,32 @@ def resume_point(plan, checkpoint):
 
 
 # --------------------------------------------------------------------------
-# the worker
+# the handler
 
 
-class Lease:
-    """Lease bookkeeping for one claimed job; shared with the background heartbeater."""
+class Handler:
+    """Runs one job: the task over the file, chunk by chunk, from the checkpoint."""
 
-    def __init__(self, claim):
-        self.name = claim["name"]
-        self.namespace = claim.get("namespace")
-        self.attempt = claim.get("attempt")
-        self.token = claim["token"]
-        duration = claim.get("leaseDurationSeconds")
-        self.duration = float(duration) if is_int(duration) or isinstance(duration, float) else 15.0
-        if self.duration <= 0:
-            self.duration = 15.0
-        self.last_renewed = time.monotonic()
-        self.offset = 0  # last offset successfully handed to a heartbeat
-        self.lost = False
-        self.lost_reason = None
-
-    def label(self):
-        return "%s/%s" % (self.namespace, self.name) if self.namespace else self.name
-
-
-class Worker:
-    def __init__(self, args):
+    def __init__(self, args, out, client):
         self.args = args
-        self.out = Output(args.name)
-        self.sidecar = Sidecar(args.sidecar)
-        self.stopping = False  # set by the first SIGTERM/SIGINT (only a flag: safe in a handler)
+        self.out = out
+        self.client = client
 
-    # ---- small helpers
-
-    def pause(self, seconds):
-        """Sleeps, waking early when asked to stop. Returns False if stopping."""
-        deadline = time.monotonic() + seconds
-        while not self.stopping:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return True
-            time.sleep(min(remaining, 0.1))
-        return False
-
-    def on_signal(self, signum, frame):
-        if self.stopping:
-            sys.stderr.write("[%s] second signal: exiting now\n" % self.args.name)
-            sys.stderr.flush()
-            os._exit(128 + signum)
-        self.stopping = True
-
-    # ---- main loop
-
-    def run(self):
-        self.out.say("worker for %s, long-polling %ds per claim" % (self.args.sidecar, self.args.wait))
-        done = 0
-        backoff = 0.5
-        while not self.stopping:
-            if self.args.max_jobs and done >= self.args.max_jobs:
-                self.out.say("processed %d job(s), exiting" % done)
-                return 0
-            outcome = self.claim()
-            if outcome is None:  # stopped while waiting
-                break
-            kind, value = outcome
-            if kind == "error":
-                self.out.event(event="error", message=value)
-                self.out.say("%s; retrying in %.1fs" % (value, backoff))
-                self.pause(backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
-            backoff = 0.5
-            if kind == "idle":
-                self.out.event(event="idle")
-                if self.args.exit_when_idle:
-                    self.out.say("nothing to do, exiting (--exit-when-idle)")
-                    return 0
-                if self.args.wait == 0:
-                    self.pause(1.0)
-                continue
-            done += 1
-            try:
-                self.process(value)
-            except Exception as err:  # never let a bug in one job kill the worker
-                self.out.event(event="error", message="internal error while processing: %r" % (err,))
-        self.out.say("stopping on signal")
-        return 0
-
-    def claim(self):
-        """Long-polls in a helper thread so a signal can interrupt the wait.
-
-        Returns ("job", claim) / ("idle", None) / ("error", message), or None
-        if a signal arrived first. A job claimed in the very moment of the
-        signal is released straight away."""
-        result = {}
-        finished = threading.Event()
-
-        def call():
-            try:
-                result["reply"] = self.sidecar.post("/v1/claim?wait=%d" % self.args.wait, timeout=self.args.wait + 15)
-            except ConnectionFailed as err:
-                result["failure"] = str(err)
-            except Exception as err:
-                result["failure"] = "claim: %r" % (err,)
-            finished.set()
-
-        threading.Thread(target=call, name="claim", daemon=True).start()
-        while not finished.wait(0.1):
-            if self.stopping:
-                return None
-        if "failure" in result:
-            return ("error", result["failure"])
-        reply = result["reply"]
-        if reply.status == 204:
-            return ("idle", None)
-        if reply.status != 200:
-            return ("error", "claim: " + reply.describe())
-        body = reply.body
-        if not (isinstance(body, dict) and isinstance(body.get("name"), str) and isinstance(body.get("token"), str)):
-            return ("error", "claim: malformed 200 response %s" % json.dumps(body)[:200])
-        if self.stopping:
-            lease = Lease(body)
-            self.out.event(event="claimed", name=lease.name, attempt=lease.attempt, resumeFrom=0)
-            self.release(lease)
-            return None
-        return ("job", body)
-
-    # ---- one job
-
-    def process(self, claim):
-        lease = Lease(claim)
+    def __call__(self, job):
         out = self.out
         try:
-            plan = validate_payload(claim.get("payload"), self.args.data_dir)
+            plan = validate_payload(job.payload, self.args.data_dir)
         except BadPayload as err:
-            out.event(event="claimed", name=lease.name, attempt=lease.attempt, resumeFrom=0)
-            out.say("claimed %s attempt %s: bad payload: %s" % (lease.label(), lease.attempt, err))
-            self.fail(lease, "BadPayload", str(err), False)
-            return
-        offset, state, why_not = resume_point(plan, claim.get("checkpoint"))
-        lease.offset = offset
+            out.event(event="claimed", name=job.name, attempt=job.attempt, resumeFrom=0)
+            out.say("claimed %s attempt %s: bad payload: %s" % (job.label, job.attempt, err))
+            raise
+        offset, state, why_not = resume_point(plan, job.checkpoint)
         resumed_from = offset
-        out.event(event="claimed", name=lease.name, attempt=lease.attempt, resumeFrom=offset)
+        out.event(event="claimed", name=job.name, attempt=job.attempt, resumeFrom=offset)
         out.say(
             "claimed %s attempt %s: %s of %s (%d bytes, %d-byte chunks, %gs each, lease %gs)"
-            % (lease.label(), lease.attempt, plan["task"], plan["file"], plan["size"],
-               plan["chunkBytes"], plan["delay"], lease.duration)
+            % (job.label, job.attempt, plan["task"], plan["file"], plan["size"],
+               plan["chunkBytes"], plan["delay"], job.lease_duration)
         )
         if why_not:
             out.say("ignoring the previous attempt's checkpoint (%s); starting fresh" % why_not)
@@ -567,153 +408,45 @@ class Worker:
                 while offset < plan["size"]:
                     chunk = read_at(f, offset, min(plan["chunkBytes"], plan["size"] - offset))
                     if not chunk:
-                        raise WorkError("ReadError", "payload.file: %s ended early at byte %d" % (json.dumps(plan["file"]), offset), True)
+                        raise leasehold.Fail(
+                            "ReadError", "payload.file: %s ended early at byte %d" % (json.dumps(plan["file"]), offset), True
+                        )
                     next_state = processor.update(state, chunk, offset, f, plan)
-                    self.simulate_work(lease, plan["delay"])
-                    if self.stopping:
-                        out.say("signal received: handing %s back at byte %d" % (lease.name, lease.offset))
-                        self.release(lease)
-                        return
-                    if lease.lost and not self.args.insist:
-                        return self.give_up(lease)
+                    self.pause(job, plan["delay"])
                     offset, state = offset + len(chunk), next_state
-                    self.heartbeat(lease, make_checkpoint(plan, offset, state), offset)
-                    if lease.lost and not self.args.insist:
-                        return self.give_up(lease)
-                    if not lease.lost and time.monotonic() - lease.last_renewed > lease.duration:
-                        lease.lost, lease.lost_reason = True, "no successful heartbeat for longer than the lease duration"
-                        if not self.args.insist:
-                            return self.give_up(lease)
-                    out.say("%s: %d/%d bytes" % (lease.name, offset, plan["size"]))
-                    if self.stopping:
-                        out.say("signal received: handing %s back at byte %d" % (lease.name, offset))
-                        self.release(lease)
-                        return
+                    job.save(make_checkpoint(plan, offset, state))
+                    out.say("%s: %d/%d bytes" % (job.name, offset, plan["size"]))
                 figures = processor.finish(state, f, plan)
-        except WorkError as err:
-            out.say("%s: %s" % (lease.name, err))
-            self.fail(lease, err.reason, str(err), err.retryable)
-            return
         except OSError as err:
-            out.say("%s: reading failed: %s" % (lease.name, err))
-            self.fail(lease, "ReadError", "payload.file: %s: %s" % (json.dumps(plan["file"]), err), True)
-            return
-        except Exception as err:  # a bug here must not leave the job hanging until its lease expires
-            out.say("%s: internal error: %r" % (lease.name, err))
-            self.fail(lease, "WorkerError", "internal worker error: %r" % (err,), True)
-            return
+            raise leasehold.Fail("ReadError", "payload.file: %s: %s" % (json.dumps(plan["file"]), err), True)
         result = {"task": plan["task"]}
         result.update(figures)
         result.update({"file": plan["file"], "resumedFromOffset": resumed_from, "worker": self.args.name})
-        if lease.lost:
-            out.say("--insist: lease was lost, completing %s anyway" % lease.name)
-        self.complete(lease, result)
+        if job.lost is not None:
+            # --insist: what a naive worker would do; the sidecar and the API server refuse it.
+            out.say("--insist: lease was lost, completing %s anyway" % job.name)
+            try:
+                self.client.complete(job.name, job.token, result, job.attempt)
+            except leasehold.LeaseholdError:
+                pass
+            return None
+        out.say("completing %s: %s" % (job.name, json.dumps(result)))
+        return result
 
-    def give_up(self, lease):
-        self.out.event(event="lost", name=lease.name, attempt=lease.attempt)
-        self.out.say("lost the lease on %s (%s): stopping work on it" % (lease.name, lease.lost_reason))
-
-    def simulate_work(self, lease, delay):
-        """Sleeps `delay` seconds for the chunk. When that is long compared with
-        the lease, a background thread keeps renewing it meanwhile."""
-        if delay <= 0:
+    def pause(self, job, delay):
+        """The chunk's simulated work. Raises when the job is lost or the worker stops,
+        except that --insist carries on after a lost lease."""
+        if not self.args.insist:
+            job.sleep(delay)
             return
-        stop = threading.Event()
-        helper = None
-        if delay > lease.duration / 3.0 and not lease.lost:
-
-            def renew():
-                while not stop.wait(lease.duration / 3.0):
-                    if self.stopping or lease.lost:
-                        return
-                    self.heartbeat(lease, None, lease.offset, tries=1)
-
-            helper = threading.Thread(target=renew, name="heartbeater", daemon=True)
-            helper.start()
         deadline = time.monotonic() + delay
-        try:
-            while not self.stopping and not (lease.lost and not self.args.insist):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                time.sleep(min(remaining, 0.1))
-        finally:
-            stop.set()
-            if helper is not None:
-                helper.join()
-
-    # ---- writes to the sidecar
-
-    def heartbeat(self, lease, checkpoint, offset, tries=HEARTBEAT_TRIES):
-        body = {"token": lease.token}
-        if checkpoint is not None:
-            body["checkpoint"] = checkpoint
-        path = Sidecar.job_path(lease.name, "heartbeat")
-        for attempt in range(tries):
-            if attempt and not self.pause(0.5 * attempt):
+        while True:
+            if job.stopping:
+                job.check()
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return
-            try:
-                reply = self.sidecar.post(path, body, timeout=min(HTTP_TIMEOUT, max(1.0, lease.duration / 2.0)))
-            except ConnectionFailed as err:
-                self.out.event(event="error", message="heartbeat: %s" % err)
-                continue
-            self.out.event(event="heartbeat", name=lease.name, attempt=lease.attempt,
-                           status=reply.status, error=reply.error, offset=offset)
-            if reply.status == 200:
-                lease.last_renewed = time.monotonic()
-                if checkpoint is not None:
-                    lease.offset = offset
-                duration = reply.body.get("leaseDurationSeconds") if isinstance(reply.body, dict) else None
-                if (is_int(duration) or isinstance(duration, float)) and duration > 0:
-                    lease.duration = float(duration)
-                return
-            if reply.status in (404, 409):
-                if not lease.lost:
-                    lease.lost, lease.lost_reason = True, "heartbeat refused: " + reply.describe()
-                    if self.args.insist:
-                        self.out.say("lease on %s lost (%s) but --insist: carrying on" % (lease.name, reply.describe()))
-                return
-            if reply.status < 500:
-                self.out.say("heartbeat for %s: %s (carrying on)" % (lease.name, reply.describe()))
-                return
-            # 5xx: retry
-
-    def write(self, lease, verb, body):
-        """complete / fail / release. True when the server accepted it."""
-        path = Sidecar.job_path(lease.name, verb)
-        delay = 0.5
-        for attempt in range(WRITE_TRIES):
-            if attempt:
-                time.sleep(delay)  # not interruptible: finishing the write is the clean exit
-                delay = min(delay * 2, 4.0)
-            try:
-                reply = self.sidecar.post(path, body)
-            except ConnectionFailed as err:
-                self.out.event(event="error", message="%s: %s" % (verb, err))
-                continue
-            self.out.event(event=verb, name=lease.name, attempt=lease.attempt, status=reply.status, error=reply.error)
-            if reply.status == 200:
-                return True
-            if reply.status < 500:
-                self.out.say("%s of %s refused: %s" % (verb, lease.name, reply.describe()))
-                break
-        lease.lost_reason = lease.lost_reason or "%s was not accepted" % verb
-        self.out.event(event="lost", name=lease.name, attempt=lease.attempt)
-        self.out.say("giving up %s" % lease.name)
-        return False
-
-    def complete(self, lease, result):
-        if self.write(lease, "complete", {"token": lease.token, "result": result}):
-            self.out.say("completed %s: %s" % (lease.name, json.dumps(result)))
-
-    def fail(self, lease, reason, message, retryable):
-        body = {"token": lease.token, "reason": reason, "message": message, "retryable": retryable}
-        if self.write(lease, "fail", body):
-            self.out.say("reported %s as failed (%s, retryable=%s)" % (lease.name, reason, str(retryable).lower()))
-
-    def release(self, lease):
-        if self.write(lease, "release", {"token": lease.token}):
-            self.out.say("released %s" % lease.name)
+            time.sleep(min(left, 0.1))
 
 
 # --------------------------------------------------------------------------
@@ -722,17 +455,17 @@ class Worker:
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description="Example leasehold worker: claims jobs from the sidecar and runs wordcount, sha256 "
-        "or gzip over a license text in chunks, heartbeating a resumable checkpoint after each chunk.",
+        "or gzip over a license text in chunks, checkpointing after each chunk.",
         epilog="Stdout carries one JSON event per line (claimed, heartbeat, complete, fail, release, lost, "
         "idle, error); narration goes to stderr. The first SIGTERM/SIGINT stops the worker between jobs, or "
-        "mid-job at the next chunk boundary after releasing the job (its last checkpoint stays for the next "
+        "mid-job at the next chunk boundary after releasing the job (with its last checkpoint, for the next "
         "worker); a second signal exits immediately. See the module docstring for the payload, checkpoint "
         "and event formats.",
     )
     parser.add_argument("--sidecar", default=os.environ.get("LEASEHOLD_SIDECAR", "http://127.0.0.1:7070"),
                         metavar="URL", help="sidecar base URL (default: $LEASEHOLD_SIDECAR or %(default)s)")
     parser.add_argument("--wait", type=int, default=20, metavar="SECONDS",
-                        help="long-poll duration for each claim (default: %(default)s)")
+                        help="long-poll duration for each claim, 0..300 (default: %(default)s)")
     parser.add_argument("--name", default=socket.gethostname(),
                         help="worker name, reported in results and narration (default: hostname, %(default)s)")
     parser.add_argument("--once", action="store_true", help="process one job, then exit (same as --max-jobs 1)")
@@ -741,28 +474,35 @@ def parse_args(argv):
     parser.add_argument("--exit-when-idle", action="store_true",
                         help="exit as soon as a claim finds nothing to do (204)")
     parser.add_argument("--insist", action="store_true",
-                        help="misbehave: on a 409 keep working to the end and still call complete "
-                        "(demonstrates that a zombie's late result is refused)")
+                        help="misbehave: after losing the lease keep working to the end and still send the "
+                        "result, bypassing the client's guard (demonstrates that a zombie's late result is refused)")
     parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR",
                         help="payload.file must resolve inside this directory (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.wait < 0:
-        parser.error("--wait must be >= 0")
+    if not 0 <= args.wait <= 300:
+        parser.error("--wait must be from 0 to 300")
     if args.max_jobs < 0:
         parser.error("--max-jobs must be >= 0")
     if args.once:
         args.max_jobs = 1
-    if urllib.parse.urlsplit(args.sidecar).scheme not in ("http", "https"):
-        parser.error("--sidecar must be an http:// or https:// URL")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    worker = Worker(args)
-    signal.signal(signal.SIGTERM, worker.on_signal)
-    signal.signal(signal.SIGINT, worker.on_signal)
-    return worker.run()
+    out = Output(args.name)
+    log = logging.StreamHandler(sys.stderr)
+    log.setFormatter(logging.Formatter("[%s] %%(message)s" % args.name))
+    logging.getLogger("leasehold").addHandler(log)
+    logging.getLogger("leasehold").setLevel(logging.INFO)
+    try:
+        client = leasehold.Client(args.sidecar, on_event=out.on_event)
+    except ValueError as err:
+        sys.exit("--sidecar: %s" % err)
+    worker = leasehold.Worker(Handler(args, out, client), client=client, wait=args.wait, max_jobs=args.max_jobs,
+                              exit_when_idle=args.exit_when_idle)
+    worker.run()
+    return 0
 
 
 if __name__ == "__main__":

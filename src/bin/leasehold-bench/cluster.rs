@@ -14,7 +14,7 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
-use kube::{Api, Client, Config, CustomResourceExt, ResourceExt};
+use kube::{Api, Client, Config, ResourceExt};
 use leasehold::crd::{LeasedJob, LeasedJobSpec, Phase};
 use serde_json::Value;
 use tokio::sync::watch;
@@ -137,7 +137,7 @@ impl Bench {
         api.patch(
             "leasedjobs.leasehold.dev",
             &PatchParams::apply("leasehold-bench").force(),
-            &Patch::Apply(&LeasedJob::crd()),
+            &Patch::Apply(&leasehold::crd::definition()),
         )
         .await
         .context("apply the LeasedJob CRD")?;

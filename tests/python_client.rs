@@ -1,0 +1,68 @@
+//! The Python client (clients/python) against the real sidecar and control plane: runs its
+//! pytest suite (clients/python/tests) in the venv that scripts/test prepares
+//! (tests/tools/python/venv.sh), with a controller for the test's namespace. The suite starts
+//! its own sidecars (this crate's `leasehold` binary) and worker processes, and freezes,
+//! stops and cancels them: lease loss under SIGSTOP of the worker and of the sidecar,
+//! cancellation, resume from a checkpoint, SIGTERM, and every documented error code.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_client_passes_its_pytest_suite_against_the_real_sidecar() {
+    let python = std::env::var_os("LEASEHOLD_PYTHON").expect(
+        "LEASEHOLD_PYTHON is not set: the venv with pytest comes from tests/tools/python/venv.sh; \
+         run `scripts/test`",
+    );
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "python-client").await;
+    let _controller = controller(&ns.name);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let kubectl = kubectl_path();
+    let logs = log_dir().join(format!("{}-pytest", ns.name));
+    std::fs::create_dir_all(&logs).unwrap();
+    let suite = root.join("clients/python/tests");
+    let python = python.clone();
+    let ns_name = ns.name.clone();
+    let logs2 = logs.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(&python)
+            .args([
+                "-m",
+                "pytest",
+                "-v",
+                "-p",
+                "no:cacheprovider",
+                "--durations=5",
+            ])
+            .arg(&suite)
+            .current_dir(root)
+            .env("LEASEHOLD_BIN", leasehold_bin())
+            .env("LEASEHOLD_TEST_NAMESPACE", &ns_name)
+            .env("LEASEHOLD_KUBECTL", &kubectl)
+            .env("LEASEHOLD_PYTEST_LOGS", &logs2)
+            .env("KUBECONFIG", kubeconfig_path())
+            .env_remove("LEASEHOLD_SIDECAR")
+            .env_remove("POD_NAME")
+            .env_remove("POD_NAMESPACE")
+            .output()
+            .expect("run pytest")
+    })
+    .await
+    .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(
+        out.status.success(),
+        "the Python client's tests failed (logs of its sidecars and workers: {}):\n{text}",
+        logs.display()
+    );
+}
