@@ -16,13 +16,14 @@ mod expiry;
 mod footprint;
 mod metrics;
 mod payload;
+mod plots;
 mod procs;
 mod report;
 mod stats;
 mod versus;
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 use clap::Parser;
@@ -130,6 +131,7 @@ struct Sizes {
     versus_jobs: usize,
     versus_workers: usize,
     payload_jobs: usize,
+    payload_bytes: Vec<usize>,
 }
 
 impl Sizes {
@@ -164,6 +166,11 @@ impl Sizes {
             versus_jobs: pick(cli.versus_jobs, 20, 1000),
             versus_workers: pick(cli.versus_workers, 2, 16),
             payload_jobs: pick(cli.payload_jobs, 20, 2000),
+            payload_bytes: if s {
+                vec![100, 64 * 1024]
+            } else {
+                vec![100, 4 * 1024, 16 * 1024, 64 * 1024]
+            },
         }
     }
 
@@ -172,7 +179,7 @@ impl Sizes {
             "ceiling {} s per N; N = {}; claim M = {} jobs; dispatch {} jobs to {} workers; \
              expiry {} jobs on {} killed sidecars, lease {} s; footprint {} jobs, {} held by {} \
              sidecars, lease {} s, {} renew intervals; vs Jobs {} items, {} workers; payloads \
-             {} jobs per queue, {} and {} bytes",
+             {} jobs per queue, {} bytes",
             self.ceiling_seconds,
             self.claimers
                 .iter()
@@ -193,8 +200,11 @@ impl Sizes {
             self.versus_jobs,
             self.versus_workers,
             self.payload_jobs,
-            PAYLOAD_BYTES[0],
-            PAYLOAD_BYTES[1]
+            self.payload_bytes
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
         )
     }
 }
@@ -252,6 +262,7 @@ async fn main() -> anyhow::Result<()> {
     );
 
     let mut report = Report::default();
+    let mut charts = Vec::new();
     let mut failures = Vec::new();
     let mut ceilings = Vec::new();
     if want(1) || want(2) {
@@ -272,6 +283,7 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         claim_rows(&mut report, &results, &ceilings, &sizes);
+        charts.extend(claim_charts(&results));
     }
     if want(3) {
         eprintln!("row 3: dispatch latency");
@@ -319,8 +331,11 @@ async fn main() -> anyhow::Result<()> {
     }
     if want(8) {
         eprintln!("row 8: memory against payload bytes");
-        match payload::run(&bench, sizes.payload_jobs, &PAYLOAD_BYTES).await {
-            Ok(p) => payload_rows(&mut report, &p),
+        match payload::run(&bench, sizes.payload_jobs, &sizes.payload_bytes).await {
+            Ok(p) => {
+                payload_rows(&mut report, &p);
+                charts.push(payload_chart(&p));
+            }
             Err(e) => failures.push(("8", e)),
         }
     }
@@ -335,6 +350,24 @@ async fn main() -> anyhow::Result<()> {
             verdict: Verdict::Missed,
             method: format!("see the logs in {}", logs.display()),
         });
+    }
+    // The curves go beside the report they illustrate (docs/bench/ for docs/benchmarks.md),
+    // or with the logs when no report is written.
+    let plot_dir = match &cli.out {
+        Some(out) => out.parent().unwrap_or(Path::new(".")).join("bench"),
+        None => logs.join("plots"),
+    };
+    let mut drawn = Vec::new();
+    for chart in &charts {
+        match plots::draw(&plot_dir, chart) {
+            Ok(_) => drawn.push(format!("![{}](bench/{})", chart.title, chart.file)),
+            Err(e) => failures.push(("plots", e)),
+        }
+    }
+    if !drawn.is_empty() {
+        report
+            .details
+            .push(("Cost curves".into(), drawn.join("\n\n")));
     }
     println!("{}", report.text());
     if let Some(out) = &cli.out {
@@ -769,11 +802,66 @@ fn footprint_rows(report: &mut Report, f: &footprint::Footprint) {
         .push(("Rows 5 and 6: heartbeat cost and footprint".into(), detail));
 }
 
-/// Row 8's two payload sizes, in bytes: small, then large (the issue's 100 B and 64 KiB).
-const PAYLOAD_BYTES: [usize; 2] = [100, 64 * 1024];
+/// Row 8's curve: resident memory against the MiB of payload in the queue.
+fn payload_chart(p: &payload::Payload) -> plots::Chart {
+    let queue_mib = |s: &payload::Side| (p.jobs * s.payload_bytes) as f64 / (1024.0 * 1024.0);
+    let line = |name: &str, of: fn(&payload::Side) -> &procs::Sample| plots::Line {
+        name: name.into(),
+        points: p
+            .sides
+            .iter()
+            .map(|s| (queue_mib(s), mib(of(s).rss_kib)))
+            .collect(),
+    };
+    plots::Chart {
+        file: "memory-vs-queue-bytes.svg",
+        title: format!(
+            "Resident memory against queue bytes ({} queued jobs)",
+            p.jobs
+        ),
+        x: "MiB of payload in the queue",
+        y: "VmRSS, MiB",
+        lines: vec![
+            line("sidecar", |s| &s.sidecar),
+            line("controller", |s| &s.controller),
+        ],
+    }
+}
+
+/// Row 2's curves: claims per second, and the share of claim writes answered 409, against N.
+fn claim_charts(results: &[claims::Claims]) -> Vec<plots::Chart> {
+    let points = |f: fn(&claims::Claims) -> f64| {
+        results
+            .iter()
+            .map(|c| (c.claimers as f64, f(c)))
+            .collect::<Vec<_>>()
+    };
+    vec![
+        plots::Chart {
+            file: "claims-vs-claimers.svg",
+            title: "Claim throughput against concurrent claimers".into(),
+            x: "claimers (N)",
+            y: "jobs claimed and completed per second",
+            lines: vec![plots::Line {
+                name: "claims/s".into(),
+                points: points(|c| c.per_second),
+            }],
+        },
+        plots::Chart {
+            file: "conflicts-vs-claimers.svg",
+            title: "Claim conflicts against concurrent claimers".into(),
+            x: "claimers (N)",
+            y: "% of claim writes answered 409",
+            lines: vec![plots::Line {
+                name: "409 share".into(),
+                points: points(|c| c.conflict_share * 100.0),
+            }],
+        },
+    ]
+}
 
 fn payload_rows(report: &mut Report, p: &payload::Payload) {
-    let [small, large] = [&p.sides[0], &p.sides[1]];
+    let [small, large] = [&p.sides[0], &p.sides[p.sides.len() - 1]];
     let growth = |a: &procs::Sample, b: &procs::Sample| mib(b.rss_kib) / mib(a.rss_kib) - 1.0;
     let sc = growth(&small.sidecar, &large.sidecar);
     let ctl = growth(&small.controller, &large.controller);
