@@ -207,6 +207,9 @@ struct Chaos {
     violations: Vec<String>,
     /// Compaction revision and what proved a watch got 410.
     gone_checks: Vec<String>,
+    /// A compaction's log check still to make once its probes ran: the count of 410 lines
+    /// per process before it, and the revision compacted.
+    pending_gone_check: Option<(std::collections::BTreeMap<String, usize>, i64)>,
     /// Busy `--insist` workers frozen past their lease (each should write as a zombie).
     zombies: usize,
     /// Writes of superseded attempts refused with 409.
@@ -413,6 +416,7 @@ async fn under_chaos_no_job_is_lost_or_accepted_twice_and_dispatch_and_expiry_re
         figures: Vec::new(),
         violations: Vec::new(),
         gone_checks: Vec::new(),
+        pending_gone_check: None,
         zombies: 0,
         superseded_refused: 0,
         started: Instant::now(),
@@ -449,6 +453,7 @@ async fn under_chaos_no_job_is_lost_or_accepted_twice_and_dispatch_and_expiry_re
         let began = Instant::now();
         let (detail, ended) = chaos.inject(*fault).await;
         chaos.probe_after(fault.label(), detail, began, ended).await;
+        chaos.finish_gone_check().await;
     }
 
     let within = Duration::from_secs(90 + (size.jobs / size.pods) as u64 * 2);
