@@ -386,6 +386,28 @@ async fn the_chart_runs_two_controllers_one_leading_and_workers_finish_the_examp
     let result = wc.status.as_ref().unwrap().result.clone().unwrap();
     assert_eq!(result["words"].as_u64(), Some(words), "{result}");
 
+    // `kubectl logs` reaches the kubelet: the sidecar logged the claims, Kubernetes style.
+    let mut claims = 0;
+    for w in &worker_names {
+        let (ok, log) = kubectl(
+            &[
+                "logs",
+                "-n",
+                &inst.workers.name,
+                w,
+                "-c",
+                "leasehold-sidecar",
+            ],
+            "",
+        );
+        assert!(ok, "kubectl logs {w}: {log}");
+        claims += log.matches("Claimed LeasedJob").count();
+    }
+    assert!(
+        claims >= names.len(),
+        "{claims} claims logged by the sidecars"
+    );
+
     // The controller pods' size webhook answers the API server: an oversized job is refused
     // with its 413 before anything is stored.
     let big = "x".repeat(1_100_000);

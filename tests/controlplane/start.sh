@@ -129,6 +129,9 @@ subjectAltName = IP:127.0.0.1, IP:10.0.0.1, DNS:localhost, DNS:kubernetes, DNS:k
 issue admin "/O=system:masters/CN=leasehold-admin" "extendedKeyUsage = clientAuth"
 issue kube-controller-manager "/CN=system:kube-controller-manager" "extendedKeyUsage = clientAuth"
 issue front-proxy-client "/CN=front-proxy-client" "extendedKeyUsage = clientAuth" front-proxy-ca
+# The API server's credentials towards kubelets (logs, exec), as kubeadm makes them; used only
+# when tests/node runs a node.
+issue apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "extendedKeyUsage = clientAuth"
 # Service-account token signing key pair.
 newkey sa
 ossl pkey -in "$pki/sa.key" -pubout -out "$pki/sa.pub"
@@ -282,7 +285,10 @@ start_kube-apiserver() {
     --requestheader-group-headers=X-Remote-Group \
     --requestheader-extra-headers-prefix=X-Remote-Extra- \
     --proxy-client-cert-file="$pki/front-proxy-client.crt" \
-    --proxy-client-key-file="$pki/front-proxy-client.key"
+    --proxy-client-key-file="$pki/front-proxy-client.key" \
+    --kubelet-client-certificate="$pki/apiserver-kubelet-client.crt" \
+    --kubelet-client-key="$pki/apiserver-kubelet-client.key" \
+    --kubelet-preferred-address-types=InternalIP,ExternalIP,Hostname
   wait_until kube-apiserver "kube-apiserver /readyz" "${kubectl[@]}" get --raw /readyz
 }
 

@@ -257,7 +257,9 @@ cgroupsPerQOS: false
 enforceNodeAllocatable: []
 failSwapOn: false
 containerRuntimeEndpoint: unix://$state/containerd.sock
-address: 127.0.0.1
+# The node's address is the pods' gateway, on the bridge this script made: the kubelet
+# refuses a loopback node IP, and the API server reaches it there for logs and exec.
+address: $gateway
 port: $kubelet_port
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
@@ -286,6 +288,7 @@ launch kubelet "$bin/kubelet" \
   --kubeconfig="$kubeconfig" \
   --root-dir="$state/kubelet" \
   --hostname-override="$node" \
+  --node-ip="$gateway" \
   --cert-dir="$state/kubelet/pki"
 node_ready() {
   [ "$("${kubectl[@]}" get node "$node" -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}')" = True ]
@@ -316,5 +319,5 @@ KUBELET_PID=$(cat "$state/kubelet.pid")
 KUBE_SCHEDULER_PID=$(cat "$state/kube-scheduler.pid")
 EOF
 finished=1
-echo "node $node ready in ${SECONDS}s: kubelet 127.0.0.1:$kubelet_port, containerd $state/containerd.sock," \
+echo "node $node ready in ${SECONDS}s: kubelet $gateway:$kubelet_port, containerd $state/containerd.sock," \
   "pods on $bridge $subnet, kube-scheduler 127.0.0.1:$sched_port"
