@@ -20,6 +20,7 @@ use common::*;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::ListParams;
 use kube::{Api, Client};
 use leasehold::crd::{LeasedJob, Phase};
@@ -301,6 +302,50 @@ impl Install {
     }
 }
 
+/// `kubectl logs -f --timestamps` of one container, read on a thread until the container ends.
+struct LogFollower {
+    child: std::process::Child,
+    reader: std::thread::JoinHandle<Vec<(Timestamp, String)>>,
+}
+
+impl LogFollower {
+    fn start(ns: &str, pod: &str, container: &str) -> LogFollower {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(kubectl_path())
+            .args(["logs", "-f", "--timestamps", "-n", ns, pod, "-c", container])
+            .env("KUBECONFIG", kubeconfig_path())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("kubectl logs -f");
+        let out = child.stdout.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            std::io::BufReader::new(out)
+                .lines()
+                .map_while(Result::ok)
+                .filter_map(|l| {
+                    let (ts, rest) = l.split_once(' ')?;
+                    Some((ts.parse().ok()?, rest.to_string()))
+                })
+                .collect()
+        });
+        LogFollower { child, reader }
+    }
+
+    /// Waits (up to 30 s) for the stream to end with the container; its lines.
+    fn finish(mut self) -> Vec<(Timestamp, String)> {
+        for _ in 0..300 {
+            if self.reader.is_finished() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.reader.join().unwrap()
+    }
+}
+
 fn repo_path(p: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(p)
 }
@@ -473,6 +518,10 @@ async fn a_deleted_worker_pod_drains_worker_first_then_sidecar_within_its_grace_
         .unwrap()
         .termination_grace_period_seconds
         .unwrap();
+    // Follow both containers' logs (with the kubelet's timestamps) through the pod's end.
+    let worker_log = LogFollower::start(&inst.workers.name, &holder, "worker");
+    let sidecar_log = LogFollower::start(&inst.workers.name, &holder, "leasehold-sidecar");
+    tokio::time::sleep(Duration::from_secs(1)).await;
     let started = Instant::now();
     let (ok, out) = kubectl(
         &[
@@ -547,6 +596,36 @@ async fn a_deleted_worker_pod_drains_worker_first_then_sidecar_within_its_grace_
             "the sidecar's stop was never seen, nor the sidecar running after the worker"
         );
     }
+    // The documented order, from the containers' own logs: the worker released its job (at a
+    // chunk boundary, keeping its checkpoint) and exited; only then was the sidecar told to
+    // stop, and it found nothing held.
+    let worker_lines = worker_log.finish();
+    let sidecar_lines = sidecar_log.finish();
+    let (released_at, _) = worker_lines
+        .iter()
+        .find(|(_, l)| l.contains(r#""event": "release""#) || l.contains(r#""event":"release""#))
+        .unwrap_or_else(|| panic!("the worker never released its job:\n{worker_lines:#?}"));
+    let (worker_last, _) = worker_lines.last().unwrap();
+    let (draining_at, draining) = sidecar_lines
+        .iter()
+        .find(|(_, l)| l.contains("Draining leasehold sidecar"))
+        .unwrap_or_else(|| panic!("the sidecar never drained:\n{sidecar_lines:#?}"));
+    assert!(
+        draining_at >= worker_last && draining_at >= released_at,
+        "the sidecar began draining at {draining_at}, before the worker's last line at \
+         {worker_last} (release at {released_at})"
+    );
+    assert!(
+        draining.contains("held=0") || draining.contains(r#""held":0"#),
+        "the sidecar still held jobs when told to stop: {draining}"
+    );
+    assert!(
+        sidecar_lines
+            .iter()
+            .any(|(_, l)| l.contains("Stopped leasehold sidecar")),
+        "{sidecar_lines:#?}"
+    );
+
     // Nothing lost: the worker released the job at a chunk boundary (its checkpoint kept) or
     // finished it, and it ends Succeeded.
     let done = inst
