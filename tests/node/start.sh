@@ -250,11 +250,13 @@ mkdir -p "$state/kubelet" "$state/pod-logs"
 cat >"$state/kubelet.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
-# This machine's cgroups are v1 (hybrid) and unmanaged by systemd.
+# This machine's cgroups are v1 (hybrid) and unmanaged by systemd. Pods get the usual pod
+# and QoS cgroups, under a root of this node's own (removed by stop.sh).
 failCgroupV1: false
 cgroupDriver: cgroupfs
-cgroupsPerQOS: false
-enforceNodeAllocatable: []
+cgroupsPerQOS: true
+cgroupRoot: /$node
+enforceNodeAllocatable: ["pods"]
 failSwapOn: false
 containerRuntimeEndpoint: unix://$state/containerd.sock
 # The node's address is the pods' gateway, on the bridge this script made: the kubelet
@@ -283,6 +285,10 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 serializeImagePulls: false
 EOF
+# The kubelet wants its cgroup root to exist, in every hierarchy (cgroup v1) or the one tree.
+for h in /sys/fs/cgroup/*/ /sys/fs/cgroup/; do
+  [ -e "$h/cgroup.procs" ] && mkdir -p "$h/$node"
+done
 launch kubelet "$bin/kubelet" \
   --config="$state/kubelet.yaml" \
   --kubeconfig="$kubeconfig" \

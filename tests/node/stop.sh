@@ -94,9 +94,11 @@ for _ in 1 2 3; do
   done
 done
 
-# The containers' cgroups (containerd's k8s.io parent, cgroup v1 per controller and v2's
-# unified tree): only empty ones can be removed, so another runtime's are left alone.
-for d in /sys/fs/cgroup/*/k8s.io /sys/fs/cgroup/k8s.io; do
+# The pods' cgroups, under the node's own cgroup root (in each cgroup v1 hierarchy, or the
+# v2 tree), and any left under containerd's default k8s.io parent: only empty ones can be
+# removed, so another runtime's are left alone.
+for d in /sys/fs/cgroup/*/"$LEASEHOLD_NODE_NAME" /sys/fs/cgroup/"$LEASEHOLD_NODE_NAME" \
+  /sys/fs/cgroup/*/k8s.io /sys/fs/cgroup/k8s.io; do
   [ -d "$d" ] || continue
   find "$d" -mindepth 1 -depth -type d -exec rmdir {} + 2>/dev/null
   rmdir "$d" 2>/dev/null
