@@ -182,7 +182,7 @@ fn the_image_holds_one_static_executable_and_no_shell() {
         r#"65532:65532 ["/usr/local/bin/leasehold"]"#,
         "the image's USER and ENTRYPOINT"
     );
-    let name = "leasehold-image-listing";
+    let name = &format!("leasehold-image-listing-{}", std::process::id());
     let _ = podman(&["rm", "-f", name]);
     podman_ok(&["create", "--name", name, &image]);
     let tar = Path::new(env!("CARGO_TARGET_TMPDIR")).join("image-export.tar");
