@@ -6,7 +6,8 @@
 # their shims); containerd; then any process still running one of the node's binaries or a
 # runc container under STATE_DIR (SIGKILL); every mount under STATE_DIR (network namespaces,
 # overlay snapshots, the kubelet's volumes), innermost first; the bridge and the iptables
-# chain. Idempotent: what is already gone is skipped. Logs stay in STATE_DIR.
+# chain; then containerd's images and snapshots. Idempotent: what is already gone is
+# skipped. Logs stay in STATE_DIR.
 #
 # Usage: stop.sh STATE_DIR
 set -uo pipefail
@@ -120,4 +121,7 @@ if [ -n "$left" ]; then
   echo "$left" >&2
   exit 1
 fi
+# containerd's content store and snapshots (the unpacked images, a few hundred MB) go; the
+# logs stay.
+rm -rf "$state/containerd/root" "$state/containerd/state" "$state/kubelet/pods"
 exit 0
