@@ -7,8 +7,16 @@
 # Stage 1 builds a statically linked binary for the build platform's musl target;
 # stage 2 puts it alone on distroless/static (no shell, no package manager), as a
 # non-root user. docs/install.md says which of these steps were checked and how.
+#
+# Two build arguments let a machine that cannot pull the base images build the same
+# final stage (scripts/image does, with podman): BINARY_STAGE names an image that holds
+# the binary at /src/out/leasehold in place of the `build` stage, and BASE_IMAGE names an
+# image in place of distroless/static (same nonroot user 65532, CA certificates, /tmp).
+# The defaults build exactly as without them.
 
 ARG RUST_VERSION=1.95
+ARG BINARY_STAGE=build
+ARG BASE_IMAGE=gcr.io/distroless/static-debian12:nonroot
 
 FROM rust:${RUST_VERSION}-slim-bookworm AS build
 # musl-tools: the C compiler for the musl target, which `ring` (TLS) needs. Debian's
@@ -29,8 +37,13 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     && cargo build --release --locked --target "$target" \
     && install -D -m 0755 "target/$target/release/leasehold" out/leasehold
 
-FROM gcr.io/distroless/static-debian12:nonroot
-COPY --from=build /src/out/leasehold /usr/local/bin/leasehold
+# The stage the binary comes from: `build` above unless BINARY_STAGE names another image.
+# hadolint ignore=DL3006
+FROM ${BINARY_STAGE} AS binary
+
+# hadolint ignore=DL3006
+FROM ${BASE_IMAGE}
+COPY --from=binary /src/out/leasehold /usr/local/bin/leasehold
 # distroless's `nonroot` user; numeric, so that runAsNonRoot can verify it.
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/leasehold"]

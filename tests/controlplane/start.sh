@@ -122,11 +122,16 @@ issue() {
     -set_serial "0x$(openssl rand -hex 16)" -days 365 -extfile "$pki/$1.ext" -out "$pki/$1.crt"
   rm -f "$pki/$1.csr" "$pki/$1.ext"
 }
+# 10.0.0.1 is the `kubernetes` Service's IP (the first of --service-cluster-ip-range), which
+# pods on the node tests' node (tests/node) reach the API server by, as in-cluster clients do.
 issue apiserver "/CN=kube-apiserver" "extendedKeyUsage = serverAuth
-subjectAltName = IP:127.0.0.1, DNS:localhost, DNS:kubernetes, DNS:kubernetes.default, DNS:kubernetes.default.svc, DNS:kubernetes.default.svc.cluster.local"
+subjectAltName = IP:127.0.0.1, IP:10.0.0.1, DNS:localhost, DNS:kubernetes, DNS:kubernetes.default, DNS:kubernetes.default.svc, DNS:kubernetes.default.svc.cluster.local"
 issue admin "/O=system:masters/CN=leasehold-admin" "extendedKeyUsage = clientAuth"
 issue kube-controller-manager "/CN=system:kube-controller-manager" "extendedKeyUsage = clientAuth"
 issue front-proxy-client "/CN=front-proxy-client" "extendedKeyUsage = clientAuth" front-proxy-ca
+# The API server's credentials towards kubelets (logs, exec), as kubeadm makes them; used only
+# when tests/node runs a node.
+issue apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "extendedKeyUsage = clientAuth"
 # Service-account token signing key pair.
 newkey sa
 ossl pkey -in "$pki/sa.key" -pubout -out "$pki/sa.pub"
@@ -249,6 +254,9 @@ start_etcd() {
   wait_until etcd "etcd /health" etcd_healthy
 }
 
+# --enable-aggregator-routing: the API server reaches a webhook's Service through its
+# endpoints (pod IPs), not its ClusterIP, which nothing serves here (no kube-proxy). The
+# node tests' pods (tests/node) serve the chart's admission webhook that way.
 start_kube-apiserver() {
   pick_port
   api_port=$REPLY
@@ -269,6 +277,7 @@ start_kube-apiserver() {
     --service-account-key-file="$pki/sa.pub" \
     --service-account-signing-key-file="$pki/sa.key" \
     --allow-privileged=true \
+    --enable-aggregator-routing=true \
     --shutdown-send-retry-after=true \
     --requestheader-client-ca-file="$pki/front-proxy-ca.crt" \
     --requestheader-allowed-names=front-proxy-client \
@@ -276,7 +285,10 @@ start_kube-apiserver() {
     --requestheader-group-headers=X-Remote-Group \
     --requestheader-extra-headers-prefix=X-Remote-Extra- \
     --proxy-client-cert-file="$pki/front-proxy-client.crt" \
-    --proxy-client-key-file="$pki/front-proxy-client.key"
+    --proxy-client-key-file="$pki/front-proxy-client.key" \
+    --kubelet-client-certificate="$pki/apiserver-kubelet-client.crt" \
+    --kubelet-client-key="$pki/apiserver-kubelet-client.key" \
+    --kubelet-preferred-address-types=InternalIP,ExternalIP,Hostname
   wait_until kube-apiserver "kube-apiserver /readyz" "${kubectl[@]}" get --raw /readyz
 }
 

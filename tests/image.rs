@@ -1,0 +1,369 @@
+//! The container image, built by `scripts/image` from the project's Dockerfile, run as users
+//! run it: its controller and sidecar started from the image with podman (`--network host`,
+//! `--read-only`, no `--user`: the image's own USER), against the local control plane, through
+//! claim -> heartbeat -> complete. Also what the image holds: one static executable and no
+//! shell.
+//!
+//! `scripts/test` builds the image (cached by its inputs) and exports LEASEHOLD_IMAGE; this
+//! test fails, never skips, when it is missing.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use kube::Api;
+use leasehold::crd::{LeasedJob, Phase};
+use serde_json::{json, Value};
+
+/// The image under test (`localhost/leasehold:<appVersion>`), from scripts/test.
+fn image() -> String {
+    std::env::var("LEASEHOLD_IMAGE").unwrap_or_else(|_| {
+        panic!(
+            "LEASEHOLD_IMAGE is not set: the image tests run under `scripts/test --test image`, \
+             which builds the image with scripts/image"
+        )
+    })
+}
+
+/// podman with the project's containers.conf (runc, no default ulimits).
+fn podman(args: &[&str]) -> (bool, String) {
+    let conf = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/containers.conf");
+    let out = Command::new("podman")
+        .args(args)
+        .env("CONTAINERS_CONF", conf)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("podman {}: {e}", args.join(" ")));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn podman_ok(args: &[&str]) -> String {
+    let (ok, out) = podman(args);
+    assert!(ok, "podman {} failed:\n{out}", args.join(" "));
+    out
+}
+
+/// A container started from the image; its log is kept in the test logs and it is removed
+/// on drop.
+struct Container {
+    name: String,
+}
+
+impl Container {
+    /// `podman run -d` of the image with `args` as the command (after the ENTRYPOINT), on the
+    /// host's network, with a read-only root filesystem, no capabilities, and the kubeconfig
+    /// at `kubeconfig` mounted read-only.
+    fn run(name: &str, kubeconfig: &Path, args: &[&str]) -> Container {
+        let _ = podman(&["rm", "-f", "-t", "0", name]);
+        let mount = format!("{}:/etc/leasehold/kubeconfig:ro", kubeconfig.display());
+        let mut argv = vec![
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--network",
+            "host",
+            "--read-only",
+            "--cap-drop",
+            "ALL",
+            "--security-opt",
+            "no-new-privileges",
+            "-v",
+            &mount,
+            "-e",
+            "KUBECONFIG=/etc/leasehold/kubeconfig",
+            "-e",
+            "RUST_LOG=info",
+        ];
+        let image = image();
+        argv.push(&image);
+        argv.extend_from_slice(args);
+        podman_ok(&argv);
+        Container {
+            name: name.to_string(),
+        }
+    }
+
+    /// The host pid of the container's main process.
+    fn pid(&self) -> u32 {
+        let out = podman_ok(&["inspect", "--format", "{{.State.Pid}}", &self.name]);
+        out.trim().parse().expect("container pid")
+    }
+
+    fn logs(&self) -> String {
+        podman(&["logs", &self.name]).1
+    }
+}
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        let log = log_dir().join(format!("{}.log", self.name));
+        let _ = std::fs::write(log, self.logs());
+        let _ = podman(&["rm", "-f", "-t", "2", &self.name]);
+    }
+}
+
+/// The value of `key` (e.g. "Uid") in /proc/PID/status: its whitespace-separated fields.
+fn proc_status(pid: u32, key: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}:")))
+        .unwrap_or_else(|| panic!("/proc/{pid}/status has no {key}"));
+    line.split_whitespace().map(str::to_string).collect()
+}
+
+/// The mount options of `/` as the process `pid` sees it (its mount namespace).
+fn root_mount_options(pid: u32) -> Vec<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    // Fields: id parent major:minor root mount-point options ...; the last mount of "/" wins.
+    let line = text
+        .lines()
+        .rfind(|l| l.split(' ').nth(4) == Some("/"))
+        .expect("a mount of / in mountinfo");
+    line.split(' ')
+        .nth(5)
+        .unwrap()
+        .split(',')
+        .map(str::to_string)
+        .collect()
+}
+
+/// A copy of the admin kubeconfig that the image's user (65532) can read.
+fn readable_kubeconfig(ns: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("image-kubeconfigs");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(ns);
+    std::fs::copy(kubeconfig_path(), &path).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    path
+}
+
+/// Waits until GET `url` answers 200; panics with the container's log otherwise.
+async fn wait_ready(http: &reqwest::Client, url: &str, c: &Container) {
+    for _ in 0..300 {
+        if let Ok(r) = http.get(url).timeout(Duration::from_secs(2)).send().await {
+            if r.status().is_success() {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{url} never answered 200; {} logged:\n{}", c.name, c.logs());
+}
+
+async fn post(http: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
+    let r = http.post(url).json(&body).send().await.expect("sidecar");
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+#[test]
+fn the_image_holds_one_static_executable_and_no_shell() {
+    let image = image();
+    let cfg = podman_ok(&[
+        "image",
+        "inspect",
+        "--format",
+        "{{.Config.User}} {{json .Config.Entrypoint}}",
+        &image,
+    ]);
+    assert_eq!(
+        cfg.trim(),
+        r#"65532:65532 ["/usr/local/bin/leasehold"]"#,
+        "the image's USER and ENTRYPOINT"
+    );
+    let name = &format!("leasehold-image-listing-{}", std::process::id());
+    let _ = podman(&["rm", "-f", name]);
+    podman_ok(&["create", "--name", name, &image]);
+    let tar = Path::new(env!("CARGO_TARGET_TMPDIR")).join("image-export.tar");
+    let exported = podman(&["export", "-o", tar.to_str().unwrap(), name]);
+    let _ = podman(&["rm", "-f", name]);
+    assert!(exported.0, "podman export: {}", exported.1);
+    let out = Command::new("tar")
+        .args(["-tvf", tar.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&out.stdout).to_string();
+    let _ = std::fs::remove_file(&tar);
+    // Regular files with any execute bit: only the leasehold binary.
+    let executables: Vec<&str> = listing
+        .lines()
+        .filter(|l| l.starts_with('-') && l[1..10].contains('x'))
+        .collect();
+    assert_eq!(executables.len(), 1, "executables in the image:\n{listing}");
+    assert!(
+        executables[0].ends_with("usr/local/bin/leasehold"),
+        "{listing}"
+    );
+    for shell in ["bin/sh", "bin/bash", "bin/busybox"] {
+        assert!(
+            !listing.contains(shell),
+            "the image has {shell}:\n{listing}"
+        );
+    }
+    assert!(
+        listing.contains("etc/ssl/certs/ca-certificates.crt"),
+        "{listing}"
+    );
+    // Starting a shell in it fails: there is none.
+    let (ok, out) = podman(&[
+        "run",
+        "--rm",
+        "--entrypoint",
+        "/bin/sh",
+        &image,
+        "-c",
+        "true",
+    ]);
+    assert!(!ok, "a shell ran in the image: {out}");
+    // The entrypoint is the binary itself: `crd` prints the committed CRD.
+    let crd = podman_ok(&[
+        "run",
+        "--rm",
+        "--read-only",
+        "--network",
+        "none",
+        &image,
+        "crd",
+    ]);
+    let committed =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("crds/leasedjob.yaml"))
+            .unwrap();
+    assert!(
+        crd == committed,
+        "`crd` from the image differs from crds/leasedjob.yaml"
+    );
+}
+
+#[tokio::test]
+async fn the_images_controller_and_sidecar_run_as_65532_read_only_through_a_job_lifecycle() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "image").await;
+    let kubeconfig = readable_kubeconfig(&ns.name);
+    let (metrics_port, sidecar_port, sidecar_metrics) = (free_port(), free_port(), free_port());
+    let metrics_addr = format!("127.0.0.1:{metrics_port}");
+    let controller = Container::run(
+        &format!("{}-controller", ns.name),
+        &kubeconfig,
+        &[
+            "controller",
+            "--namespace",
+            &ns.name,
+            "--identity",
+            "image-controller",
+            "--leader-elect",
+            "false",
+            "--metrics-addr",
+            &metrics_addr,
+        ],
+    );
+    let listen = format!("127.0.0.1:{sidecar_port}");
+    let sidecar_metrics_addr = format!("127.0.0.1:{sidecar_metrics}");
+    let sidecar = Container::run(
+        &format!("{}-sidecar", ns.name),
+        &kubeconfig,
+        &[
+            "sidecar",
+            "--queue",
+            "img",
+            "--namespace",
+            &ns.name,
+            "--identity",
+            "image-sidecar",
+            "--listen",
+            &listen,
+            "--metrics-addr",
+            &sidecar_metrics_addr,
+        ],
+    );
+    let http = http_client();
+    wait_ready(&http, &format!("http://{metrics_addr}/readyz"), &controller).await;
+    wait_ready(&http, &format!("http://{listen}/readyz"), &sidecar).await;
+
+    // Both run as the image's user, 65532, with / mounted read-only.
+    for c in [&controller, &sidecar] {
+        let pid = c.pid();
+        assert_eq!(
+            proc_status(pid, "Uid"),
+            ["65532"; 4],
+            "{} runs as another user",
+            c.name
+        );
+        assert_eq!(proc_status(pid, "Gid"), ["65532"; 4], "{}", c.name);
+        let opts = root_mount_options(pid);
+        assert!(
+            opts.iter().any(|o| o == "ro"),
+            "{}'s / is mounted {opts:?}",
+            c.name
+        );
+        assert_eq!(
+            proc_status(pid, "CapEff"),
+            ["0000000000000000"],
+            "{} has capabilities",
+            c.name
+        );
+    }
+
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "from-image"}, "spec": {"queue": "img", "payload": {"n": 1}}}),
+    )
+    .await;
+    let base = format!("http://{listen}");
+    let (s, claim) = post(&http, &format!("{base}/v1/claim?wait=20"), json!(null)).await;
+    assert_eq!(
+        s,
+        200,
+        "claim: {claim}; sidecar logged:\n{}",
+        sidecar.logs()
+    );
+    assert_eq!(claim["name"], "from-image");
+    assert_eq!(claim["payload"], json!({"n": 1}));
+    let token = claim["token"].as_str().unwrap().to_string();
+    let (s, hb) = post(
+        &http,
+        &format!("{base}/v1/jobs/from-image/heartbeat"),
+        json!({"token": token, "checkpoint": {"step": 1}}),
+    )
+    .await;
+    assert_eq!(s, 200, "heartbeat: {hb}");
+    let (s, done) = post(
+        &http,
+        &format!("{base}/v1/jobs/from-image/complete"),
+        json!({"token": token, "result": {"ok": true}}),
+    )
+    .await;
+    assert_eq!(s, 200, "complete: {done}");
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let job = jobs.get("from-image").await.unwrap();
+    let status = job.status.expect("status");
+    assert_eq!(status.phase, Some(Phase::Succeeded));
+    assert_eq!(status.result, Some(json!({"ok": true})));
+    assert_eq!(status.holder.as_deref(), Some("image-sidecar"));
+
+    // The controller in the image did its part: it watched the job to its end (its gauge of
+    // jobs by queue and phase says so).
+    let series = r#"leasehold_jobs{queue="img",phase="Succeeded"}"#;
+    let mut last = String::new();
+    for _ in 0..100 {
+        if let Some((_, body)) = http_get(metrics_port, "/metrics").await {
+            if sample(&body, series) == Some(1.0) {
+                return;
+            }
+            last = body;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the image's controller never counted the job Succeeded; /metrics:\n{last}");
+}

@@ -1,0 +1,559 @@
+//! The Helm chart on a real node: the kubelet, containerd and runc of `tests/node` run the
+//! chart's pods from the image `scripts/image` built, as users deploy it. Two controller
+//! replicas (one leads), the example worker Deployment with its native sidecar, in-cluster
+//! credentials (the kubelet's projected tokens) reaching the API server through the
+//! `kubernetes` Service, the admission webhook served by the controller pods.
+//!
+//! Every test here is `#[ignore]`d in a plain `cargo test`: `scripts/test` starts the node
+//! (root needed) after the other tests and then runs this binary with `--include-ignored`.
+//! Without the node they fail; `scripts/test` skips them, saying why, only on a host that
+//! cannot run a node (not root).
+
+mod chart_support;
+mod common;
+mod node_support;
+
+use std::time::{Duration, Instant};
+
+use chart_support::*;
+use common::*;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::ListParams;
+use kube::Api;
+use leasehold::crd::Phase;
+use node_support::*;
+use serde_json::{json, Value};
+
+/// One test at a time: they share the node (two cores) and the one CRD.
+static NODE_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test]
+#[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
+async fn the_chart_runs_two_controllers_one_leading_and_workers_finish_the_example_jobs() {
+    let _lock = NODE_LOCK.lock().await;
+    let inst = Install::new("node-demo", 2, &[]).await;
+
+    // Both replicas Ready; exactly one of them holds the leader Lease.
+    let controllers: Vec<String> = inst
+        .pods(&inst.release.namespace, "controller")
+        .await
+        .into_iter()
+        .map(|p| p.metadata.name.unwrap())
+        .collect();
+    assert_eq!(controllers.len(), 2, "{controllers:?}");
+    let leader = wait_for("a leader", Duration::from_secs(30), || inst.leader()).await;
+    assert!(
+        controllers.contains(&leader),
+        "leader {leader} is none of {controllers:?}"
+    );
+
+    // The pods run the image's binary as 65532 with the chart's read-only root filesystem:
+    // what the kubelet reports for each container.
+    let workers = inst.pods(&inst.workers.name, "example-worker").await;
+    for p in &workers {
+        let spec = p.spec.as_ref().unwrap();
+        let sidecar = &spec.init_containers.as_ref().unwrap()[0];
+        assert_eq!(sidecar.restart_policy.as_deref(), Some("Always"));
+        let st = p.status.as_ref().unwrap();
+        let sc = &st.init_container_statuses.as_ref().unwrap()[0];
+        assert!(
+            sc.started == Some(true) && sc.ready,
+            "sidecar of {:?}: {sc:?}",
+            p.metadata.name
+        );
+    }
+
+    // The example jobs, applied as the docs say.
+    let (ok, out) = kubectl(
+        &[
+            "apply",
+            "-n",
+            &inst.workers.name,
+            "-f",
+            repo_path("examples/jobs").to_str().unwrap(),
+        ],
+        "",
+    );
+    assert!(ok, "{out}");
+    let names = [
+        "wordcount-gpl3",
+        "sha256-apache",
+        "gzip-lgpl",
+        "wordcount-mpl2-urgent",
+        "sha256-gfdl-slow",
+    ];
+    let done = inst.wait_succeeded(&names, Duration::from_secs(240)).await;
+    let worker_names: Vec<String> = workers
+        .iter()
+        .map(|p| p.metadata.name.clone().unwrap())
+        .collect();
+    for j in &done {
+        let s = j.status.as_ref().unwrap();
+        let holder = s.holder.clone().unwrap_or_default();
+        assert!(
+            worker_names.contains(&holder),
+            "{:?} was finished by {holder}, not a worker pod {worker_names:?}",
+            j.metadata.name
+        );
+        assert!(s.result.is_some(), "{:?} has no result", j.metadata.name);
+    }
+    // A real result, checked against the file the worker read in its container (the same
+    // Debian license text as on this host).
+    let wc = done
+        .iter()
+        .find(|j| j.metadata.name.as_deref() == Some("wordcount-gpl3"))
+        .unwrap();
+    let text = std::fs::read_to_string("/usr/share/common-licenses/GPL-3").unwrap();
+    let words = text.split_ascii_whitespace().count() as u64;
+    let result = wc.status.as_ref().unwrap().result.clone().unwrap();
+    assert_eq!(result["words"].as_u64(), Some(words), "{result}");
+
+    // `kubectl logs` reaches the kubelet: the sidecar logged the claims, Kubernetes style.
+    let mut claims = 0;
+    for w in &worker_names {
+        let (ok, log) = kubectl(
+            &[
+                "logs",
+                "-n",
+                &inst.workers.name,
+                w,
+                "-c",
+                "leasehold-sidecar",
+            ],
+            "",
+        );
+        assert!(ok, "kubectl logs {w}: {log}");
+        claims += log.matches("Claimed LeasedJob").count();
+    }
+    assert!(
+        claims >= names.len(),
+        "{claims} claims logged by the sidecars"
+    );
+
+    // The controller pods' size webhook answers the API server: an oversized job is refused
+    // with its 413 before anything is stored.
+    let big = "x".repeat(1_100_000);
+    let (ok, out) = kubectl(
+        &["create", "-n", &inst.workers.name, "-f", "-"],
+        &serde_json::to_string(&json!({"apiVersion": "leasehold.dev/v1alpha1",
+            "kind": "LeasedJob", "metadata": {"name": "too-big"},
+            "spec": {"queue": "elsewhere", "payload": {"blob": big}}}))
+        .unwrap(),
+    );
+    assert!(
+        !ok && out.contains("over leasehold's limit"),
+        "the webhook did not refuse an oversized job: {out}"
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
+async fn a_force_deleted_worker_pods_job_is_requeued_and_finished_by_another_pod() {
+    let _lock = NODE_LOCK.lock().await;
+    let inst = Install::new("node-force", 2, &[]).await;
+    inst.slow_job("slow", 0.5).await;
+    let holder = inst.wait_in_progress("slow").await;
+    let (ok, out) = kubectl(
+        &[
+            "delete",
+            "pod",
+            &holder,
+            "-n",
+            &inst.workers.name,
+            "--grace-period=0",
+            "--force",
+        ],
+        "",
+    );
+    assert!(ok, "{out}");
+    let done = inst
+        .wait_succeeded(&["slow"], Duration::from_secs(180))
+        .await;
+    let s = done[0].status.clone().unwrap();
+    let finisher = s.holder.unwrap();
+    assert_ne!(finisher, holder, "the deleted pod finished the job");
+    assert!(
+        s.attempt >= 2,
+        "the job was not claimed again: attempt {}",
+        s.attempt
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
+async fn a_deleted_worker_pod_drains_worker_first_then_sidecar_within_its_grace_period() {
+    let _lock = NODE_LOCK.lock().await;
+    let inst = Install::new("node-drain", 2, &[]).await;
+    inst.slow_job("slow", 0.5).await;
+    let holder = inst.wait_in_progress("slow").await;
+    let pods: Api<Pod> = Api::namespaced(inst.client.clone(), &inst.workers.name);
+    let grace = pods
+        .get(&holder)
+        .await
+        .unwrap()
+        .spec
+        .unwrap()
+        .termination_grace_period_seconds
+        .unwrap();
+    // Follow both containers' logs (with the kubelet's timestamps) through the pod's end.
+    let worker_log = LogFollower::start(&inst.workers.name, &holder, "worker");
+    let sidecar_log = LogFollower::start(&inst.workers.name, &holder, "leasehold-sidecar");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let started = Instant::now();
+    let (ok, out) = kubectl(
+        &[
+            "delete",
+            "pod",
+            &holder,
+            "-n",
+            &inst.workers.name,
+            "--wait=false",
+        ],
+        "",
+    );
+    assert!(ok, "{out}");
+    // Watch the pod go: when each container terminated, as the kubelet reports it.
+    let (mut worker_done, mut sidecar_done) = (None, None);
+    let mut sidecar_running_after_worker = false;
+    loop {
+        let Some(p) = pods.get_opt(&holder).await.unwrap() else {
+            break;
+        };
+        let st = p.status.unwrap_or_default();
+        let finished = |s: &k8s_openapi::api::core::v1::ContainerStatus| {
+            s.state
+                .as_ref()
+                .and_then(|st| st.terminated.as_ref())
+                .map(|t| t.finished_at.clone())
+        };
+        if let Some(w) = st
+            .container_statuses
+            .iter()
+            .flatten()
+            .find(|c| c.name == "worker")
+        {
+            if let Some(t) = finished(w) {
+                worker_done = t.or(worker_done);
+            }
+        }
+        if let Some(s) = st.init_container_statuses.iter().flatten().next() {
+            match finished(s) {
+                Some(t) => sidecar_done = t.or(sidecar_done),
+                None if worker_done.is_some() => sidecar_running_after_worker = true,
+                None => {}
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(grace as u64 + 10),
+            "pod {holder} still exists {:?} after its deletion (grace {grace}s)",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(grace as u64),
+        "the pod took {took:?} to go, over its terminationGracePeriodSeconds {grace}"
+    );
+    eprintln!(
+        "pod {holder} gone after {took:?}: worker finished at {worker_done:?}, sidecar at \
+         {sidecar_done:?}, sidecar seen running after the worker: {sidecar_running_after_worker}"
+    );
+    let worker_done = worker_done.expect("the kubelet reported the worker container terminated");
+    if let Some(sidecar_done) = sidecar_done {
+        assert!(
+            sidecar_done.0 >= worker_done.0,
+            "the sidecar ({}) stopped before the worker ({})",
+            sidecar_done.0,
+            worker_done.0
+        );
+    } else {
+        assert!(
+            sidecar_running_after_worker,
+            "the sidecar's stop was never seen, nor the sidecar running after the worker"
+        );
+    }
+    // The documented order, from the containers' own logs: the worker released its job (at a
+    // chunk boundary, keeping its checkpoint) and exited; only then was the sidecar told to
+    // stop, and it found nothing held.
+    let worker_lines = worker_log.finish();
+    let sidecar_lines = sidecar_log.finish();
+    let (released_at, _) = worker_lines
+        .iter()
+        .find(|(_, l)| l.contains(r#""event": "release""#) || l.contains(r#""event":"release""#))
+        .unwrap_or_else(|| panic!("the worker never released its job:\n{worker_lines:#?}"));
+    let (worker_last, _) = worker_lines.last().unwrap();
+    let (draining_at, draining) = sidecar_lines
+        .iter()
+        .find(|(_, l)| l.contains("Draining leasehold sidecar"))
+        .unwrap_or_else(|| panic!("the sidecar never drained:\n{sidecar_lines:#?}"));
+    assert!(
+        draining_at >= worker_last && draining_at >= released_at,
+        "the sidecar began draining at {draining_at}, before the worker's last line at \
+         {worker_last} (release at {released_at})"
+    );
+    assert!(
+        draining.contains("held=0") || draining.contains(r#""held":0"#),
+        "the sidecar still held jobs when told to stop: {draining}"
+    );
+    assert!(
+        sidecar_lines
+            .iter()
+            .any(|(_, l)| l.contains("Stopped leasehold sidecar")),
+        "{sidecar_lines:#?}"
+    );
+
+    // Nothing lost: the worker released the job at a chunk boundary (its checkpoint kept) or
+    // finished it, and it ends Succeeded.
+    let done = inst
+        .wait_succeeded(&["slow"], Duration::from_secs(180))
+        .await;
+    let s = done[0].status.clone().unwrap();
+    if s.holder.as_deref() != Some(holder.as_str()) {
+        assert!(s.attempt >= 2, "{s:?}");
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
+async fn deleting_the_leading_controller_pod_hands_the_lead_to_another_replica_within_seconds() {
+    let _lock = NODE_LOCK.lock().await;
+    let inst = Install::new("node-leader", 1, &[]).await;
+    let leader = wait_for("a leader", Duration::from_secs(30), || inst.leader()).await;
+    let others: Vec<String> = inst
+        .pods(&inst.release.namespace, "controller")
+        .await
+        .into_iter()
+        .map(|p| p.metadata.name.unwrap())
+        .filter(|n| *n != leader)
+        .collect();
+    assert_eq!(others.len(), 1, "{others:?}");
+    let start = Instant::now();
+    let (ok, out) = kubectl(
+        &[
+            "delete",
+            "pod",
+            &leader,
+            "-n",
+            &inst.release.namespace,
+            "--wait=false",
+        ],
+        "",
+    );
+    assert!(ok, "{out}");
+    let new = wait_for("a new leader", Duration::from_secs(30), || async {
+        inst.leader().await.filter(|l| *l != leader)
+    })
+    .await;
+    let took = start.elapsed();
+    // The standby, or the replacement pod the ReplicaSet starts at once: whichever retries
+    // first after the Lease is given up (both are live replicas; the deleted one never again).
+    let live: Vec<String> = inst
+        .pods(&inst.release.namespace, "controller")
+        .await
+        .into_iter()
+        .map(|p| p.metadata.name.unwrap())
+        .collect();
+    assert!(
+        live.contains(&new),
+        "the lead went to {new}, not a live replica {live:?}"
+    );
+    eprintln!(
+        "the lead went from {leader} to {new} ({}) in {took:?}",
+        if new == others[0] {
+            "the standby"
+        } else {
+            "the replacement pod"
+        }
+    );
+    // And the new leader works: a job runs to the end.
+    inst.slow_job("after-failover", 0.0).await;
+    inst.wait_succeeded(&["after-failover"], Duration::from_secs(60))
+        .await;
+}
+
+#[tokio::test]
+#[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
+async fn a_worker_pods_projected_token_may_claim_and_write_its_own_job_but_no_other() {
+    let _lock = NODE_LOCK.lock().await;
+    let node = Node::get();
+    let inst = Install::new("node-token", 1, &[]).await;
+    let pod = inst
+        .pods(&inst.workers.name, "example-worker")
+        .await
+        .remove(0);
+    let pod_name = pod.metadata.name.clone().unwrap();
+    let token = node.projected_token(&pod);
+    let kc = token_kubeconfig("node-worker-pod", &token, &inst.workers.name);
+    let as_pod = client_from(&kc).await;
+    let ns = inst.workers.name.clone();
+    // Jobs on a queue no worker serves, so only this test writes them.
+    for name in ["mine", "theirs"] {
+        create_job(
+            &inst.client,
+            &ns,
+            json!({"metadata": {"name": name}, "spec": {"queue": "manual"}}),
+        )
+        .await;
+    }
+    let status_path =
+        |job: &str| format!("/apis/leasehold.dev/v1alpha1/namespaces/{ns}/leasedjobs/{job}/status");
+    // Wait until the controller has given both jobs their Queued status.
+    for job in ["mine", "theirs"] {
+        let jobs = inst.jobs();
+        wait_for("job Queued", Duration::from_secs(30), || async {
+            let s = jobs.get(job).await.ok()?.status?;
+            (s.phase == Some(Phase::Queued)).then_some(())
+        })
+        .await;
+    }
+    let claim = |holder: &str| {
+        json!({"status": {"phase": "Leased", "attempt": 1, "holder": holder,
+            "token": "1.0123456789abcdef0123456789abcdef"}})
+    };
+    // Legitimate: the pod claims a Queued job for itself, then writes its checkpoint.
+    merge_patch(&as_pod, &status_path("mine"), &claim(&pod_name))
+        .await
+        .unwrap_or_else(|e| panic!("the pod's own claim was refused: {e:?}"));
+    merge_patch(
+        &as_pod,
+        &status_path("mine"),
+        &json!({"status": {"checkpoint": {"offset": 1}}}),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("the holder's checkpoint was refused: {e:?}"));
+    // Refused: claiming for another pod, and writing a job another pod holds.
+    let err = merge_patch(&as_pod, &status_path("theirs"), &claim("someone-else"))
+        .await
+        .expect_err("a claim for another pod was accepted");
+    assert!(err.1.contains("leasehold rule claim"), "{err:?}");
+    merge_patch(&inst.client, &status_path("theirs"), &claim("someone-else"))
+        .await
+        .expect("the admin's write");
+    let err = merge_patch(
+        &as_pod,
+        &status_path("theirs"),
+        &json!({"status": {"phase": "Succeeded", "result": {"stolen": true}}}),
+    )
+    .await
+    .expect_err("a write to another pod's job was accepted");
+    assert!(
+        err.1.contains("leasehold rule holder-only") && err.1.contains(&pod_name),
+        "{err:?}"
+    );
+    let theirs = inst.jobs().get("theirs").await.unwrap().status.unwrap();
+    assert_eq!(theirs.phase, Some(Phase::Leased));
+    assert!(theirs.result.is_none());
+}
+
+#[tokio::test]
+#[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
+async fn helm_upgrade_across_a_crd_change_and_uninstall_lose_no_job_and_leave_no_orphans() {
+    let _lock = NODE_LOCK.lock().await;
+    let inst = Install::new("node-upgrade", 2, &[]).await;
+    let names: Vec<String> = (0..6).map(|i| format!("job-{i}")).collect();
+    for n in &names {
+        inst.slow_job(n, 0.5).await;
+    }
+    inst.wait_in_progress("job-0").await;
+
+    // The CRD changes (here: one more printer column), applied as docs/install.md says,
+    // then the release is upgraded with a change that rolls every pod.
+    let mut crd: Value =
+        serde_yaml::from_str(&std::fs::read_to_string(repo_path("crds/leasedjob.yaml")).unwrap())
+            .unwrap();
+    crd["spec"]["versions"][0]["additionalPrinterColumns"]
+        .as_array_mut()
+        .unwrap()
+        .push(
+            json!({"name": "Token", "type": "string", "jsonPath": ".status.token", "priority": 1}),
+        );
+    let (ok, out) = kubectl(
+        &["apply", "--server-side", "--force-conflicts", "-f", "-"],
+        &serde_yaml::to_string(&crd).unwrap(),
+    );
+    assert!(ok, "{out}");
+    struct RestoreCrd;
+    impl Drop for RestoreCrd {
+        fn drop(&mut self) {
+            let _ = kubectl(
+                &["apply", "--server-side", "--force-conflicts", "-f", "-"],
+                &std::fs::read_to_string(repo_path("crds/leasedjob.yaml")).unwrap(),
+            );
+        }
+    }
+    let _restore = RestoreCrd;
+    let args = vec![
+        "upgrade".to_string(),
+        inst.release.name.clone(),
+        chart_dir().to_str().unwrap().to_string(),
+        "--namespace".into(),
+        inst.release.namespace.clone(),
+        "--reuse-values".into(),
+        "--set".into(),
+        "controller.logLevel=debug".into(),
+        "--set".into(),
+        "exampleWorker.resources.requests.cpu=40m".into(),
+    ];
+    let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
+    helm_ok(&args_ref);
+    inst.wait_ready(&inst.controller_deployment(), &inst.release.namespace, 2)
+        .await;
+    inst.wait_ready(&inst.worker_deployment(), &inst.workers.name, 2)
+        .await;
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    inst.wait_succeeded(&refs, Duration::from_secs(300)).await;
+
+    // Uninstall: every object of the release goes, pods included; every job stays.
+    helm_ok(&[
+        "uninstall",
+        &inst.release.name,
+        "--namespace",
+        &inst.release.namespace,
+        "--wait",
+    ]);
+    let selector = format!("app.kubernetes.io/instance={}", inst.release.name);
+    let pods: Api<Pod> = Api::all(inst.client.clone());
+    wait_for(
+        "the release's pods gone",
+        Duration::from_secs(120),
+        || async {
+            pods.list(&ListParams::default().labels(&selector))
+                .await
+                .unwrap()
+                .items
+                .is_empty()
+                .then_some(())
+        },
+    )
+    .await;
+    let (ok, left) = kubectl(
+        &[
+            "get",
+            "deployments,replicasets,services,serviceaccounts,configmaps,secrets,roles,rolebindings,\
+             clusterroles,clusterrolebindings,validatingadmissionpolicies,\
+             validatingadmissionpolicybindings,validatingwebhookconfigurations,poddisruptionbudgets",
+            "-l",
+            &selector,
+            "--all-namespaces",
+            "-o",
+            "name",
+        ],
+        "",
+    );
+    assert!(ok, "{left}");
+    assert!(
+        left.trim().is_empty(),
+        "left behind by helm uninstall:\n{left}"
+    );
+    let jobs = inst
+        .jobs()
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(jobs.len(), names.len(), "jobs lost");
+    assert!(jobs
+        .iter()
+        .all(|j| j.status.as_ref().and_then(|s| s.phase) == Some(Phase::Succeeded)));
+}

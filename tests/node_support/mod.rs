@@ -1,0 +1,340 @@
+//! Helpers of the node tests: the node that `tests/node/start.sh` started, a release of the
+//! chart installed on it (with the images under test), and containers' logs followed through
+//! a pod's end.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::ListParams;
+use kube::{Api, Client};
+use leasehold::crd::{LeasedJob, Phase};
+use serde_json::json;
+
+use crate::chart_support::Release;
+use crate::common::*;
+
+/// The node `tests/node/start.sh` started (its state directory, from scripts/test).
+pub struct Node {
+    pub state: PathBuf,
+}
+
+impl Node {
+    pub fn get() -> Node {
+        let state = std::env::var_os("LEASEHOLD_NODE_STATE").unwrap_or_else(|| {
+            panic!(
+                "LEASEHOLD_NODE_STATE is not set: the node tests run under `scripts/test --test \
+                 node`, which starts the node (tests/node/start.sh) as root"
+            )
+        });
+        Node {
+            state: PathBuf::from(state),
+        }
+    }
+
+    /// The projected service-account token the kubelet mounted into `pod` (its
+    /// `kube-api-access-*` volume), read from the kubelet's root directory.
+    pub fn projected_token(&self, pod: &Pod) -> String {
+        let uid = pod.metadata.uid.as_deref().unwrap();
+        let dir = self
+            .state
+            .join("kubelet/pods")
+            .join(uid)
+            .join("volumes/kubernetes.io~projected");
+        let vol = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .map(|e| e.unwrap().path())
+            .find(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("kube-api-access-")
+            })
+            .expect("a kube-api-access volume");
+        std::fs::read_to_string(vol.join("token")).unwrap()
+    }
+}
+
+/// The images under test, from scripts/test.
+pub fn image_sets() -> Vec<String> {
+    let image = std::env::var("LEASEHOLD_IMAGE").expect("LEASEHOLD_IMAGE (scripts/test)");
+    let worker =
+        std::env::var("LEASEHOLD_WORKER_IMAGE").expect("LEASEHOLD_WORKER_IMAGE (scripts/test)");
+    let (repo, tag) = image.rsplit_once(':').unwrap();
+    vec![
+        format!("image.repository={repo}"),
+        format!("image.tag={tag}"),
+        // Imported into containerd: never pulled (no registry is reachable).
+        "image.pullPolicy=Never".into(),
+        "exampleWorker.enabled=true".into(),
+        format!("exampleWorker.image={worker}"),
+    ]
+}
+
+/// A release of the chart on the node: its namespace, a worker namespace, both controller
+/// replicas and `workers` example workers Ready.
+pub struct Install {
+    pub client: Client,
+    pub release: Release,
+    pub workers: TestNamespace,
+    // Dropped after the release (fields drop in order).
+    _ns: TestNamespace,
+}
+
+impl Install {
+    pub async fn new(test: &str, workers: u32, extra: &[&str]) -> Install {
+        let client = client().await;
+        let ns = TestNamespace::new(&client, test).await;
+        let w = TestNamespace::new(&client, &format!("{test}-w")).await;
+        let mut sets = image_sets();
+        sets.push(format!("workers.namespaces={{{}}}", w.name));
+        sets.push(format!("exampleWorker.replicas={workers}"));
+        // The controller pods serve the size webhook; the API server reaches them by their
+        // pod IPs. Scoped to this test's worker namespace.
+        sets.push("admissionWebhook.enabled=true".into());
+        sets.push(format!(
+            "admissionWebhook.namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name={}",
+            w.name
+        ));
+        sets.extend(extra.iter().map(|s| s.to_string()));
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let release = Release::install(test, &ns.name, &sets);
+        let install = Install {
+            client,
+            release,
+            workers: w,
+            _ns: ns,
+        };
+        install
+            .wait_ready(
+                &install.controller_deployment(),
+                &install.release.namespace,
+                2,
+            )
+            .await;
+        install
+            .wait_ready(&install.worker_deployment(), &install.workers.name, workers)
+            .await;
+        install
+    }
+
+    pub fn controller_deployment(&self) -> String {
+        format!("{}-controller", self.release.fullname())
+    }
+
+    pub fn worker_deployment(&self) -> String {
+        format!("{}-example-worker", self.release.fullname())
+    }
+
+    /// Waits until Deployment `name` has `n` ready replicas of its current revision.
+    pub async fn wait_ready(&self, name: &str, ns: &str, n: u32) {
+        let api: Api<Deployment> = Api::namespaced(self.client.clone(), ns);
+        let start = Instant::now();
+        loop {
+            let d = api.get(name).await.unwrap();
+            let s = d.status.clone().unwrap_or_default();
+            if s.ready_replicas.unwrap_or(0) == n as i32
+                && s.updated_replicas.unwrap_or(0) == n as i32
+                && s.replicas.unwrap_or(0) == n as i32
+            {
+                return;
+            }
+            if start.elapsed() > Duration::from_secs(180) {
+                let (_, pods) = kubectl(&["get", "pods", "-n", ns, "-o", "wide"], "");
+                let (_, events) = kubectl(&["get", "events", "-n", ns], "");
+                panic!(
+                    "Deployment {ns}/{name} has not {n} ready replicas: {s:?}\n{pods}\n{events}\n{}",
+                    self.pod_logs(ns)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// The logs of every container of every pod in `ns`, from the node's podLogsDir.
+    pub fn pod_logs(&self, ns: &str) -> String {
+        let dir = Node::get().state.join("pod-logs");
+        let mut out = String::new();
+        for pod in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if !pod
+                .file_name()
+                .to_string_lossy()
+                .starts_with(&format!("{ns}_"))
+            {
+                continue;
+            }
+            for c in std::fs::read_dir(pod.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                for f in std::fs::read_dir(c.path()).into_iter().flatten().flatten() {
+                    let text = std::fs::read_to_string(f.path()).unwrap_or_default();
+                    let tail: Vec<&str> = text.lines().rev().take(30).collect();
+                    out.push_str(&format!(
+                        "--- {}:\n{}\n",
+                        f.path().display(),
+                        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    ));
+                }
+            }
+        }
+        out
+    }
+
+    /// The running pods of the Deployment `component` (controller or example-worker).
+    pub async fn pods(&self, ns: &str, component: &str) -> Vec<Pod> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+        let lp = ListParams::default().labels(&format!(
+            "app.kubernetes.io/instance={},app.kubernetes.io/component={component}",
+            self.release.name
+        ));
+        api.list(&lp)
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .collect()
+    }
+
+    pub fn jobs(&self) -> Api<LeasedJob> {
+        Api::namespaced(self.client.clone(), &self.workers.name)
+    }
+
+    /// The pod of the controllers' leader: the leader-election Lease's annotation
+    /// `leasehold.dev/holder-pod` while the Lease is held (its holderIdentity is the term's
+    /// token, not a pod name).
+    pub async fn leader(&self) -> Option<String> {
+        let leases: Api<Lease> = Api::namespaced(self.client.clone(), &self.release.namespace);
+        let lease = leases.get_opt("leasehold-controller").await.unwrap()?;
+        lease.spec?.holder_identity.filter(|h| !h.is_empty())?;
+        lease
+            .metadata
+            .annotations?
+            .get("leasehold.dev/holder-pod")
+            .cloned()
+    }
+
+    /// Waits until every job named in `names` has ended Succeeded; returns them.
+    pub async fn wait_succeeded(&self, names: &[&str], within: Duration) -> Vec<LeasedJob> {
+        let jobs = self.jobs();
+        let start = Instant::now();
+        loop {
+            let mut done = vec![];
+            for n in names {
+                let j = jobs.get(n).await.unwrap();
+                let phase = j.status.as_ref().and_then(|s| s.phase);
+                assert!(
+                    !matches!(phase, Some(Phase::Failed) | Some(Phase::Cancelled)),
+                    "job {n} ended {phase:?}: {:?}",
+                    j.status
+                );
+                if phase == Some(Phase::Succeeded) {
+                    done.push(j);
+                }
+            }
+            if done.len() == names.len() {
+                return done;
+            }
+            if start.elapsed() > within {
+                let (_, table) = kubectl(&["get", "ljob", "-n", &self.workers.name], "");
+                panic!(
+                    "jobs not all Succeeded within {within:?}:\n{table}\n{}",
+                    self.pod_logs(&self.workers.name)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// Creates a slow job on the example worker's queue: SHA-256 of GPL-3 in 1 KiB chunks,
+    /// `delay` seconds each (about 35 chunks), so that it is in progress when a pod goes.
+    pub async fn slow_job(&self, name: &str, delay: f64) {
+        create_job(
+            &self.client,
+            &self.workers.name,
+            json!({"metadata": {"name": name}, "spec": {"queue": "demo", "leaseDurationSeconds": 10,
+                "payload": {"task": "sha256", "file": "/usr/share/common-licenses/GPL-3",
+                    "chunkBytes": 1024, "chunkDelaySeconds": delay}}}),
+        )
+        .await;
+    }
+
+    /// Waits until job `name` is Leased, then 3 s more, so that its worker is some chunks
+    /// into it (checkpoints travel with heartbeats, which renew the job's Lease, not the job);
+    /// returns its holder, which must still hold it then.
+    pub async fn wait_in_progress(&self, name: &str) -> String {
+        let jobs = self.jobs();
+        let leased = || async {
+            let s = jobs.get(name).await.ok()?.status?;
+            (s.phase == Some(Phase::Leased)).then_some(s.holder?)
+        };
+        let holder = wait_for(
+            &format!("job {name} Leased"),
+            Duration::from_secs(60),
+            leased,
+        )
+        .await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let still = leased().await;
+        assert_eq!(
+            still.as_deref(),
+            Some(holder.as_str()),
+            "job {name} is no longer held by {holder} 3 s after its claim"
+        );
+        holder
+    }
+}
+
+/// `kubectl logs -f --timestamps` of one container, read on a thread until the container ends.
+pub struct LogFollower {
+    child: std::process::Child,
+    reader: std::thread::JoinHandle<Vec<(Timestamp, String)>>,
+}
+
+impl LogFollower {
+    pub fn start(ns: &str, pod: &str, container: &str) -> LogFollower {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(kubectl_path())
+            .args(["logs", "-f", "--timestamps", "-n", ns, pod, "-c", container])
+            .env("KUBECONFIG", kubeconfig_path())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("kubectl logs -f");
+        let out = child.stdout.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            std::io::BufReader::new(out)
+                .lines()
+                .map_while(Result::ok)
+                .filter_map(|l| {
+                    let (ts, rest) = l.split_once(' ')?;
+                    Some((ts.parse().ok()?, rest.to_string()))
+                })
+                .collect()
+        });
+        LogFollower { child, reader }
+    }
+
+    /// Waits (up to 30 s) for the stream to end with the container; its lines.
+    pub fn finish(mut self) -> Vec<(Timestamp, String)> {
+        for _ in 0..300 {
+            if self.reader.is_finished() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.reader.join().unwrap()
+    }
+}
+
+pub fn repo_path(p: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(p)
+}
