@@ -3,7 +3,9 @@
 //!
 //! Routes (all JSON; see docs/protocol.md):
 //! - `POST /v1/claim?wait=SECONDS` -> 200 claimed job, or 204 when nothing was claimable in time
-//! - `POST /v1/jobs/{name}/heartbeat` `{token, checkpoint?}` -> 200 renewal
+//! - `POST /v1/jobs/{name}/heartbeat` `{token, checkpoint?, progress?, message?}` -> 200
+//!   renewal (`progress` a number from 0 to 1, `message` at most
+//!   [`crate::progress::MAX_MESSAGE_BYTES`] bytes: [`crate::progress`])
 //! - `POST /v1/jobs/{name}/complete` `{token, result}` -> 200
 //! - `POST /v1/jobs/{name}/fail` `{token, reason, message, retryable}` -> 200
 //! - `POST /v1/jobs/{name}/release` `{token}` -> 200
@@ -37,6 +39,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::crd::LeasedJob;
+use crate::progress::Progress;
 use crate::worker::{Worker, WorkerError};
 
 /// Largest request body accepted, in bytes: a whole LeasedJob's limit
@@ -123,6 +126,12 @@ struct HeartbeatBody {
     token: Option<String>,
     #[serde(default)]
     checkpoint: Option<Value>,
+    /// Read as any JSON value, so that a wrong type is answered `invalid_request` naming the
+    /// field and its rule ([`Progress::from_json`]) rather than a serde message.
+    #[serde(default)]
+    progress: Option<Value>,
+    #[serde(default)]
+    message: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -398,7 +407,11 @@ async fn heartbeat(
     let name = name.as_str();
     let body: HeartbeatBody = parse(body)?;
     let token = required(body.token, "token")?;
-    let renewal = worker.heartbeat(name, &token, body.checkpoint).await?;
+    let progress = Progress::from_json(body.progress.as_ref(), body.message.as_ref())
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()))?;
+    let renewal = worker
+        .heartbeat(name, &token, body.checkpoint, progress)
+        .await?;
     Ok(Json(renewal).into_response())
 }
 
