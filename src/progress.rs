@@ -82,12 +82,14 @@ impl Progress {
             None | Some(Value::Null) => None,
             Some(Value::Number(n)) => match n.as_f64() {
                 Some(f) if (0.0..=1.0).contains(&f) => Some(f),
-                _ => return Err(InvalidProgress {
-                    field: "progress",
-                    problem: format!(
+                _ => {
+                    return Err(InvalidProgress {
+                        field: "progress",
+                        problem: format!(
                         "{n} is out of range: expected a number from 0 to 1 (the fraction done)"
                     ),
-                }),
+                    })
+                }
             },
             Some(other) => {
                 return Err(InvalidProgress {
