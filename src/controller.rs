@@ -117,7 +117,8 @@ pub struct Config {
 /// completion, a release) records none by default, which saves two writes per job.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum EventPolicy {
-    /// Warnings (failures, expiries, Lease conflicts, undecodable objects) and cancellations.
+    /// Warnings (failures, expiries, Lease conflicts, undecodable objects), cancellations and
+    /// retries (people's actions, rare).
     #[default]
     Problems,
     /// Every transition, `Claimed`, `Completed` and `Released` included.
@@ -127,7 +128,10 @@ pub enum EventPolicy {
 impl EventPolicy {
     /// Whether an Event of `type_` with `reason` is recorded under this policy.
     pub fn records(self, type_: EventType, reason: &str) -> bool {
-        self == EventPolicy::All || type_ == EventType::Warning || reason == "Cancelled"
+        self == EventPolicy::All
+            || type_ == EventType::Warning
+            || reason == "Cancelled"
+            || reason == "Retried"
     }
 }
 
@@ -871,6 +875,15 @@ async fn record_transitions(job: &LeasedJob, ctx: &Context) {
     let status = job.status.clone().unwrap_or_default();
     let holder = status.holder.clone().unwrap_or_default();
     let (attempt, phase) = now;
+    if was_phase.is_finished() && phase == Phase::Queued {
+        // `kubectl leasehold retry` (crate::plugin::retry): not a failure nor a release.
+        let note = format!(
+            "Retried after it was {was_phase} (attempt {attempt}); the next claim is attempt {}",
+            attempt + 1
+        );
+        ctx.event(job, EventType::Normal, "Retried", note).await;
+        return;
+    }
     if attempt > was_attempt {
         let note = format!("Claimed by {holder} (attempt {attempt})");
         ctx.event(job, EventType::Normal, "Claimed", note).await;

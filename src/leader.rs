@@ -180,7 +180,15 @@ async fn renew(
     token: &Token,
     started: Instant,
 ) {
-    match lease::renew(api, &config.lease_name, token, None).await {
+    match lease::renew(
+        api,
+        &config.lease_name,
+        token,
+        None,
+        &crate::progress::Progress::default(),
+    )
+    .await
+    {
         Ok(_) => leadership.extend(token, started + config.renew_deadline),
         Err(LeaseError::Lost { .. }) => {
             leadership.end();

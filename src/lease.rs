@@ -29,6 +29,7 @@ use thiserror::Error;
 
 use crate::crd::{LeasedJob, MANAGED_BY, MANAGED_BY_LABEL};
 use crate::kubeapi::{is_status, is_undecodable};
+use crate::progress::{Progress, MESSAGE_ANNOTATION, PROGRESS_ANNOTATION};
 use crate::token::Token;
 
 /// Annotation on the Lease that holds the latest checkpoint, as JSON text.
@@ -256,6 +257,9 @@ pub fn lease_for_claim(
     let annotations = meta.annotations.get_or_insert_with(Default::default);
     annotations.insert(JOB_ANNOTATION.to_string(), job.name_any());
     annotations.remove(CHECKPOINT_ANNOTATION);
+    // A new attempt starts with no progress shown.
+    annotations.remove(PROGRESS_ANNOTATION);
+    annotations.remove(MESSAGE_ANNOTATION);
     match job.status.as_ref().and_then(|s| s.holder.clone()) {
         Some(holder) => annotations.insert(HOLDER_ANNOTATION.to_string(), holder),
         None => annotations.remove(HOLDER_ANNOTATION),
@@ -273,9 +277,15 @@ pub fn lease_for_claim(
     }
 }
 
-/// The JSON Patch of a renewal: test holderIdentity, set renewTime, and store the checkpoint if
-/// one is given (text from [`checkpoint_text`]).
-pub fn renew_patch(token: &Token, now: Timestamp, checkpoint: Option<&str>) -> json_patch::Patch {
+/// The JSON Patch of a renewal: test holderIdentity, set renewTime, store the checkpoint if
+/// one is given (text from [`checkpoint_text`]) and the parts of `progress` that are given
+/// ([`Progress::annotations`]). One request, whatever it carries.
+pub fn renew_patch(
+    token: &Token,
+    now: Timestamp,
+    checkpoint: Option<&str>,
+    progress: &Progress,
+) -> json_patch::Patch {
     let mut ops = vec![
         json!({"op": "test", "path": "/spec/holderIdentity", "value": token.as_str()}),
         json!({"op": "add", "path": "/spec/renewTime", "value": micro_time(now)}),
@@ -284,6 +294,13 @@ pub fn renew_patch(token: &Token, now: Timestamp, checkpoint: Option<&str>) -> j
         ops.push(json!({
             "op": "add",
             "path": format!("/metadata/annotations/{}", escape_pointer(CHECKPOINT_ANNOTATION)),
+            "value": text,
+        }));
+    }
+    for (name, text) in progress.annotations() {
+        ops.push(json!({
+            "op": "add",
+            "path": format!("/metadata/annotations/{}", escape_pointer(name)),
             "value": text,
         }));
     }
@@ -393,8 +410,9 @@ pub async fn acquire(
     Err(LeaseError::Api(last_err.expect("loop ran")))
 }
 
-/// Renews the Lease `name` held by `token` (the heartbeat), storing `checkpoint` with it if
-/// given. One PATCH request; on a refusal, one GET to tell a lost Lease from a passing fault.
+/// Renews the Lease `name` held by `token` (the heartbeat), storing `checkpoint` and
+/// `progress` with it if given. One PATCH request; on a refusal, one GET to tell a lost Lease
+/// from a passing fault.
 ///
 /// # Errors
 /// [`LeaseError::Lost`] when holderIdentity is no longer `token` or the Lease is gone;
@@ -404,9 +422,10 @@ pub async fn renew(
     name: &str,
     token: &Token,
     checkpoint: Option<&Value>,
+    progress: &Progress,
 ) -> Result<Lease, LeaseError> {
     let text = checkpoint.map(checkpoint_text).transpose()?;
-    let patch = renew_patch(token, Timestamp::now(), text.as_deref());
+    let patch = renew_patch(token, Timestamp::now(), text.as_deref(), progress);
     match api
         .patch(name, &PatchParams::default(), &Patch::Json::<()>(patch))
         .await
@@ -524,8 +543,14 @@ mod tests {
     #[test]
     fn renew_patch_tests_the_holder_first() {
         let t = Token::issue(1);
-        let p = serde_json::to_value(renew_patch(&t, Timestamp::UNIX_EPOCH, Some("{\"o\":1}")))
-            .unwrap();
+        let none = Progress::default();
+        let p = serde_json::to_value(renew_patch(
+            &t,
+            Timestamp::UNIX_EPOCH,
+            Some("{\"o\":1}"),
+            &none,
+        ))
+        .unwrap();
         assert_eq!(p[0]["op"], "test");
         assert_eq!(p[0]["path"], "/spec/holderIdentity");
         assert_eq!(p[0]["value"], t.as_str());
@@ -535,8 +560,26 @@ mod tests {
             "/metadata/annotations/leasehold.dev~1checkpoint"
         );
         assert_eq!(p.as_array().unwrap().len(), 3);
-        let p = serde_json::to_value(renew_patch(&t, Timestamp::UNIX_EPOCH, None)).unwrap();
+        let p = serde_json::to_value(renew_patch(&t, Timestamp::UNIX_EPOCH, None, &none)).unwrap();
         assert_eq!(p.as_array().unwrap().len(), 2);
+        // Progress rides on the same patch, after the test.
+        let progress = Progress {
+            fraction: Some(0.5),
+            message: Some("half".into()),
+        };
+        let p =
+            serde_json::to_value(renew_patch(&t, Timestamp::UNIX_EPOCH, None, &progress)).unwrap();
+        assert_eq!(p[0]["op"], "test");
+        assert_eq!(
+            p[2]["path"],
+            "/metadata/annotations/leasehold.dev~1progress"
+        );
+        assert_eq!(p[2]["value"], "0.5");
+        assert_eq!(
+            p[3]["path"],
+            "/metadata/annotations/leasehold.dev~1progress-message"
+        );
+        assert_eq!(p.as_array().unwrap().len(), 4);
     }
 
     #[test]

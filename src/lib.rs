@@ -26,6 +26,9 @@
 //!   what the caches keep.
 //! - [`watch`]: the watches both roles run, decoding each object on its own so that one
 //!   undecodable object is skipped and reported instead of stalling the watch.
+//! - [`progress`]: how far a job is (fraction and message), carried by heartbeats and kept on
+//!   its Lease.
+//! - [`plugin`]: `kubectl leasehold` (get with progress, retry, cancel).
 //! - [`metrics`]: Prometheus metrics and health.
 //! - [`telemetry`]: logging set-up; [`shutdown`]: the shutdown signal.
 
@@ -43,6 +46,8 @@ pub mod leader;
 pub mod lease;
 pub mod memory;
 pub mod metrics;
+pub mod plugin;
+pub mod progress;
 pub mod shutdown;
 pub mod sidecar;
 pub mod telemetry;

@@ -1,4 +1,5 @@
-//! `leasehold`: one binary, three subcommands. This file only wires: it parses arguments,
+//! `leasehold`: one binary: the controller, the sidecar, the CRD, and (also as the kubectl plugin
+//! `kubectl-leasehold`) get, retry and cancel. This file only wires: it parses arguments,
 //! starts logging, builds the client and runs the chosen part of the library.
 
 use std::net::SocketAddr;
@@ -13,7 +14,7 @@ use axum::routing::get;
 use leasehold::kubeapi::Clients;
 use leasehold::metrics::{Health, Metrics};
 use leasehold::{
-    admission, controller, crd, crd_check, http, leader, sidecar, telemetry, tls, worker,
+    admission, controller, crd, crd_check, http, leader, plugin, sidecar, telemetry, tls, worker,
 };
 
 /// A Kubernetes-native job queue in which workers lease jobs and prove the lease on every write.
@@ -233,13 +234,83 @@ enum Command {
     },
     /// Print the LeasedJob CustomResourceDefinition as YAML.
     Crd,
+    /// List LeasedJobs with queue, phase, attempt, holder, last heartbeat, time until the lease
+    /// runs out, and the progress their worker reported (`kubectl leasehold get`).
+    Get {
+        /// Only these jobs (default: all in the namespace).
+        names: Vec<String>,
+        #[command(flatten)]
+        scope: ScopeArgs,
+        /// After listing, keep watching: print a job's row again each time it or its Lease
+        /// changes (every heartbeat).
+        #[arg(short = 'w', long)]
+        watch: bool,
+    },
+    /// Give a Failed or Cancelled LeasedJob a new attempt, keeping its failures, checkpoint and
+    /// attempt count (`kubectl leasehold retry`).
+    Retry {
+        /// The job's name.
+        name: String,
+        /// Namespace of the job (default: the kubeconfig's).
+        #[arg(short = 'n', long)]
+        namespace: Option<String>,
+        /// Failed attempts allowed from now on: spec.maxAttempts is raised to the failures so
+        /// far plus this, when it is lower.
+        #[arg(long, default_value_t = 1)]
+        attempts: i32,
+    },
+    /// Cancel a LeasedJob: set spec.cancel, for the controller to end it (`kubectl leasehold
+    /// cancel`).
+    Cancel {
+        /// The job's name.
+        name: String,
+        /// Namespace of the job (default: the kubeconfig's).
+        #[arg(short = 'n', long)]
+        namespace: Option<String>,
+    },
+}
+
+/// Which namespaces `get` looks at.
+#[derive(clap::Args)]
+struct ScopeArgs {
+    /// Namespace of the jobs (default: the kubeconfig's).
+    #[arg(short = 'n', long, conflicts_with = "all_namespaces")]
+    namespace: Option<String>,
+    /// Jobs of every namespace.
+    #[arg(short = 'A', long)]
+    all_namespaces: bool,
+}
+
+/// The name the binary answers to as a kubectl plugin: kubectl runs `kubectl-leasehold` for
+/// `kubectl leasehold ...` (kubectl's plugin mechanism: any executable of that name on PATH).
+const PLUGIN_NAME: &str = "kubectl-leasehold";
+
+/// The command line, read as `kubectl leasehold` when the binary was started under
+/// [`PLUGIN_NAME`] (a symlink or copy), so that help and errors name the command users typed.
+fn parse_cli() -> Cli {
+    use clap::{CommandFactory, FromArgMatches};
+    let argv0 = std::env::args_os().next().unwrap_or_default();
+    let invoked = std::path::Path::new(&argv0)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default()
+        .to_string();
+    let mut command = Cli::command();
+    if invoked == PLUGIN_NAME {
+        command = command.bin_name("kubectl leasehold");
+    }
+    let matches = command.get_matches();
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = parse_cli();
     let log_format = cli.log_format;
-    if !matches!(cli.command, Command::Crd) {
+    if matches!(
+        cli.command,
+        Command::Controller { .. } | Command::Sidecar { .. }
+    ) {
         tokio::spawn(leasehold::memory::trim_periodically());
     }
     match cli.command {
@@ -381,7 +452,68 @@ async fn main() -> anyhow::Result<()> {
             };
             run_sidecar(clients, config, serving, shutdown).await
         }
+        Command::Get {
+            names,
+            scope,
+            watch,
+        } => {
+            let clients = clients().await?;
+            let scope = if scope.all_namespaces {
+                plugin::Scope::All
+            } else {
+                plugin::Scope::Namespace(namespace_or_default(&clients, scope.namespace)?)
+            };
+            let mut out = std::io::stdout().lock();
+            if watch {
+                plugin::watch(&clients, &scope, &names, &mut out).await?;
+            } else {
+                plugin::get(&clients, &scope, &names, &mut out).await?;
+            }
+            Ok(())
+        }
+        Command::Retry {
+            name,
+            namespace,
+            attempts,
+        } => {
+            let clients = clients().await?;
+            let ns = namespace_or_default(&clients, namespace)?;
+            let job = plugin::retry(&clients, &ns, &name, attempts).await?;
+            println!(
+                "LeasedJob {} retried: Queued; its next claim is attempt {} (failed attempts so far: {}, maxAttempts {})",
+                job.reference(),
+                job.attempt() + 1,
+                job.failed_attempts(),
+                job.spec.max_attempts
+            );
+            Ok(())
+        }
+        Command::Cancel { name, namespace } => {
+            let clients = clients().await?;
+            let ns = namespace_or_default(&clients, namespace)?;
+            let job = plugin::cancel(&clients, &ns, &name).await?;
+            match job.phase() {
+                crd::Phase::Cancelled => println!("LeasedJob {} is Cancelled", job.reference()),
+                crd::Phase::Leased => println!(
+                    "LeasedJob {} cancel requested: the controller ends it now; its holder {} is told at its next heartbeat",
+                    job.reference(),
+                    job.status.as_ref().and_then(|s| s.holder.as_deref()).unwrap_or("-")
+                ),
+                phase => println!(
+                    "LeasedJob {} cancel requested ({phase}): the controller ends it now",
+                    job.reference()
+                ),
+            }
+            Ok(())
+        }
     }
+}
+
+/// `--namespace`, else the kubeconfig's namespace, checked.
+fn namespace_or_default(clients: &Clients, namespace: Option<String>) -> anyhow::Result<String> {
+    let ns = namespace.unwrap_or_else(|| clients.requests.default_namespace().to_string());
+    check_dns_label("--namespace", &ns)?;
+    Ok(ns)
 }
 
 async fn clients() -> anyhow::Result<Clients> {

@@ -3,12 +3,15 @@
 //!
 //! Routes (all JSON; see docs/protocol.md):
 //! - `POST /v1/claim?wait=SECONDS` -> 200 claimed job, or 204 when nothing was claimable in time
-//! - `POST /v1/jobs/{name}/heartbeat` `{token, checkpoint?}` -> 200 renewal
+//! - `POST /v1/jobs/{name}/heartbeat` `{token, checkpoint?, progress?, message?}` -> 200
+//!   renewal (`progress` a number from 0 to 1, `message` at most
+//!   [`crate::progress::MAX_MESSAGE_BYTES`] bytes: [`crate::progress`])
 //! - `POST /v1/jobs/{name}/complete` `{token, result}` -> 200
 //! - `POST /v1/jobs/{name}/fail` `{token, reason, message, retryable}` -> 200
 //! - `POST /v1/jobs/{name}/release` `{token}` -> 200
 //! - `GET /healthz` (background tasks alive), `GET /readyz` (watch synced, not shutting
-//!   down), `GET /metrics` (Prometheus text format)
+//!   down), `GET /metrics` (Prometheus text format), `GET /openapi.json` (this API described
+//!   in OpenAPI 3.1: [`OPENAPI`])
 //!
 //! Every answer the router gives is JSON. Errors are `{"error": "<code>", "message": "..."}`:
 //! 400 `invalid_json`, `invalid_request`, `invalid_token`, `invalid_name`; 404 `job_not_found`
@@ -37,12 +40,19 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::crd::LeasedJob;
+use crate::progress::Progress;
 use crate::worker::{Worker, WorkerError};
 
 /// Largest request body accepted, in bytes: a whole LeasedJob's limit
 /// ([`crate::crd::MAX_JOB_BYTES`], 1 MiB), since a result or checkpoint larger than that can
 /// never be stored in one.
 pub const MAX_BODY_BYTES: usize = crate::crd::MAX_JOB_BYTES;
+/// Where the sidecar serves [`OPENAPI`] (GET).
+pub const OPENAPI_PATH: &str = "/openapi.json";
+/// The OpenAPI 3.1 document of this API (`docs/sidecar-openapi.json`, built in): every route,
+/// body, answer and error code, as docs/protocol.md describes them. `tests/openapi.rs` checks
+/// the live sidecar's answers against it, fuzzing every endpoint with schemathesis.
+pub const OPENAPI: &str = include_str!("../docs/sidecar-openapi.json");
 /// Longest long poll accepted by `/v1/claim?wait=`, in seconds.
 pub const MAX_WAIT_SECONDS: u64 = 300;
 
@@ -123,6 +133,12 @@ struct HeartbeatBody {
     token: Option<String>,
     #[serde(default)]
     checkpoint: Option<Value>,
+    /// Read as any JSON value, so that a wrong type is answered `invalid_request` naming the
+    /// field and its rule ([`Progress::from_json`]) rather than a serde message.
+    #[serde(default)]
+    progress: Option<Value>,
+    #[serde(default)]
+    message: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -200,6 +216,10 @@ pub fn router(worker: Worker) -> Router {
             "/metrics",
             get(|State(w): State<Worker>| async move { w.metrics().render() }),
         )
+        .route(
+            OPENAPI_PATH,
+            get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
+        )
         .route("/v1/claim", post(claim))
         .merge(jobs)
         .fallback(|| async {
@@ -213,7 +233,7 @@ pub fn router(worker: Worker) -> Router {
             ApiError::new(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",
-                "this route takes POST (GET for /healthz, /readyz and /metrics)",
+                "this route takes POST (GET for /healthz, /readyz, /metrics and /openapi.json)",
             )
         })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -398,7 +418,11 @@ async fn heartbeat(
     let name = name.as_str();
     let body: HeartbeatBody = parse(body)?;
     let token = required(body.token, "token")?;
-    let renewal = worker.heartbeat(name, &token, body.checkpoint).await?;
+    let progress = Progress::from_json(body.progress.as_ref(), body.message.as_ref())
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()))?;
+    let renewal = worker
+        .heartbeat(name, &token, body.checkpoint, progress)
+        .await?;
     Ok(Json(renewal).into_response())
 }
 
@@ -447,6 +471,31 @@ async fn release(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_openapi_document_is_json_and_describes_every_route() {
+        let doc: Value = serde_json::from_str(OPENAPI).expect("docs/sidecar-openapi.json is JSON");
+        assert_eq!(doc["openapi"], "3.1.0");
+        for path in [
+            "/v1/claim",
+            "/v1/jobs/{name}/heartbeat",
+            "/v1/jobs/{name}/complete",
+            "/v1/jobs/{name}/fail",
+            "/v1/jobs/{name}/release",
+            "/readyz",
+            "/healthz",
+            "/metrics",
+            OPENAPI_PATH,
+        ] {
+            assert!(doc["paths"][path].is_object(), "{path} is not described");
+        }
+        let codes = &doc["components"]["schemas"]["Error"]["properties"]["error"]["enum"];
+        for code in ["invalid_json", "too_large", "body_timeout", "shutting_down"] {
+            assert!(codes.as_array().unwrap().contains(&json!(code)), "{code}");
+        }
+        let message = &doc["components"]["schemas"]["HeartbeatRequest"]["properties"]["message"];
+        assert_eq!(message["maxLength"], crate::progress::MAX_MESSAGE_BYTES);
+    }
 
     #[test]
     fn job_names_from_urls_are_checked() {

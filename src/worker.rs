@@ -52,6 +52,7 @@ use crate::fence::{self, FenceError, Outcome, Refusal};
 use crate::kubeapi::{error_chain, is_too_large, Clients};
 use crate::lease::{self, LeaseError};
 use crate::metrics::{Health, Metrics};
+use crate::progress::Progress;
 use crate::token::{Token, TokenError};
 
 /// Default for [`WorkerConfig::worker_timeout`]: five minutes.
@@ -240,6 +241,9 @@ struct HeldState {
     renew_time: Timestamp,
     last_contact: Instant,
     checkpoint: Option<Value>,
+    /// The progress the worker last sent, carried by every renewal from then on (background
+    /// ones included), so a heartbeat whose own renewal did not get through is not lost.
+    progress: Progress,
     /// Why the lease was declared lost: (error code, message).
     lost: Option<(&'static str, String)>,
     ended: bool,
@@ -819,6 +823,7 @@ impl Worker {
                 renew_time: Timestamp::now(),
                 last_contact: now,
                 checkpoint: None,
+                progress: Progress::default(),
                 lost: None,
                 ended: false,
             }),
@@ -1028,11 +1033,14 @@ impl Worker {
     }
 
     /// Renews the lease now, storing `checkpoint` (any JSON up to
-    /// [`lease::MAX_CHECKPOINT_BYTES`]) with it for the next attempt should this one not finish.
-    /// Writes only the Lease, never the LeasedJob.
+    /// [`lease::MAX_CHECKPOINT_BYTES`]) with it for the next attempt should this one not finish,
+    /// and `progress` (the parts given; see [`crate::progress`]) for people to see. Writes only
+    /// the Lease, never the LeasedJob, in one request whatever it carries. The progress is
+    /// remembered and carried by every later renewal of the attempt, background ones included.
     ///
     /// # Errors
-    /// [`WorkerError::InvalidToken`]; [`WorkerError::TooLarge`]; [`WorkerError::LeaseLost`] or
+    /// [`WorkerError::InvalidToken`]; [`WorkerError::Invalid`] for progress that breaks its
+    /// rules (nothing is written); [`WorkerError::TooLarge`]; [`WorkerError::LeaseLost`] or
     /// [`WorkerError::Refused`] when the token no longer holds the job;
     /// [`WorkerError::Unavailable`] when the API server failed (retry).
     pub async fn heartbeat(
@@ -1040,27 +1048,35 @@ impl Worker {
         name: &str,
         token: &str,
         checkpoint: Option<Value>,
+        progress: Progress,
     ) -> Result<Renewal, WorkerError> {
+        progress.validate().map_err(|e| WorkerError::Invalid {
+            field: e.field,
+            problem: e.problem,
+        })?;
         let (me, n, t) = (self.clone(), name.to_string(), token.to_string());
         self.bounded(name, "heartbeat", async move {
-            me.heartbeat_inner(&n, &t, checkpoint).await
+            me.heartbeat_inner(&n, &t, checkpoint, progress).await
         })
         .await
         .map_err(|e| self.counted(e))
     }
 
-    /// One renewal of `held`'s Lease, waiting at most [`call_bound`] of its lease duration.
+    /// One renewal of `held`'s Lease, waiting at most [`call_bound`] of its lease duration. It
+    /// carries the latest progress the worker sent for the attempt.
     async fn renew_bounded(
         &self,
         held: &Held,
         checkpoint: Option<&Value>,
     ) -> Result<Lease, LeaseError> {
         let after = call_bound(held.duration);
+        let progress = held.state.lock().unwrap().progress.clone();
         let renew = lease::renew(
             &self.inner.leases,
             &held.lease_name,
             &held.token,
             checkpoint,
+            &progress,
         );
         tokio::time::timeout(after, renew)
             .await
@@ -1072,6 +1088,7 @@ impl Worker {
         name: &str,
         token: &str,
         checkpoint: Option<Value>,
+        progress: Progress,
     ) -> Result<Renewal, WorkerError> {
         let token = Token::parse(token)?;
         if let Some(c) = &checkpoint {
@@ -1091,12 +1108,22 @@ impl Worker {
             None => self.check_unheld(name, &token).await?,
         }
         let renewed = match &held {
-            Some(h) => self.renew_bounded(h, checkpoint.as_ref()).await,
+            Some(h) => {
+                h.state.lock().unwrap().progress.update(&progress);
+                self.renew_bounded(h, checkpoint.as_ref()).await
+            }
             // Not held by this process (it restarted since the claim), and the job says the
             // token holds it: the Lease decides.
             None => {
                 let lease_name = lease::lease_name(name);
-                lease::renew(&self.inner.leases, &lease_name, &token, checkpoint.as_ref()).await
+                lease::renew(
+                    &self.inner.leases,
+                    &lease_name,
+                    &token,
+                    checkpoint.as_ref(),
+                    &progress,
+                )
+                .await
             }
         };
         if !matches!(renewed, Err(LeaseError::CheckpointTooLarge { .. })) {
@@ -1141,6 +1168,7 @@ impl Worker {
                     if checkpoint.is_some() {
                         st.checkpoint = checkpoint;
                     }
+                    st.progress.update(&progress);
                 }
                 Ok(Renewal {
                     renew_time,

@@ -378,11 +378,17 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
     assert_eq!(lease::holder_pod(&acquired), Some("pod-a"));
     let name = lease::lease_name("j");
 
-    // Renewing someone else's Lease (pod-b can read the token: it is no secret to workers).
+    // Renewing someone else's Lease (pod-b can read the token: it is no secret to workers),
+    // with a checkpoint and progress, as a heartbeat carries them.
+    let progress = leasehold::progress::Progress {
+        fraction: Some(0.5),
+        message: Some("halfway".into()),
+    };
     let renew = serde_json::to_value(lease::renew_patch(
         &t1,
         k8s_openapi::jiff::Timestamp::now(),
         Some("{\"stolen\":true}"),
+        &progress,
     ))
     .unwrap();
     assert_refused(
@@ -445,7 +451,12 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
     assert_eq!(lease::holder_identity(&l), Some(t1.as_str()));
     assert_eq!(lease::checkpoint(&l), None);
 
-    // The holder's own renewal is accepted.
+    assert_eq!(
+        leasehold::progress::Progress::of_lease(&l),
+        Default::default()
+    );
+
+    // The holder's own renewal is accepted, progress included.
     raw(
         &w.a,
         "PATCH",
@@ -455,6 +466,8 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
     )
     .await
     .expect("pod-a renews its Lease");
+    let l = w.leases(&w.admin).get(&name).await.unwrap();
+    assert_eq!(leasehold::progress::Progress::of_lease(&l), progress);
 
     // Attempt 1 ends without its Lease being released; pod-b claims attempt 2 and takes the
     // Lease over (a later attempt, naming itself): accepted.

@@ -143,7 +143,14 @@ async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
     }
     // The stale holder cannot renew the Lease either.
     assert!(matches!(
-        lease::renew(&leases, &lease::lease_name("j"), &t1, None).await,
+        lease::renew(
+            &leases,
+            &lease::lease_name("j"),
+            &t1,
+            None,
+            &Default::default()
+        )
+        .await,
         Err(lease::LeaseError::Lost { .. })
     ));
     let l = leases.get(&lease::lease_name("j")).await.unwrap();

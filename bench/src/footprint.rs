@@ -1,6 +1,7 @@
 //! Rows 5 and 6, in one scenario: F jobs in a namespace, H of them claimed through S sidecar
 //! processes and then only renewed in the background (the worker stays silent). Over a window
-//! of whole renew intervals: the API server's own request counts (heartbeat cost), and the
+//! of whole renew intervals: the API server's own request counts (heartbeat cost, with every
+//! renewal carrying progress and a message, which one heartbeat per job sets first), and the
 //! controller's and sidecars' memory and CPU from /proc (footprint).
 
 use std::time::{Duration, Instant};
@@ -93,6 +94,22 @@ pub async fn run(
                     .context("claim")?;
                 anyhow::ensure!(r.status() == 200, "claim answered {}", r.status());
                 took.push(ms(t.elapsed()));
+                // One heartbeat with progress and a message: the sidecar keeps them and every
+                // background renewal in the window carries them, so the row counts renewals
+                // as they are when a worker reports progress.
+                let claimed: serde_json::Value = r.json().await.context("claim answer")?;
+                let name = claimed["name"].as_str().context("claim without a name")?;
+                let r = http
+                    .post(format!("{base}/v1/jobs/{name}/heartbeat"))
+                    .json(&serde_json::json!({
+                        "token": claimed["token"],
+                        "progress": 0.5,
+                        "message": "benchmark: halfway",
+                    }))
+                    .send()
+                    .await
+                    .context("heartbeat")?;
+                anyhow::ensure!(r.status() == 200, "heartbeat answered {}", r.status());
             }
             anyhow::Ok(took)
         }

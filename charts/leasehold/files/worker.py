@@ -415,6 +415,7 @@ class Handler:
                     self.pause(job, plan["delay"])
                     offset, state = offset + len(chunk), next_state
                     job.save(make_checkpoint(plan, offset, state))
+                    job.progress(offset / plan["size"], "%d of %d bytes" % (offset, plan["size"]))
                     out.say("%s: %d/%d bytes" % (job.name, offset, plan["size"]))
                 figures = processor.finish(state, f, plan)
         except OSError as err:

@@ -4,6 +4,7 @@ import json
 import logging
 import threading
 import time
+import unicodedata
 from typing import Any, Callable, Dict, Optional
 
 from .client import Client, Event, retrying
@@ -11,6 +12,7 @@ from .errors import (
     ApiError,
     ConnectionFailed,
     Fail,
+    InvalidRequest,
     JobEnded,
     JobLost,
     LeaseholdError,
@@ -24,6 +26,8 @@ log = logging.getLogger("leasehold")
 
 #: The sidecar refuses a checkpoint over this many bytes of JSON (docs/protocol.md).
 MAX_CHECKPOINT_BYTES = 64 * 1024
+#: The sidecar refuses a progress message over this many bytes of UTF-8 (docs/protocol.md).
+MAX_PROGRESS_MESSAGE_BYTES = 256
 #: Heartbeats are sent every leaseDurationSeconds / HEARTBEAT_FRACTION: two more chances
 #: before the lease runs out when one is lost (the sidecar renews at the same rate).
 HEARTBEAT_FRACTION = 3
@@ -48,6 +52,7 @@ class Job:
                 for step in range(job.checkpoint or 0, 100):
                     work(step)
                     job.save(step + 1)     # sent with the next heartbeat
+                    job.progress((step + 1) / 100, "step %d" % (step + 1))  # kubectl leasehold get
                     job.check()            # raises once the job is lost or cancelled
                 job.complete({"steps": 100})
 
@@ -109,6 +114,8 @@ class Job:
         self._state_lock = threading.Lock()
         self._pending: Any = _NOTHING
         self._saved: Any = self.checkpoint
+        self._progress: Optional[float] = None
+        self._message: Optional[str] = None
         self._confirmed_at = time.monotonic()  # the claim renewed the lease
         self._gave_up = False
         self._done = threading.Event()
@@ -174,6 +181,48 @@ class Job:
             self._pending = checkpoint
             self._saved = checkpoint
 
+    def progress(self, fraction: Optional[float] = None, message: Optional[str] = None) -> None:
+        """Reports how far the attempt is, for people watching (``kubectl leasehold get``
+        draws a bar and shows the message): ``fraction`` done from 0 to 1, and a short
+        ``message`` (at most 256 bytes of UTF-8, one line). None leaves that part as last
+        reported. Every heartbeat from now on carries the latest values (the next one within
+        :attr:`heartbeat_interval` seconds); they cost no extra request. Does not block.
+
+        Raises:
+            InvalidRequest: ``fraction`` is not a number from 0 to 1, or ``message`` is not a
+                string of at most 256 bytes without control characters (the sidecar's rules,
+                checked here so that a heartbeat is never refused for them).
+        """
+        if fraction is not None:
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+                raise InvalidRequest(
+                    400,
+                    "invalid_request",
+                    "progress %r is out of range: expected a number from 0 to 1 (the fraction done)" % (fraction,),
+                )
+        if message is not None:
+            if not isinstance(message, str):
+                raise InvalidRequest(400, "invalid_request", "message %r is not a string" % (message,))
+            size = len(message.encode("utf-8"))
+            if size > MAX_PROGRESS_MESSAGE_BYTES:
+                raise InvalidRequest(
+                    400,
+                    "invalid_request",
+                    "message is %d bytes: at most %d bytes of UTF-8 are accepted" % (size, MAX_PROGRESS_MESSAGE_BYTES),
+                )
+            if any(unicodedata.category(c) == "Cc" for c in message):
+                raise InvalidRequest(
+                    400,
+                    "invalid_request",
+                    "message %r contains a control character (a line break, a tab, ...): it is shown on one line"
+                    % (message,),
+                )
+        with self._state_lock:
+            if fraction is not None:
+                self._progress = float(fraction)
+            if message is not None:
+                self._message = message
+
     def check(self) -> None:
         """Returns while the job is still this worker's; call it often (between chunks).
 
@@ -204,8 +253,8 @@ class Job:
                 self.check()
 
     def heartbeat(self) -> Dict[str, Any]:
-        """Sends a heartbeat now, with the checkpoint saved since the last one (if any),
-        instead of waiting for the background one.
+        """Sends a heartbeat now, with the checkpoint saved since the last one (if any) and
+        the latest progress, instead of waiting for the background one.
 
         Returns:
             dict: the answer ``{renewTime, expiresAt, leaseDurationSeconds}``.
@@ -390,10 +439,13 @@ class Job:
             self.check_owned()
             with self._state_lock:
                 pending, self._pending = self._pending, _NOTHING
+                progress, message = self._progress, self._message
             checkpoint = None if pending is _NOTHING else pending
             sent = time.monotonic()
             try:
-                answer = self.client.heartbeat(self.name, self.token, checkpoint, self.attempt, self._call_timeout())
+                answer = self.client.heartbeat(
+                    self.name, self.token, checkpoint, self.attempt, self._call_timeout(), progress, message
+                )
             except JobLost as err:
                 self._set_lost(err)
                 raise

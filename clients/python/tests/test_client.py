@@ -87,6 +87,40 @@ def test_a_job_is_claimed_checkpointed_released_and_resumed_from_its_checkpoint(
         second.complete({"again": True})
 
 
+def lease_annotations(job_name):
+    lease = json.loads(kubectl("get", "lease", "ljob-" + job_name, "-o", "json"))
+    return lease["metadata"].get("annotations") or {}
+
+
+def test_progress_rides_on_the_heartbeats_and_bad_progress_is_refused(procs, queue, recorder):
+    create_job("progress", queue, lease=6)
+    sidecar = procs.sidecar(queue, "progress-a")
+    client = leasehold.Client(sidecar.base, on_event=recorder)
+    job = claim_one(client)
+    # Checked before anything is sent, with the sidecar's rules and words.
+    for fraction, message in [(1.5, None), (-0.1, None), ("half", None), (0.5, "x" * 257), (0.5, "two\nlines")]:
+        with pytest.raises(leasehold.InvalidRequest):
+            job.progress(fraction, message)
+    # The sidecar refuses the same, naming the field: nothing is renewed.
+    with pytest.raises(leasehold.InvalidRequest) as refused:
+        client.heartbeat(job.name, job.token, progress=2)
+    assert refused.value.message.startswith("progress 2 is out of range"), refused.value.message
+    with job:
+        job.progress(0.25, "a quarter")
+        # The next background heartbeat (every 2 s) carries it.
+        wait_until(
+            "progress on the Lease",
+            10,
+            lambda: lease_annotations("progress").get("leasehold.dev/progress") == "0.25",
+        )
+        job.progress(message="still a quarter")
+        job.heartbeat()
+        annotations = lease_annotations("progress")
+        assert annotations.get("leasehold.dev/progress") == "0.25"
+        assert annotations.get("leasehold.dev/progress-message") == "still a quarter"
+        job.complete("done")
+
+
 def test_background_heartbeats_keep_a_job_that_makes_no_calls_for_three_leases(procs, queue, recorder):
     create_job("quiet", queue, lease=5)
     # --worker-timeout 1: the sidecar stops renewing for a worker silent for max(1, 5) s.

@@ -121,10 +121,20 @@ class Client:
         return body
 
     def heartbeat(
-        self, name: str, token: str, checkpoint: Any = None, attempt: Optional[int] = None, timeout: float = CALL_TIMEOUT
+        self,
+        name: str,
+        token: str,
+        checkpoint: Any = None,
+        attempt: Optional[int] = None,
+        timeout: float = CALL_TIMEOUT,
+        progress: Optional[float] = None,
+        message: Optional[str] = None,
     ) -> Dict[str, Any]:
         """Renews the lease of job ``name``, storing ``checkpoint`` (any JSON, at most
-        64 KiB encoded) for the next attempt to resume from when it is not None.
+        64 KiB encoded) for the next attempt to resume from when it is not None, and
+        ``progress`` (the fraction done, 0 to 1) and ``message`` (at most 256 bytes of UTF-8,
+        no control characters) for people to see (``kubectl leasehold get``) when not None.
+        All of it is written with the renewal itself: one write to the Lease.
 
         Returns:
             dict: ``{renewTime, expiresAt, leaseDurationSeconds}`` (times RFC 3339 by the
@@ -133,11 +143,16 @@ class Client:
         Raises:
             JobLost (LeaseLost, Cancelled, JobFinished, JobNotFound): stop working on it.
             Unavailable: not confirmed in time; repeat. TooLarge: the checkpoint is over
-            64 KiB (nothing was renewed).
+            64 KiB (nothing was renewed). InvalidRequest: ``progress`` or ``message`` breaks
+            its rule (nothing was renewed).
         """
         body: Dict[str, Any] = {"token": token}
         if checkpoint is not None:
             body["checkpoint"] = checkpoint
+        if progress is not None:
+            body["progress"] = progress
+        if message is not None:
+            body["message"] = message
         return self._job_call("heartbeat", name, attempt, body, timeout, checkpoint)
 
     def complete(
