@@ -20,7 +20,11 @@
 //!   `test`), so a write that slipped between a check and a freeze still cannot undo anything.
 //!
 //! On shutdown the leader ends its term first, then releases the Lease, so a standby takes over
-//! within one `retryPeriod` instead of a whole `leaseDuration`.
+//! within one `retryPeriod` instead of a whole `leaseDuration`. A replica that finds the Lease
+//! held under its own identity (its container restarted in the same pod, so the process that
+//! held it has exited) starts a new term at once, as client-go does. Were that earlier process
+//! somehow still alive, its renewals fail on the token `test`, its term ends at its renew
+//! deadline, and every write it might slip in before then is conditional.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -217,7 +221,15 @@ async fn try_acquire(
         .and_then(|l| l.spec.clone())
         .unwrap_or_default();
     let holder = spec.holder_identity.clone().filter(|h| !h.is_empty());
-    if holder.is_some() {
+    // A term held under this replica's own identity belongs to an earlier incarnation of this
+    // replica (its container restarted in the same pod): take it back at once instead of
+    // waiting a whole leaseDuration with no controller, as client-go does for its own identity.
+    let held_by_earlier_self = current
+        .as_ref()
+        .and_then(|l| l.metadata.annotations.as_ref())
+        .and_then(|a| a.get(HOLDER_POD_ANNOTATION))
+        .is_some_and(|pod| *pod == config.identity);
+    if holder.is_some() && !held_by_earlier_self {
         let record = Record {
             token: String::new(),
             holder_identity: holder.clone(),

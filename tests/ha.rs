@@ -1,6 +1,7 @@
 //! Two controller replicas against the real API server: one leader writes; a killed leader is
 //! replaced and no job is expired twice; a frozen leader writes nothing when it wakes; a
-//! leader stopped with SIGTERM hands over within seconds.
+//! leader stopped with SIGTERM hands over within seconds; a leader killed and restarted under
+//! its own identity (a container restart) leads again at once.
 
 mod common;
 
@@ -197,4 +198,63 @@ async fn a_leader_stopped_with_sigterm_hands_over_within_seconds() {
     })
     .await;
     assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
+async fn a_leader_restarted_in_its_pod_leads_again_at_once() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "ha-restart").await;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    // A long lease: waiting it out would take 20 s, and a job's expiry with it.
+    let slow = [
+        "--leader-lease-duration",
+        "20",
+        "--leader-renew-deadline",
+        "15",
+        "--leader-retry-period",
+        "0.5",
+    ];
+    let a = controller_with(&ns.name, "ctl-a", &slow);
+    wait_for("ctl-a leads", Duration::from_secs(15), || {
+        leader_of(&leases)
+    })
+    .await;
+    let term = |l: &Lease| l.spec.as_ref().and_then(|s| s.holder_identity.clone());
+    let first = term(&leases.get("leasehold-controller").await.unwrap());
+    let sc = Sidecar::start(&ns.name, "q", "pod-w", &[]).await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "j"}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
+    )
+    .await;
+    let (s, _) = sc.claim(10).await;
+    assert_eq!(s, 200);
+    sc.proc.signal("KILL");
+    drop(sc);
+    // The container restarts: the process is killed and started again under the same name.
+    a.signal("KILL");
+    drop(a);
+    let restarted = tokio::time::Instant::now();
+    let _a = controller_with(&ns.name, "ctl-a", &slow);
+    wait_for("a new term of ctl-a", Duration::from_secs(10), || async {
+        let l = leases.get("leasehold-controller").await.ok()?;
+        (term(&l) != first
+            && l.annotations()
+                .get(HOLDER_POD_ANNOTATION)
+                .map(String::as_str)
+                == Some("ctl-a"))
+        .then_some(())
+    })
+    .await;
+    let took = restarted.elapsed();
+    println!("ctl-a led again {took:?} after its restart");
+    assert!(took < Duration::from_secs(5), "re-election took {took:?}");
+    // And it acts: the dead worker's job is expired within its lease and a second.
+    wait_for("the expiry", Duration::from_secs(10), || async {
+        let j = jobs.get("j").await.ok()?;
+        (j.failed_attempts() >= 1 && j.phase() == Phase::Queued).then_some(())
+    })
+    .await;
 }
