@@ -34,6 +34,7 @@
 
 pub mod admission;
 pub mod claim;
+pub mod claim_index;
 pub mod controller;
 pub mod crd;
 pub mod crd_check;

@@ -27,7 +27,7 @@
 //! attempts it ended, checks its watch cache before and after the renewal, and reads the job
 //! afresh before renewing for a token it does not hold.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -47,6 +47,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use crate::claim::{self, ClaimError};
+use crate::claim_index::ClaimIndex;
 use crate::crd::{LeasedJob, Phase};
 use crate::fence::{self, FenceError, Outcome, Refusal};
 use crate::kubeapi::{error_chain, is_too_large, Clients};
@@ -273,6 +274,9 @@ struct Inner {
     draining: watch::Sender<bool>,
     /// The claim window now (see [`WorkerConfig::spread`]).
     window: AtomicUsize,
+    /// The queue's claimable jobs in claim order, and its recent claimers, kept from the same
+    /// watch as `store` (which is never older than it).
+    index: Arc<Mutex<ClaimIndex>>,
 }
 
 /// A claimer of one queue. Cheap to clone.
@@ -311,12 +315,18 @@ impl Worker {
         let stream = synced.track(stream);
         let health = Health::new();
         let ready = Arc::clone(&health);
+        let index = Arc::new(Mutex::new(ClaimIndex::new(&config.queue)));
+        let indexed = Arc::clone(&index);
         let watch_task = tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
             while let Some(event) = stream.next().await {
                 match event {
-                    Ok(watcher::Event::InitDone) => ready.set_synced(),
-                    Ok(_) => {}
+                    Ok(event) => {
+                        indexed.lock().unwrap().observe(&event);
+                        if matches!(event, watcher::Event::InitDone) {
+                            ready.set_synced();
+                        }
+                    }
                     Err(e) => crate::watch::log_error("LeasedJob", &e),
                 }
                 tx.send_modify(|n| *n = n.wrapping_add(1));
@@ -338,6 +348,7 @@ impl Worker {
             ended: Notify::new(),
             draining: watch::channel(false).0,
             window: AtomicUsize::new(window),
+            index,
         };
         (
             Worker {
@@ -497,13 +508,12 @@ impl Worker {
             }
             // Wake for the next job whose notBefore or retryAfter passes, if before the deadline.
             let now = Timestamp::now();
-            let wake =
-                claim::next_claimable_at(&self.inner.store.state(), &self.inner.config.queue, now)
-                    .map(|t| {
-                        Instant::now()
-                            + Duration::try_from(t.duration_since(now)).unwrap_or_default()
-                    })
-                    .map_or(deadline, |t| t.min(deadline));
+            let next = self.inner.index.lock().unwrap().next_claimable_at(now);
+            let wake = next
+                .map(|t| {
+                    Instant::now() + Duration::try_from(t.duration_since(now)).unwrap_or_default()
+                })
+                .map_or(deadline, |t| t.min(deadline));
             // A claimer waiting its turn for a job looks again when the turn comes, even if no
             // change arrives (the claimers ahead of it may be busy or gone).
             let wake = turn.map_or(wake, |t| wake.min(t));
@@ -536,11 +546,15 @@ impl Worker {
     /// `waiting_since` is when this claim call began waiting its turn (set here the first time
     /// it has to): turns count from then, not from when a job was first seen, since jobs wait
     /// in a busy queue for long before anyone's turn comes.
+    ///
+    /// The candidates come from the queue's [`ClaimIndex`] (the window's worth, in claim
+    /// order), the jobs from the watch cache; the choice among them is [`claim`]'s.
     fn pick(&self, waiting_since: &mut Option<Instant>) -> Pick {
-        let jobs = self.inner.store.state();
         let config = &self.inner.config;
         let now = Timestamp::now();
-        let claimers = claim::recent_claimers(&jobs, &config.queue, &config.identity, now);
+        let index = self.inner.index.lock().unwrap();
+        let claimers = index.recent_claimers(&config.identity, now);
+        let claimers: HashSet<&str> = claimers.iter().map(String::as_str).collect();
         let tried = self.inner.tried.lock().unwrap();
         let skip = |j: &LeasedJob| {
             let name = j.metadata.name.as_deref().unwrap_or_default();
@@ -550,8 +564,10 @@ impl Worker {
         if config.spread > 1 && claimers.len() > 1 {
             // Too few jobs for a window with room for every claimer: take turns instead.
             let room = claim::window_for(0, config.spread, claimers.len(), max_window);
-            let candidates = claim::top_candidates(&jobs, &config.queue, now, room);
-            if candidates.len() < room {
+            let names = index.candidates(now, room, |_, _| false);
+            if names.len() < room {
+                let jobs = self.cached(&names);
+                let candidates = claim::top_candidates(&jobs, &config.queue, now, room);
                 let since = *waiting_since.get_or_insert_with(Instant::now);
                 return self.rendezvous(&candidates, &claimers, since, skip);
             }
@@ -562,8 +578,23 @@ impl Worker {
             claimers.len(),
             max_window,
         );
+        let names = index.candidates(now, window, |name, rv| {
+            tried.get(name).is_some_and(|t| t == rv)
+        });
+        drop(index);
+        let jobs = self.cached(&names);
         claim::pick(&jobs, &config.queue, now, window, skip, &mut rand::rng())
             .map_or(Pick::Nothing, Pick::Job)
+    }
+
+    /// The watch cache's copies of the jobs `names`, in that order (a job the cache no longer
+    /// has is left out).
+    fn cached(&self, names: &[String]) -> Vec<Arc<LeasedJob>> {
+        let ns = &self.inner.config.namespace;
+        names
+            .iter()
+            .filter_map(|n| self.inner.store.get(&ObjectRef::new(n).within(ns)))
+            .collect()
     }
 
     /// [`Worker::pick`] with too few `candidates` for the `claimers`: the oldest candidate
@@ -606,22 +637,19 @@ impl Worker {
         if spread <= 1 || window >= spread * MAX_WINDOW_FACTOR {
             return;
         }
-        let queue = &self.inner.config.queue;
-        let now = Timestamp::now();
-        let claimable = self
+        let more = self
             .inner
-            .store
-            .state()
-            .iter()
-            .filter(|j| claim::claimable(j, queue, now))
-            .count();
-        if claimable > window {
+            .index
+            .lock()
+            .unwrap()
+            .claimable_more_than(Timestamp::now(), window);
+        if more {
             let wider = (window * 4).min(spread * MAX_WINDOW_FACTOR);
             self.inner.window.store(wider, Ordering::Relaxed);
         }
         tracing::debug!(
             window,
-            claimable,
+            more_claimable = more,
             "Claim conflict (409); claim window was {window}"
         );
     }

@@ -1,0 +1,408 @@
+//! An index of a queue's watch cache for claiming, kept up to date from the watch's events, so
+//! that choosing a job costs the size of the claim window, not the length of the queue.
+//!
+//! The rules stay those of [`crate::claim`]: the claimable jobs ([`claim::claimable`]) of the
+//! highest priority present, in FIFO order (creationTimestamp, then name), and the claimers
+//! seen claiming in the last [`claim::RECENT_CLAIM_SECONDS`]. Scanning the whole cache for
+//! them on every pick cost a sidecar milliseconds per pick with 100,000 jobs queued, and ten
+//! sidecars claiming at once then took the CPU the API server needed (benchmark row 10). The
+//! index keeps:
+//! - the Queued jobs of the queue that are not cancelled or being deleted, ordered by
+//!   (priority, highest first; creationTimestamp; name): a pick walks them from the front and
+//!   stops after the window;
+//! - those with a notBefore or retryAfter, by that time, for [`ClaimIndex::next_claimable_at`];
+//! - each holder's latest claimTime seen.
+//!
+//! It holds names and sort keys only; the jobs themselves stay in the reflector's store, which
+//! is updated before the index sees the same event, so the store is never older than the index.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::runtime::watcher;
+
+use crate::claim;
+use crate::crd::{LeasedJob, Phase};
+
+/// Where a job stands among the claimable: highest priority first, then oldest, then by name.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Place {
+    priority: Reverse<i32>,
+    created: Option<Timestamp>,
+    name: String,
+}
+
+/// What the index holds of one Queued job of the queue.
+#[derive(Clone, Debug)]
+struct Entry {
+    place: Place,
+    /// The later of notBefore and retryAfter.
+    claimable_at: Option<Timestamp>,
+    /// metadata.resourceVersion, so a pick can skip a snapshot already tried.
+    resource_version: String,
+}
+
+/// The index of one queue (see the module doc). Feed it every event of the queue's watch with
+/// [`ClaimIndex::observe`].
+#[derive(Debug, Default)]
+pub struct ClaimIndex {
+    queue: String,
+    /// Name -> entry, for Queued jobs of the queue that are not cancelled or being deleted.
+    entries: HashMap<String, Entry>,
+    /// The same jobs in claim order.
+    order: BTreeSet<Place>,
+    /// Those with a claimable_at, by it.
+    waiting: BTreeSet<(Timestamp, String)>,
+    /// holderIdentity -> the latest claimTime seen from it.
+    claims: HashMap<String, Timestamp>,
+    /// During a re-list (between `Init` and `InitDone`): the index being rebuilt.
+    relisting: Option<Box<ClaimIndex>>,
+}
+
+impl ClaimIndex {
+    /// An empty index of `queue`.
+    pub fn new(queue: &str) -> ClaimIndex {
+        ClaimIndex {
+            queue: queue.to_string(),
+            ..ClaimIndex::default()
+        }
+    }
+
+    /// Follows one watch event: a job added, changed or deleted, or a (re-)list. A re-list
+    /// replaces the jobs at its `InitDone`, as the reflector's store does; claims seen stay.
+    pub fn observe(&mut self, event: &watcher::Event<LeasedJob>) {
+        match event {
+            watcher::Event::Apply(job) => self.apply(job),
+            watcher::Event::Delete(job) => {
+                self.note_claim(job);
+                if let Some(name) = job.metadata.name.as_deref() {
+                    self.remove(name);
+                }
+            }
+            watcher::Event::Init => self.relisting = Some(Box::new(ClaimIndex::new(&self.queue))),
+            watcher::Event::InitApply(job) => match self.relisting.as_mut() {
+                Some(next) => next.apply(job),
+                None => self.apply(job),
+            },
+            watcher::Event::InitDone => {
+                if let Some(next) = self.relisting.take() {
+                    let next = *next;
+                    self.entries = next.entries;
+                    self.order = next.order;
+                    self.waiting = next.waiting;
+                    for (holder, at) in next.claims {
+                        self.record_claim(holder, at);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Adds, moves or removes `job` by what it now is.
+    pub fn apply(&mut self, job: &LeasedJob) {
+        self.note_claim(job);
+        let Some(name) = job.metadata.name.as_deref() else {
+            return;
+        };
+        self.remove(name);
+        let eligible = job.phase() == Phase::Queued
+            && job.spec.queue == self.queue
+            && !job.spec.cancel
+            && job.metadata.deletion_timestamp.is_none();
+        if !eligible {
+            return;
+        }
+        let entry = Entry {
+            place: Place {
+                priority: Reverse(job.spec.priority),
+                created: job.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                name: name.to_string(),
+            },
+            claimable_at: job.claimable_at(),
+            resource_version: job.metadata.resource_version.clone().unwrap_or_default(),
+        };
+        self.order.insert(entry.place.clone());
+        if let Some(at) = entry.claimable_at {
+            self.waiting.insert((at, name.to_string()));
+        }
+        self.entries.insert(name.to_string(), entry);
+    }
+
+    fn remove(&mut self, name: &str) {
+        if let Some(old) = self.entries.remove(name) {
+            self.order.remove(&old.place);
+            if let Some(at) = old.claimable_at {
+                self.waiting.remove(&(at, name.to_string()));
+            }
+        }
+    }
+
+    fn note_claim(&mut self, job: &LeasedJob) {
+        if job.spec.queue != self.queue {
+            return;
+        }
+        let Some(status) = job.status.as_ref() else {
+            return;
+        };
+        if let (Some(holder), Some(at)) = (status.holder.as_ref(), status.claimed_time.as_ref()) {
+            self.record_claim(holder.clone(), at.0);
+        }
+    }
+
+    fn record_claim(&mut self, holder: String, at: Timestamp) {
+        let newest = self.claims.entry(holder).or_insert(at);
+        if at > *newest {
+            *newest = at;
+        }
+        // Holders come and go with pods: forget the long gone now and then.
+        if self.claims.len() > 4096 {
+            let since = at - SignedDuration::from_secs(claim::RECENT_CLAIM_SECONDS);
+            self.claims.retain(|_, t| *t >= since);
+        }
+    }
+
+    /// Queued jobs of the queue that are not cancelled or being deleted.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when no job of the queue is waiting.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The names of at most `limit` jobs claimable at `now` that `skip` (name, resourceVersion)
+    /// lets through, all of the highest priority among those, oldest first: the candidates of
+    /// [`claim::top_candidates`] and [`claim::pick`], found without reading the whole queue.
+    /// Costs the jobs walked: the window, plus those not claimable yet or skipped ahead of it.
+    pub fn candidates(
+        &self,
+        now: Timestamp,
+        limit: usize,
+        skip: impl Fn(&str, &str) -> bool,
+    ) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut top = None;
+        for place in &self.order {
+            if out.len() >= limit {
+                break;
+            }
+            if top.is_some_and(|p| p != place.priority) {
+                break;
+            }
+            let Some(entry) = self.entries.get(&place.name) else {
+                continue;
+            };
+            if entry.claimable_at.is_some_and(|t| t > now) {
+                continue;
+            }
+            if skip(&place.name, &entry.resource_version) {
+                continue;
+            }
+            top = Some(place.priority);
+            out.push(place.name.clone());
+        }
+        out
+    }
+
+    /// True when more than `n` jobs of the queue are claimable at `now` (any priority).
+    pub fn claimable_more_than(&self, now: Timestamp, n: usize) -> bool {
+        self.entries
+            .values()
+            .filter(|e| e.claimable_at.is_none_or(|t| t <= now))
+            .nth(n)
+            .is_some()
+    }
+
+    /// The earliest time after `now` at which a Queued job of the queue becomes claimable (by
+    /// notBefore or retryAfter); see [`claim::next_claimable_at`].
+    pub fn next_claimable_at(&self, now: Timestamp) -> Option<Timestamp> {
+        let after = now + SignedDuration::from_nanos(1);
+        self.waiting
+            .range((after, String::new())..)
+            .next()
+            .map(|(t, _)| *t)
+    }
+
+    /// The holders seen claiming from the queue since `now` minus
+    /// [`claim::RECENT_CLAIM_SECONDS`], and `me`; see [`claim::recent_claimers`].
+    pub fn recent_claimers(&self, me: &str, now: Timestamp) -> HashSet<String> {
+        let since = now - SignedDuration::from_secs(claim::RECENT_CLAIM_SECONDS);
+        let mut claimers: HashSet<String> = self
+            .claims
+            .iter()
+            .filter(|(_, t)| **t >= since)
+            .map(|(h, _)| h.clone())
+            .collect();
+        claimers.insert(me.to_string());
+        claimers
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use rand::SeedableRng;
+
+    use super::*;
+    use crate::crd::{LeasedJobSpec, LeasedJobStatus};
+
+    fn at(s: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + s).unwrap()
+    }
+
+    fn job(name: &str, queue: &str, priority: i32, created: i64, phase: Phase) -> LeasedJob {
+        let mut j = LeasedJob::new(
+            name,
+            LeasedJobSpec {
+                queue: queue.into(),
+                priority,
+                ..LeasedJobSpec::default()
+            },
+        );
+        j.metadata.creation_timestamp = Some(Time(at(created)));
+        j.metadata.resource_version = Some(format!("rv-{name}"));
+        j.status = Some(LeasedJobStatus {
+            phase: Some(phase),
+            ..LeasedJobStatus::default()
+        });
+        j
+    }
+
+    /// What the linear scans of `claim` answer, to compare with the index.
+    fn scanned(jobs: &[Arc<LeasedJob>], now: Timestamp, limit: usize) -> Vec<String> {
+        claim::top_candidates(jobs, "q", now, limit)
+            .into_iter()
+            .map(|j| j.metadata.name.clone().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn candidates_match_the_linear_scan_under_random_changes() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let mut index = ClaimIndex::new("q");
+        let mut cache: HashMap<String, Arc<LeasedJob>> = HashMap::new();
+        let now = at(500);
+        for step in 0..4000 {
+            let name = format!("j{}", rand::Rng::random_range(&mut rng, 0..300));
+            let r = rand::Rng::random_range(&mut rng, 0..10);
+            if r == 0 {
+                if let Some(old) = cache.remove(&name) {
+                    index.observe(&watcher::Event::Delete((*old).clone()));
+                }
+                continue;
+            }
+            let phase = [
+                Phase::Queued,
+                Phase::Queued,
+                Phase::Leased,
+                Phase::Succeeded,
+            ][rand::Rng::random_range(&mut rng, 0..4)];
+            let queue = if r == 1 { "other" } else { "q" };
+            let mut j = job(
+                &name,
+                queue,
+                rand::Rng::random_range(&mut rng, 0..3),
+                rand::Rng::random_range(&mut rng, 0..100),
+                phase,
+            );
+            j.spec.cancel = r == 2;
+            if r == 3 {
+                // Not claimable before a time, past or future.
+                j.status.as_mut().unwrap().retry_after =
+                    Some(Time(at(rand::Rng::random_range(&mut rng, 400..600))));
+            }
+            j.metadata.resource_version = Some(format!("{step}"));
+            index.observe(&watcher::Event::Apply(j.clone()));
+            cache.insert(name, Arc::new(j));
+            if step % 50 == 0 {
+                let jobs: Vec<Arc<LeasedJob>> = cache.values().cloned().collect();
+                for limit in [1, 5, 64] {
+                    assert_eq!(
+                        index.candidates(now, limit, |_, _| false),
+                        scanned(&jobs, now, limit),
+                        "step {step}, limit {limit}"
+                    );
+                }
+                assert_eq!(
+                    index.next_claimable_at(now),
+                    claim::next_claimable_at(&jobs, "q", now)
+                );
+                let claimable = jobs
+                    .iter()
+                    .filter(|j| claim::claimable(j, "q", now))
+                    .count();
+                assert_eq!(index.claimable_more_than(now, 10), claimable > 10);
+            }
+        }
+    }
+
+    #[test]
+    fn skip_applies_before_the_top_priority_is_chosen() {
+        let mut index = ClaimIndex::new("q");
+        index.apply(&job("high", "q", 5, 1, Phase::Queued));
+        index.apply(&job("low-old", "q", 0, 1, Phase::Queued));
+        index.apply(&job("low-new", "q", 0, 2, Phase::Queued));
+        let now = at(10);
+        assert_eq!(index.candidates(now, 5, |_, _| false), ["high"]);
+        // The high-priority job's snapshot was tried: the next priority's jobs are the
+        // candidates, as claim::pick has it.
+        let skip = |n: &str, rv: &str| n == "high" && rv == "rv-high";
+        assert_eq!(index.candidates(now, 5, skip), ["low-old", "low-new"]);
+        let jobs: Vec<Arc<LeasedJob>> = ["high", "low-old", "low-new"]
+            .iter()
+            .map(|n| {
+                let (p, c) = if *n == "high" {
+                    (5, 1)
+                } else {
+                    (0, 1 + i64::from(*n == "low-new"))
+                };
+                Arc::new(job(n, "q", p, c, Phase::Queued))
+            })
+            .collect();
+        let picked = claim::pick(
+            &jobs,
+            "q",
+            now,
+            1,
+            |j| j.metadata.name.as_deref() == Some("high"),
+            &mut rand::rngs::StdRng::seed_from_u64(1),
+        )
+        .unwrap();
+        assert_eq!(picked.metadata.name.as_deref(), Some("low-old"));
+    }
+
+    #[test]
+    fn a_relist_replaces_the_jobs_and_keeps_the_claims() {
+        let mut index = ClaimIndex::new("q");
+        index.apply(&job("gone", "q", 0, 1, Phase::Queued));
+        let mut claimed = job("held", "q", 0, 2, Phase::Leased);
+        let status = claimed.status.as_mut().unwrap();
+        status.holder = Some("pod-a".into());
+        status.claimed_time = Some(Time(at(100)));
+        index.observe(&watcher::Event::Apply(claimed));
+        index.observe(&watcher::Event::Init);
+        index.observe(&watcher::Event::InitApply(job(
+            "new",
+            "q",
+            0,
+            3,
+            Phase::Queued,
+        )));
+        // Until InitDone, picks still see the old jobs.
+        assert_eq!(index.candidates(at(105), 5, |_, _| false), ["gone"]);
+        index.observe(&watcher::Event::InitDone);
+        assert_eq!(index.candidates(at(105), 5, |_, _| false), ["new"]);
+        assert_eq!(index.len(), 1);
+        let claimers = index.recent_claimers("me", at(105));
+        assert_eq!(
+            claimers,
+            HashSet::from(["me".to_string(), "pod-a".to_string()])
+        );
+        // Ten seconds later pod-a is no longer a recent claimer.
+        assert_eq!(index.recent_claimers("me", at(111)).len(), 1);
+    }
+}
