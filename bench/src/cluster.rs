@@ -197,19 +197,31 @@ impl Bench {
         concurrency: usize,
     ) -> anyhow::Result<()> {
         let api: Api<LeasedJob> = Api::namespaced(self.client.clone(), ns);
-        futures::stream::iter(0..n)
-            .map(|i| {
-                let api = api.clone();
-                async move {
-                    let job = job(&format!("{prefix}-{i}"), queue, lease_seconds);
-                    create_with_retry(&api, &job).await
-                }
-            })
-            .buffer_unordered(concurrency.max(1))
-            .try_collect::<Vec<()>>()
-            .await?;
-        Ok(())
+        create_range(&api, queue, prefix, 0..n, lease_seconds, concurrency).await
     }
+}
+
+/// Creates jobs `PREFIX-i` for every i in `range` on `queue`, `concurrency` at a time.
+pub async fn create_range(
+    api: &Api<LeasedJob>,
+    queue: &str,
+    prefix: &str,
+    range: std::ops::Range<usize>,
+    lease_seconds: i32,
+    concurrency: usize,
+) -> anyhow::Result<()> {
+    futures::stream::iter(range)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let job = job(&format!("{prefix}-{i}"), queue, lease_seconds);
+                create_with_retry(&api, &job).await
+            }
+        })
+        .buffer_unordered(concurrency.max(1))
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
 }
 
 /// Creates `job`, retrying a few times on server-side throttling or faults.
@@ -348,8 +360,13 @@ impl JobWatch {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             changes.borrow_and_update();
-            if done(&self.store.state()) {
+            let jobs = self.store.state();
+            if done(&jobs) {
                 return Ok(());
+            }
+            // A large cache is scanned at most a few times a second, not once per event.
+            if jobs.len() > LARGE_CACHE {
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
             tokio::select! {
                 r = changes.changed() => r.context("LeasedJob watch ended")?,
@@ -380,6 +397,10 @@ impl Drop for JobWatch {
         self.task.abort();
     }
 }
+
+/// Above this many cached jobs, [`JobWatch::wait`] checks its condition at most five times a
+/// second (a check scans every job).
+const LARGE_CACHE: usize = 5000;
 
 /// status.phase as written (None before the controller initialised the job).
 pub fn status_phase(job: &LeasedJob) -> Option<Phase> {

@@ -2,7 +2,8 @@
 //! run, and prints the table (also written into docs/benchmarks.md with `--out`).
 //!
 //! Rows: 1 the ceiling (raw conditional status updates/s), 2 claim throughput, 3 dispatch
-//! latency, 4 expiry latency, 5 heartbeat cost, 6 footprint, 7 against batch/v1 Jobs. Every
+//! latency, 4 expiry latency, 5 heartbeat cost, 6 footprint, 7 against batch/v1 Jobs, 8 memory
+//! against payload bytes, 9 watch fan-out against sidecars, 10 queue length. Every
 //! figure comes from one run on one API server; request counts come from the API server's own
 //! `apiserver_request_total`, memory and CPU from /proc. `scripts/bench` builds everything,
 //! starts a local control plane and runs this; `--kubeconfig` points it at one already running
@@ -13,11 +14,13 @@ mod claims;
 mod cluster;
 mod dispatch;
 mod expiry;
+mod fanout;
 mod footprint;
 mod metrics;
 mod payload;
 mod plots;
 mod procs;
+mod queuelen;
 mod report;
 mod stats;
 mod versus;
@@ -110,6 +113,15 @@ struct Cli {
     /// Row 8: queued jobs in each of the two queues (small and large payloads). Default 2000.
     #[arg(long)]
     payload_jobs: Option<usize>,
+    /// Row 9: numbers of sidecars watching one queue. Default 8,64,200.
+    #[arg(long, value_delimiter = ',')]
+    fanout_sidecars: Option<Vec<usize>>,
+    /// Row 9: jobs claimed and completed at each number. Default 200.
+    #[arg(long)]
+    fanout_jobs: Option<usize>,
+    /// Row 10: jobs in the queue at each stage, ascending. Default 1000,10000,100000.
+    #[arg(long, value_delimiter = ',')]
+    queue_lengths: Option<Vec<usize>>,
 }
 
 /// The sizes in force.
@@ -132,6 +144,9 @@ struct Sizes {
     versus_workers: usize,
     payload_jobs: usize,
     payload_bytes: Vec<usize>,
+    fanout_sidecars: Vec<usize>,
+    fanout_jobs: usize,
+    queue_lengths: Vec<usize>,
 }
 
 impl Sizes {
@@ -171,6 +186,21 @@ impl Sizes {
             } else {
                 vec![100, 4 * 1024, 16 * 1024, 64 * 1024]
             },
+            fanout_sidecars: cli.fanout_sidecars.clone().unwrap_or_else(|| {
+                if s {
+                    vec![2, 6]
+                } else {
+                    vec![8, 64, 200]
+                }
+            }),
+            fanout_jobs: pick(cli.fanout_jobs, 12, 200),
+            queue_lengths: cli.queue_lengths.clone().unwrap_or_else(|| {
+                if s {
+                    vec![20, 60]
+                } else {
+                    vec![1000, 10_000, 100_000]
+                }
+            }),
         }
     }
 
@@ -179,7 +209,7 @@ impl Sizes {
             "ceiling {} s per N; N = {}; claim M = {} jobs; dispatch {} jobs to {} workers; \
              expiry {} jobs on {} killed sidecars, lease {} s; footprint {} jobs, {} held by {} \
              sidecars, lease {} s, {} renew intervals; vs Jobs {} items, {} workers; payloads \
-             {} jobs per queue, {} bytes",
+             {} jobs per queue, {} bytes; fan-out {} jobs at {} sidecars; queue lengths {}",
             self.ceiling_seconds,
             self.claimers
                 .iter()
@@ -204,7 +234,10 @@ impl Sizes {
                 .iter()
                 .map(usize::to_string)
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join(", "),
+            self.fanout_jobs,
+            list(&self.fanout_sidecars),
+            list(&self.queue_lengths),
         )
     }
 }
@@ -339,6 +372,27 @@ async fn main() -> anyhow::Result<()> {
             Err(e) => failures.push(("8", e)),
         }
     }
+    if want(9) {
+        eprintln!("row 9: watch fan-out against sidecars");
+        match fanout::run(&bench, &sizes.fanout_sidecars, sizes.fanout_jobs).await {
+            Ok(f) => {
+                fanout_rows(&mut report, &f);
+                charts.push(fanout_chart(&f));
+            }
+            Err(e) => failures.push(("9", e)),
+        }
+    }
+    if want(10) {
+        eprintln!("row 10: queue length");
+        let (q, end) = queuelen::run(&bench, &sizes.queue_lengths).await;
+        if !q.is_empty() {
+            queuelen_rows(&mut report, &q);
+            charts.extend(queuelen_charts(&q));
+        }
+        if let Some(e) = end {
+            failures.push(("10", e));
+        }
+    }
     bench.cleanup().await;
 
     for (row, e) in &failures {
@@ -379,6 +433,13 @@ async fn main() -> anyhow::Result<()> {
         anyhow::bail!("{} benchmark row(s) failed to run", failures.len());
     }
     Ok(())
+}
+
+fn list(v: &[usize]) -> String {
+    v.iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn describe_run(version: &str, sizes: &Sizes, smoke: bool) -> String {
@@ -944,4 +1005,217 @@ fn versus_rows(report: &mut Report, v: &versus::Versus) {
     report
         .details
         .push(("Row 7: against Kubernetes Jobs".into(), detail));
+}
+
+/// Row 9: the API server's CPU and watch bytes per claim, first against last S.
+fn fanout_rows(report: &mut Report, f: &[fanout::Fanout]) {
+    let (Some(first), Some(last)) = (f.first(), f.last()) else {
+        return;
+    };
+    let api = |x: &fanout::Fanout| x.cpu_seconds_per_claim("kube-apiserver") * 1000.0;
+    let at = |x: &fanout::Fanout| {
+        format!(
+            "S={}: {:.1} ms CPU, {:.0} events, {:.0} KiB",
+            x.sidecars,
+            api(x),
+            x.events_per_claim(),
+            x.bytes_per_claim() / 1024.0
+        )
+    };
+    let cpu_growth = api(last) / api(first);
+    let bytes_growth = last.bytes_per_claim() / first.bytes_per_claim();
+    report.rows.push(Row {
+        id: "9".into(),
+        what: "API-server cost per claim against sidecars on one queue".into(),
+        figure: format!(
+            "{}; from S={} to S={}: CPU x{cpu_growth:.1}, watch bytes x{bytes_growth:.1}",
+            f.iter().map(at).collect::<Vec<_>>().join("; "),
+            first.sidecars,
+            last.sidecars
+        ),
+        goal: "grows < 2x from the fewest sidecars to the most".into(),
+        verdict: Verdict::of(cpu_growth < 2.0 && bytes_growth < 2.0),
+        method: format!(
+            "S sidecar processes watch one queue; {} of them claim and complete {} jobs created \
+             during the window, the others stay idle; kube-apiserver CPU from /proc and LeasedJob \
+             watch events and bytes from apiserver_watch_events_total and \
+             apiserver_watch_events_sizes_sum over the window, divided by the jobs",
+            fanout::CLAIMERS,
+            first.jobs
+        ),
+    });
+    let mut detail = String::new();
+    for x in f {
+        let _ = writeln!(
+            detail,
+            "- S = {}: {} jobs in {:.1} s; per claim: kube-apiserver {:.1} ms CPU, etcd {:.1} ms, \
+             sidecars together {:.1} ms, {:.1} watch events, {:.1} KiB; sidecars' RSS {:.0} MiB in \
+             all ({:.1} MiB each); CPU in cores: {}",
+            x.sidecars,
+            x.jobs,
+            x.elapsed.as_secs_f64(),
+            api(x),
+            x.cpu_seconds_per_claim("etcd") * 1000.0,
+            x.cpu_seconds_per_claim("leasehold sidecars") * 1000.0,
+            x.events_per_claim(),
+            x.bytes_per_claim() / 1024.0,
+            mib(x.sidecars_rss_kib),
+            mib(x.sidecars_rss_kib) / x.sidecars as f64,
+            cpu_line(&x.cpu)
+        );
+    }
+    report.details.push(("Row 9: watch fan-out".into(), detail));
+}
+
+/// Row 9's curve: the API server's CPU and the watch bytes per claim, against S.
+fn fanout_chart(f: &[fanout::Fanout]) -> plots::Chart {
+    plots::Chart {
+        file: "api-cost-vs-sidecars.svg",
+        title: "API-server cost per claim against sidecars watching one queue".into(),
+        x: "sidecars (S)",
+        y: "per claim",
+        lines: vec![
+            plots::Line {
+                name: "kube-apiserver CPU, ms".into(),
+                points: f
+                    .iter()
+                    .map(|x| {
+                        (
+                            x.sidecars as f64,
+                            x.cpu_seconds_per_claim("kube-apiserver") * 1000.0,
+                        )
+                    })
+                    .collect(),
+            },
+            plots::Line {
+                name: "LeasedJob watch bytes sent, KiB".into(),
+                points: f
+                    .iter()
+                    .map(|x| (x.sidecars as f64, x.bytes_per_claim() / 1024.0))
+                    .collect(),
+            },
+        ],
+    }
+}
+
+/// Row 10: the controller at the longest queue; claims and expiry, longest against shortest.
+fn queuelen_rows(report: &mut Report, q: &[queuelen::Stage]) {
+    let (Some(first), Some(last)) = (q.first(), q.last()) else {
+        return;
+    };
+    let ready_s = last.controller_ready.as_secs_f64();
+    let rss = mib(last.controller.rss_kib);
+    report.rows.push(Row {
+        id: "10".into(),
+        what: format!("Controller with {} jobs ({} leased)", last.jobs, last.held),
+        figure: format!(
+            "start to ready {ready_s:.1} s; {rss:.0} MiB (peak {:.0}) {} s later",
+            mib(last.controller.hwm_kib),
+            queuelen::SETTLE.as_secs()
+        ),
+        goal: "< 300 MiB; ready < 60 s".into(),
+        verdict: Verdict::of(rss < 300.0 && ready_s < 60.0),
+        method: "the controller is SIGKILLed and started again with the whole namespace in \
+                 place; from its start to /readyz answering 200 (its watches have listed \
+                 everything), then VmRSS and VmHWM from /proc"
+            .into(),
+    });
+    let p99 = |v: &[f64]| percentile(v, 99.0).unwrap_or(f64::NAN);
+    let claim_ratio = p99(&last.claim_ms) / p99(&first.claim_ms);
+    let lease = f64::from(queuelen::EXPIRY_LEASE);
+    let worst_expiry = q.iter().map(|s| p99(&s.expiry_s)).fold(0.0, f64::max);
+    report.rows.push(Row {
+        id: "10".into(),
+        what: format!(
+            "Claim and expiry p99, {} jobs against {}",
+            last.jobs, first.jobs
+        ),
+        figure: format!(
+            "claim p99 {:.1} ms against {:.1} ms (x{claim_ratio:.1}); expiry p99 {:.2} s \
+             against {:.2} s at {lease:.0} s",
+            p99(&last.claim_ms),
+            p99(&first.claim_ms),
+            p99(&last.expiry_s),
+            p99(&first.expiry_s)
+        ),
+        goal: "claim p99 <= 2x; expiry p99 <= lease + 1 s at every length".into(),
+        verdict: Verdict::of(claim_ratio <= 2.0 && worst_expiry <= lease + 1.0),
+        method: format!(
+            "one namespace grown stage by stage, {:.0}% of it held by {} sidecars renewing in \
+             the background (lease {} s); claims: {} at each stage, each then completed, \
+             through those sidecars (their caches hold the whole queue); expiry: {} jobs \
+             of their own queue (lease {} s) held by a sidecar SIGKILLed half a lease later, \
+             from the Lease's last renewTime to a watch seeing the job Queued",
+            queuelen::HELD_SHARE * 100.0,
+            queuelen::HOLDERS,
+            queuelen::QUEUE_LEASE,
+            queuelen::LATENCY_CLAIMS,
+            queuelen::EXPIRY_JOBS,
+            queuelen::EXPIRY_LEASE
+        ),
+    });
+    let mut detail = String::new();
+    for s in q {
+        let _ = writeln!(
+            detail,
+            "- {} jobs ({} held): filled in {:.1} s; {} claims p50 {:.1} ms, p99 {:.1} ms; \
+             controller ready in {:.1} s, {:.0} MiB (peak {:.0}); holder sidecar {:.0} MiB (peak \
+             {:.0}); expiry p50 {:.2} s, p99 {:.2} s",
+            s.jobs,
+            s.held,
+            s.fill.as_secs_f64(),
+            s.claim_ms.len(),
+            percentile(&s.claim_ms, 50.0).unwrap_or(f64::NAN),
+            p99(&s.claim_ms),
+            s.controller_ready.as_secs_f64(),
+            mib(s.controller.rss_kib),
+            mib(s.controller.hwm_kib),
+            mib(s.sidecar.rss_kib),
+            mib(s.sidecar.hwm_kib),
+            percentile(&s.expiry_s, 50.0).unwrap_or(f64::NAN),
+            p99(&s.expiry_s)
+        );
+    }
+    report.details.push(("Row 10: queue length".into(), detail));
+}
+
+/// Row 10's curves: claim latency, and memory, against the jobs in the queue.
+fn queuelen_charts(q: &[queuelen::Stage]) -> Vec<plots::Chart> {
+    let points = |f: &dyn Fn(&queuelen::Stage) -> f64| {
+        q.iter().map(|s| (s.jobs as f64, f(s))).collect::<Vec<_>>()
+    };
+    vec![
+        plots::Chart {
+            file: "claim-latency-vs-queue-length.svg",
+            title: "Claim latency through a sidecar against queue length".into(),
+            x: "jobs in the queue",
+            y: "claim latency, ms",
+            lines: vec![
+                plots::Line {
+                    name: "p50".into(),
+                    points: points(&|s| percentile(&s.claim_ms, 50.0).unwrap_or(0.0)),
+                },
+                plots::Line {
+                    name: "p99".into(),
+                    points: points(&|s| percentile(&s.claim_ms, 99.0).unwrap_or(0.0)),
+                },
+            ],
+        },
+        plots::Chart {
+            file: "memory-vs-queue-length.svg",
+            title: "Resident memory against queue length".into(),
+            x: "jobs in the namespace",
+            y: "VmRSS, MiB",
+            lines: vec![
+                plots::Line {
+                    name: "controller".into(),
+                    points: points(&|s| mib(s.controller.rss_kib)),
+                },
+                plots::Line {
+                    name: "sidecar".into(),
+                    points: points(&|s| mib(s.sidecar.rss_kib)),
+                },
+            ],
+        },
+    ]
 }

@@ -169,14 +169,63 @@ fn parse_labels(text: &str) -> BTreeMap<String, String> {
 
 /// Reads `apiserver_request_total` from the API server.
 pub async fn scrape(client: &Client) -> anyhow::Result<Requests> {
+    Ok(Requests::parse(&scrape_text(client).await?))
+}
+
+/// The API server's `/metrics`, as text.
+pub async fn scrape_text(client: &Client) -> anyhow::Result<String> {
     let req = http::Request::get("/metrics")
         .body(Vec::new())
         .context("build /metrics request")?;
-    let text = client
+    client
         .request_text(req)
         .await
-        .context("GET /metrics from the API server")?;
-    Ok(Requests::parse(&text))
+        .context("GET /metrics from the API server")
+}
+
+/// What the API server sent to watchers of one resource: `apiserver_watch_events_total` and
+/// `apiserver_watch_events_sizes_sum` (bytes of the encoded events), summed over versions.
+/// Initial LISTs are not watch events and are not counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WatchSent {
+    /// Events sent, to all watchers together.
+    pub events: f64,
+    /// Bytes of those events.
+    pub bytes: f64,
+}
+
+impl WatchSent {
+    /// Parses the two metrics for `resource` (plural, e.g. `leasedjobs`) out of `text`.
+    pub fn parse(text: &str, resource: &str) -> WatchSent {
+        let mut out = WatchSent::default();
+        for line in text.lines() {
+            let (slot, rest) = if let Some(r) = line.strip_prefix("apiserver_watch_events_total{") {
+                (&mut out.events, r)
+            } else if let Some(r) = line.strip_prefix("apiserver_watch_events_sizes_sum{") {
+                (&mut out.bytes, r)
+            } else {
+                continue;
+            };
+            let Some((labels, value)) = rest.rsplit_once('}') else {
+                continue;
+            };
+            if parse_labels(labels).get("resource").map(String::as_str) != Some(resource) {
+                continue;
+            }
+            if let Ok(v) = value.trim().parse::<f64>() {
+                *slot += v;
+            }
+        }
+        out
+    }
+
+    /// The difference from an earlier reading.
+    pub fn since(&self, before: &WatchSent) -> WatchSent {
+        WatchSent {
+            events: (self.events - before.events).max(0.0),
+            bytes: (self.bytes - before.bytes).max(0.0),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -211,6 +260,26 @@ apiserver_request_duration_seconds_bucket{le="0.1",verb="PUT"} 99
         );
         assert_eq!(top.count, 12.0);
         assert_eq!(top.failed, vec![("409".to_string(), 2.0)]);
+    }
+
+    #[test]
+    fn watch_sent_sums_one_resource() {
+        let text = r#"
+apiserver_watch_events_total{component="apiserver",group="leasehold.dev",resource="leasedjobs",version="v1alpha1"} 40
+apiserver_watch_events_total{component="apiserver",group="coordination.k8s.io",resource="leases",version="v1"} 7
+apiserver_watch_events_sizes_sum{group="leasehold.dev",resource="leasedjobs",version="v1alpha1"} 51200
+apiserver_watch_events_sizes_count{group="leasehold.dev",resource="leasedjobs",version="v1alpha1"} 40
+"#;
+        let w = WatchSent::parse(text, "leasedjobs");
+        assert_eq!(
+            w,
+            WatchSent {
+                events: 40.0,
+                bytes: 51200.0
+            }
+        );
+        let later = WatchSent::parse(&text.replace("} 40\n", "} 50\n"), "leasedjobs");
+        assert_eq!(later.since(&w).events, 10.0);
     }
 
     #[test]

@@ -197,6 +197,19 @@ impl Proc {
 
 /// Starts `leasehold controller` for one namespace.
 pub fn controller(bin: &Path, kubeconfig: &Path, logs: &Path, ns: &str) -> anyhow::Result<Proc> {
+    controller_at(bin, kubeconfig, logs, ns, "127.0.0.1:0", "controller")
+}
+
+/// Starts `leasehold controller` for one namespace serving `/readyz` and `/metrics` on
+/// `metrics_addr`; its log is `logs/NS-NAME.log`.
+pub fn controller_at(
+    bin: &Path,
+    kubeconfig: &Path,
+    logs: &Path,
+    ns: &str,
+    metrics_addr: &str,
+    name: &str,
+) -> anyhow::Result<Proc> {
     Proc::spawn(
         bin,
         &[
@@ -206,12 +219,20 @@ pub fn controller(bin: &Path, kubeconfig: &Path, logs: &Path, ns: &str) -> anyho
             "--identity",
             "bench-controller",
             "--metrics-addr",
-            "127.0.0.1:0",
+            metrics_addr,
         ],
         kubeconfig,
         logs,
-        &format!("{ns}-controller"),
+        &format!("{ns}-{name}"),
     )
+}
+
+/// A free loopback address (`127.0.0.1:PORT`) to give a process.
+pub fn free_addr() -> anyhow::Result<String> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    Ok(format!("127.0.0.1:{port}"))
 }
 
 /// A running `leasehold sidecar` and its base URL.
@@ -232,10 +253,7 @@ pub fn sidecar(
     queue: &str,
     identity: &str,
 ) -> anyhow::Result<Sidecar> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let listen = format!("127.0.0.1:{port}");
+    let listen = free_addr()?;
     let proc = Proc::spawn(
         bin,
         &[
