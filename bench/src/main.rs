@@ -55,6 +55,10 @@ struct Cli {
     /// around them is kept).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// With `--out`: write into the block of this name instead of the full run's, so that a
+    /// run of some rows (`--rows`) sits beside the full table instead of replacing it.
+    #[arg(long, default_value = "")]
+    block: String,
     /// Directory for the logs of the processes started (default: a new temporary directory).
     #[arg(long)]
     logs: Option<PathBuf>,
@@ -426,7 +430,7 @@ async fn main() -> anyhow::Result<()> {
     println!("{}", report.text());
     if let Some(out) = &cli.out {
         let run = describe_run(&version, &sizes, cli.smoke);
-        report::write_into(out, &report.markdown(&run))?;
+        report::write_block(out, &cli.block, &report.markdown(&run))?;
         eprintln!("wrote {}", out.display());
     }
     if !failures.is_empty() {

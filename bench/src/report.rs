@@ -149,14 +149,36 @@ pub const BEGIN: &str = "<!-- leasehold-bench:begin (generated; rerun scripts/be
 /// See [`BEGIN`].
 pub const END: &str = "<!-- leasehold-bench:end -->";
 
+/// The markers of a named block: `<!-- leasehold-bench:NAME:begin ... -->` and
+/// `<!-- leasehold-bench:NAME:end -->`, for a run of some rows kept beside the full run's
+/// block (see `--block`); an empty name gives [`BEGIN`] and [`END`].
+pub fn markers(block: &str) -> (String, String) {
+    if block.is_empty() {
+        (BEGIN.to_string(), END.to_string())
+    } else {
+        (
+            format!("<!-- leasehold-bench:{block}:begin (generated; rerun scripts/bench --block {block} to update) -->"),
+            format!("<!-- leasehold-bench:{block}:end -->"),
+        )
+    }
+}
+
 /// Writes `generated` between the markers of the file at `path`, keeping everything outside
 /// them (the hand-written analysis); creates the file if it is missing.
 pub fn write_into(path: &Path, generated: &str) -> anyhow::Result<()> {
+    write_block(path, "", generated)
+}
+
+/// [`write_into`] the block named `block` (see [`markers`]); a block not yet in the file is
+/// appended to it.
+pub fn write_block(path: &Path, block: &str, generated: &str) -> anyhow::Result<()> {
+    let (begin, end) = markers(block);
+    let (begin, end) = (begin.as_str(), end.as_str());
     let old = std::fs::read_to_string(path).unwrap_or_default();
-    let block = format!("{BEGIN}\n{}\n{END}", generated.trim_end());
-    let new = match (old.find(BEGIN), old.find(END)) {
+    let block = format!("{begin}\n{}\n{end}", generated.trim_end());
+    let new = match (old.find(begin), old.find(end)) {
         (Some(b), Some(e)) if b < e => {
-            format!("{}{block}{}", &old[..b], &old[e + END.len()..])
+            format!("{}{block}{}", &old[..b], &old[e + end.len()..])
         }
         _ if old.trim().is_empty() => format!("# Benchmarks\n\n{block}\n"),
         _ => format!("{}\n\n{block}\n", old.trim_end()),
@@ -181,6 +203,11 @@ mod tests {
         let second = std::fs::read_to_string(&path).unwrap();
         assert!(second.contains("two") && !second.contains("one"));
         assert!(second.contains("keep me"));
+        write_block(&path, "scale", "rows nine and ten").unwrap();
+        write_into(&path, "three").unwrap();
+        let third = std::fs::read_to_string(&path).unwrap();
+        assert!(third.contains("three") && third.contains("rows nine and ten"));
+        assert!(third.contains("<!-- leasehold-bench:scale:end -->") && !third.contains("two"));
         std::fs::remove_dir_all(dir).unwrap();
     }
 
