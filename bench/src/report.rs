@@ -163,14 +163,10 @@ pub fn markers(block: &str) -> (String, String) {
     }
 }
 
-/// Writes `generated` between the markers of the file at `path`, keeping everything outside
-/// them (the hand-written analysis); creates the file if it is missing.
-pub fn write_into(path: &Path, generated: &str) -> anyhow::Result<()> {
-    write_block(path, "", generated)
-}
-
-/// [`write_into`] the block named `block` (see [`markers`]); a block not yet in the file is
-/// appended to it.
+/// Writes `generated` between the markers of the block named `block` (see [`markers`]; ""
+/// for the full run's) in the file at `path`, keeping everything outside them (the
+/// hand-written analysis, other blocks); creates the file if it is missing, and appends a
+/// block not yet in it.
 pub fn write_block(path: &Path, block: &str, generated: &str) -> anyhow::Result<()> {
     let (begin, end) = markers(block);
     let (begin, end) = (begin.as_str(), end.as_str());
@@ -195,16 +191,16 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("lh-bench-{}", rand::random::<u32>()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("b.md");
-        write_into(&path, "one").unwrap();
+        write_block(&path, "", "one").unwrap();
         let first = std::fs::read_to_string(&path).unwrap();
         assert!(first.starts_with("# Benchmarks\n"));
         std::fs::write(&path, format!("{first}\n## Analysis\nkeep me\n")).unwrap();
-        write_into(&path, "two").unwrap();
+        write_block(&path, "", "two").unwrap();
         let second = std::fs::read_to_string(&path).unwrap();
         assert!(second.contains("two") && !second.contains("one"));
         assert!(second.contains("keep me"));
         write_block(&path, "scale", "rows nine and ten").unwrap();
-        write_into(&path, "three").unwrap();
+        write_block(&path, "", "three").unwrap();
         let third = std::fs::read_to_string(&path).unwrap();
         assert!(third.contains("three") && third.contains("rows nine and ten"));
         assert!(third.contains("<!-- leasehold-bench:scale:end -->") && !third.contains("two"));
