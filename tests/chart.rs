@@ -266,6 +266,7 @@ async fn everything_the_chart_renders_passes_a_server_side_dry_run() {
         "ValidatingWebhookConfiguration",
         "Secret",
         "ConfigMap",
+        "PodDisruptionBudget",
     ] {
         assert!(kinds.contains(&kind), "no {kind} rendered: {kinds:?}");
     }
@@ -776,7 +777,7 @@ async fn helm_install_upgrade_across_a_crd_change_and_uninstall_leave_no_orphans
 
     std::mem::forget(release); // uninstalled by hand below
     helm_ok(&["uninstall", rel, "--namespace", &ns.name, "--wait"]);
-    let namespaced = "deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings,secrets";
+    let namespaced = "deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings,secrets,poddisruptionbudgets";
     let cluster = "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings,validatingwebhookconfigurations";
     wait_for(
         "no objects of the release left",
