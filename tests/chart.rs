@@ -175,6 +175,20 @@ fn helm_lint_passes_with_defaults_and_with_every_option_on() {
         "admissionWebhook.failurePolicy=Fail",
         "--set",
         "admissionWebhook.namespaceSelector.matchLabels.team=jobs",
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "metrics.podMonitor.enabled=true",
+        "--set",
+        "metrics.workerPodMonitor.enabled=true",
+        "--set",
+        "metrics.prometheusRule.enabled=true",
+        "--set",
+        "metrics.grafanaDashboard.enabled=true",
+        "--set",
+        "exampleWorker.keda.enabled=true",
+        "--set",
+        "controller.podDisruptionBudget.enabled=false",
     ]);
     assert!(out.contains("0 chart(s) failed"), "{out}");
     let out = helm_ok(&[
