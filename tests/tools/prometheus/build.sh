@@ -21,7 +21,9 @@ if [ -x "$bin/prometheus" ] && [ -x "$bin/promtool" ]; then
   exit 0
 fi
 module=github.com/prometheus/prometheus
-# The module's v0.3XY.Z is Prometheus 3.XY.Z (its VERSION file).
+# The module's v0.3XY.Z is Prometheus 3.XY.Z (its VERSION file). `go list -m` names the
+# module's directory only once it is downloaded (not yet on a fresh machine).
+go mod download "$module"
 version=$(go list -m -f "{{.Version}}" "$module")
 release=$(cat "$(go list -m -f "{{.Dir}}" "$module")/VERSION")
 ldflags="-s -w"
