@@ -15,7 +15,7 @@
 //! as no Lease for expiry (`record_of`) and is taken over by the next claim
 //! (docs/protocol.md, "What fences what").
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -39,7 +39,8 @@ use crate::fence::{self, Outcome, REASON_LEASE_EXPIRED};
 use crate::kubeapi::{is_status, is_too_large, is_undecodable, Clients};
 use crate::leader::{self, Leadership};
 use crate::lease;
-use crate::metrics::{Health, JobLabels, Metrics};
+use crate::metrics::{Health, JobLabels, Metrics, OutcomeLabels, QueueLabel};
+use crate::queue_stats::{self, JobSample};
 use crate::shutdown;
 use crate::token::Token;
 use crate::watch::{self, Undecodable};
@@ -254,15 +255,17 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
         )
         .shutdown_on_signal();
     let job_store = controller.store();
-    // Count jobs for the metrics every second; forget what we knew of deleted jobs now and
-    // then.
+    // Report the caches in the metrics every second; forget what we knew of deleted jobs now
+    // and then.
     let prune_ctx = Arc::clone(&ctx);
     let counted_store = job_store.clone();
+    let reporting_health = Arc::clone(&health);
     let pruner = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
+        let mut reported = Reported::default();
         for n in 0u64.. {
             tick.tick().await;
-            count_jobs(&counted_store, &prune_ctx.metrics);
+            report(&counted_store, &prune_ctx, &reporting_health, &mut reported);
             if n % 60 == 59 {
                 prune_ctx.forget_missing(&job_store);
             }
@@ -359,20 +362,111 @@ async fn record_undecodable(events: &Publisher, skipped: &Undecodable) {
     }
 }
 
-/// Sets `leasehold_jobs` from the cache: one gauge per (queue, phase) seen.
-fn count_jobs(jobs: &Store<LeasedJob>, metrics: &Metrics) {
-    let mut counts: HashMap<JobLabels, i64> = HashMap::new();
-    for job in jobs.state() {
-        let labels = JobLabels {
-            queue: job.spec.queue.clone(),
-            phase: job.phase().to_string(),
+/// The label sets [`report`] set last time, so that the next report removes those whose
+/// queue or phase has no job any more (and leaves the rest in place: a scrape never sees a
+/// family half rebuilt).
+#[derive(Default)]
+struct Reported {
+    jobs: HashSet<JobLabels>,
+    queues: HashSet<String>,
+}
+
+/// Sets the metrics the controller computes from its caches: `leasehold_jobs` by queue and
+/// phase, whether it leads and is ready, and the per-queue gauges of [`queue_stats`] (the
+/// oldest attempt's age, the most overdue lease). Called every second.
+fn report(jobs: &Store<LeasedJob>, ctx: &Context, health: &Health, reported: &mut Reported) {
+    let metrics = &ctx.metrics;
+    let gauges = &metrics.controller;
+    gauges.leader.set(i64::from(ctx.leadership.is_leader()));
+    gauges.ready.set(i64::from(health.is_ready()));
+    let state = jobs.state();
+    let queues = {
+        let observations = ctx.observations.lock().unwrap();
+        let now = Instant::now();
+        let samples = state.iter().map(|job| {
+            let phase = job.phase();
+            let leased = phase == Phase::Leased;
+            JobSample {
+                queue: &job.spec.queue,
+                phase,
+                claimed_time: job
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.claimed_time.as_ref())
+                    .filter(|_| leased)
+                    .map(|t| t.0),
+                overdue: if leased {
+                    overdue_of(job, ctx, &observations, now)
+                } else {
+                    None
+                },
+            }
+        });
+        queue_stats::gauges(samples, Timestamp::now())
+    };
+    let mut now_reported = Reported::default();
+    for (queue, q) in &queues {
+        for (phase, n) in &q.jobs {
+            let labels = JobLabels {
+                queue: queue.clone(),
+                phase: phase.to_string(),
+            };
+            metrics.jobs.get_or_create(&labels).set(*n);
+            now_reported.jobs.insert(labels);
+        }
+        let label = QueueLabel {
+            queue: queue.clone(),
         };
-        *counts.entry(labels).or_default() += 1;
+        gauges
+            .oldest_attempt_seconds
+            .get_or_create(&label)
+            .set(q.oldest_attempt.as_secs_f64());
+        gauges
+            .lease_overdue_seconds
+            .get_or_create(&label)
+            .set(q.lease_overdue.as_secs_f64());
+        // Every outcome from 0, so that rate() and increase() count a queue's first ones.
+        for outcome in queue_stats::Outcome::ALL {
+            let _ = gauges.attempts_ended.get_or_create(&OutcomeLabels {
+                queue: queue.clone(),
+                outcome: outcome.as_str(),
+            });
+        }
+        now_reported.queues.insert(queue.clone());
     }
-    metrics.jobs.clear();
-    for (labels, n) in counts {
-        metrics.jobs.get_or_create(&labels).set(n);
+    for gone in reported.jobs.difference(&now_reported.jobs) {
+        metrics.jobs.remove(gone);
     }
+    for gone in reported.queues.difference(&now_reported.queues) {
+        let label = QueueLabel {
+            queue: gone.clone(),
+        };
+        gauges.oldest_attempt_seconds.remove(&label);
+        gauges.lease_overdue_seconds.remove(&label);
+    }
+    *reported = now_reported;
+}
+
+/// How far past its lease the Leased `job` is, by this replica's last look at it (see
+/// [`expiry::overdue`]); None when it has not looked yet.
+fn overdue_of(
+    job: &LeasedJob,
+    ctx: &Context,
+    observations: &HashMap<ObjectRef<LeasedJob>, Observation>,
+    now: Instant,
+) -> Option<Duration> {
+    let observation = observations.get(&ObjectRef::from_obj(job))?;
+    let ns = job.namespace().unwrap_or_default();
+    let lease_name = job
+        .status
+        .as_ref()
+        .and_then(|s| s.lease_name.clone())
+        .unwrap_or_else(|| lease::lease_name(&job.name_any()));
+    let lease = ctx.leases.get(&ObjectRef::new(&lease_name).within(&ns));
+    let token = job.token().unwrap_or_default();
+    let record = record_of(job, lease.as_deref());
+    let duration = lease_duration(job, lease.as_deref(), token);
+    expiry::overdue(observation, &record, duration, now)
 }
 
 impl Context {
@@ -869,7 +963,8 @@ async fn expire(
 }
 
 /// Records Events for the transitions seen since the last look at this job: claims,
-/// completions, failures and releases. The first sight of a job records nothing (after a
+/// completions, failures and releases; and counts the attempts that ended in between
+/// (`leasehold_attempts_ended_total`). The first sight of a job records nothing (after a
 /// controller restart, history is not replayed).
 async fn record_transitions(job: &LeasedJob, ctx: &Context) {
     let key = ObjectRef::from_obj(job);
@@ -882,6 +977,18 @@ async fn record_transitions(job: &LeasedJob, ctx: &Context) {
         return;
     }
     let status = job.status.clone().unwrap_or_default();
+    for (_, outcome) in queue_stats::ended_attempts((was_attempt, was_phase), now, &status.failures)
+    {
+        let labels = OutcomeLabels {
+            queue: job.spec.queue.clone(),
+            outcome: outcome.as_str(),
+        };
+        ctx.metrics
+            .controller
+            .attempts_ended
+            .get_or_create(&labels)
+            .inc();
+    }
     let holder = status.holder.clone().unwrap_or_default();
     let (attempt, phase) = now;
     if was_phase.is_finished() && phase == Phase::Queued {

@@ -75,6 +75,27 @@ pub fn judge(observation: &Observation, lease_duration: Duration, now: Instant) 
     }
 }
 
+/// How far past its lease a leased job is at `now`, as this controller observed it: how long
+/// the record of `observation` has gone unchanged beyond `lease_duration`, while `current` (the
+/// record the caches hold now) is still that record. None while the lease is live, and once the
+/// record has changed: a renewal the reconciler has not looked at yet is a renewal, not an
+/// overdue job. For `leasehold_lease_overdue_seconds`: the leader requeues a job within
+/// milliseconds of this becoming Some, so a value that keeps growing means it cannot.
+pub fn overdue(
+    observation: &Observation,
+    current: &Record,
+    lease_duration: Duration,
+    now: Instant,
+) -> Option<Duration> {
+    if observation.record != *current {
+        return None;
+    }
+    match judge(observation, lease_duration, now) {
+        Verdict::Expired { silent_for } => Some(silent_for - lease_duration),
+        Verdict::Live { .. } => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,6 +149,24 @@ mod tests {
         for (ms, want) in cases {
             assert_eq!(judge(&o, d, t0 + Duration::from_millis(ms)), want, "{ms}");
         }
+    }
+
+    #[test]
+    fn overdue_counts_beyond_the_lease_while_the_record_stands() {
+        let t0 = Instant::now();
+        let d = Duration::from_secs(5);
+        let record = rec("1.a", Some("1.a"), Some("10:00"));
+        let o = observe(None, record.clone(), t0);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert_eq!(overdue(&o, &record, d, at(4)), None);
+        assert_eq!(overdue(&o, &record, d, at(5)), Some(Duration::ZERO));
+        assert_eq!(
+            overdue(&o, &record, d, at(65)),
+            Some(Duration::from_secs(60))
+        );
+        // Renewed since the reconciler's last look: not overdue, however old the look.
+        let renewed = rec("1.a", Some("1.a"), Some("10:01"));
+        assert_eq!(overdue(&o, &renewed, d, at(65)), None);
     }
 
     #[test]

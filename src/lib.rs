@@ -30,6 +30,8 @@
 //!   its Lease.
 //! - [`plugin`]: `kubectl leasehold` (get with progress, retry, cancel).
 //! - [`metrics`]: Prometheus metrics and health.
+//! - [`queue_stats`]: what the controller reports per queue (oldest attempt, overdue leases,
+//!   how attempts ended), computed from its caches.
 //! - [`telemetry`]: logging set-up; [`shutdown`]: the shutdown signal.
 
 pub mod admission;
@@ -49,6 +51,7 @@ pub mod memory;
 pub mod metrics;
 pub mod plugin;
 pub mod progress;
+pub mod queue_stats;
 pub mod shutdown;
 pub mod sidecar;
 pub mod telemetry;

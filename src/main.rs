@@ -337,7 +337,7 @@ async fn main() -> anyhow::Result<()> {
             let election = election.config(&identity, namespace.as_deref())?;
             let clients = clients().await?;
             crd_check::check(&clients.requests).await?;
-            let metrics = Arc::new(Metrics::new());
+            let metrics = Arc::new(Metrics::controller());
             let health = Health::new();
             let listener = tokio::net::TcpListener::bind(metrics_addr)
                 .await

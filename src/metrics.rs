@@ -1,16 +1,18 @@
 //! Metrics (one `prometheus-client` registry per process) and health.
 //!
 //! Names follow `leasehold_<what>_<unit>`. The controller moves `leasehold_jobs` (by queue and
-//! phase, counted from its watch cache at scrape time) and `leasehold_lease_expiries_total`;
-//! the sidecar moves the claim, heartbeat, refusal and duration metrics; both count the
-//! objects their watches skip as undecodable (`leasehold_undecodable_objects_total`, see
-//! [`crate::watch`]). Both serve them at `/metrics` in the Prometheus text format, beside
-//! `/healthz` and `/readyz`.
+//! phase, counted from its watch cache every second) and `leasehold_lease_expiries_total`, and
+//! registers the metrics of [`ControllerMetrics`] (leadership, readiness, and per-queue gauges
+//! computed from its caches by [`crate::queue_stats`]) that only a controller has; the sidecar
+//! moves the claim, heartbeat, refusal and duration metrics; both count the objects their
+//! watches skip as undecodable (`leasehold_undecodable_objects_total`, see [`crate::watch`]).
+//! Both serve them at `/metrics` in the Prometheus text format, beside `/healthz` and
+//! `/readyz`. The chart's alerts (docs/alerts.md) are written on these names.
 //!
 //! Health tells the truth: `/readyz` is OK only once the watches have synced and before
 //! shutdown begins; `/healthz` fails once a background task has died.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use axum::http::{header, StatusCode};
@@ -46,6 +48,98 @@ pub struct KindLabel {
     pub kind: String,
 }
 
+/// Label of the controller's per-queue gauges.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabel {
+    /// spec.queue.
+    pub queue: String,
+}
+
+/// Labels of `leasehold_attempts_ended_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// spec.queue.
+    pub queue: String,
+    /// How the attempt ended: one of [`crate::queue_stats::Outcome`]'s names (`succeeded`,
+    /// `failed`, `expired`, `released`, `cancelled`).
+    pub outcome: &'static str,
+}
+
+/// A gauge of seconds, with sub-second precision.
+pub type SecondsGauge = Gauge<f64, AtomicU64>;
+
+/// Metrics only a controller registers: a sidecar serving them would read as a replica that
+/// never leads, never gets ready and sees no queue.
+pub struct ControllerMetrics {
+    /// `leasehold_leader`: 1 while this replica leads (its term is valid on its monotonic
+    /// clock, [`crate::leader::Leadership::is_leader`]), else 0. Always 1 with
+    /// `--leader-elect false`. Across the replicas of one installation the sum is 1, or 0
+    /// while no replica leads, when nothing expires, requeues or cancels jobs.
+    pub leader: Gauge,
+    /// `leasehold_controller_ready`: 1 while `/readyz` answers 200 (both watches synced, not
+    /// shutting down), else 0.
+    pub ready: Gauge,
+    /// `leasehold_oldest_attempt_seconds{queue}`: seconds since status.claimedTime of the
+    /// longest-running current attempt (a Leased job) of the queue, by the controller's wall
+    /// clock (claimedTime is the claimer's: clock skew between the two shifts it by as much);
+    /// 0 when none of the queue's jobs is Leased. Large values are attempts kept alive by
+    /// heartbeats far longer than their work should take: a stuck worker whose heartbeats
+    /// still run.
+    pub oldest_attempt_seconds: Family<QueueLabel, SecondsGauge>,
+    /// `leasehold_lease_overdue_seconds{queue}`: how far past its lease the most overdue Leased
+    /// job of the queue is, in seconds, on this replica's monotonic clock: the time its Lease
+    /// record has gone unchanged ([`crate::expiry`]) beyond its leaseDurationSeconds; 0 when
+    /// none is. The leader requeues an expired job within milliseconds of its expiry, so a
+    /// value that keeps growing means the controller is not taking jobs back (no leader, or
+    /// its writes fail).
+    pub lease_overdue_seconds: Family<QueueLabel, SecondsGauge>,
+    /// `leasehold_attempts_ended_total{queue,outcome}`: attempts this replica saw end, by how
+    /// they ended ([`crate::queue_stats::ended_attempts`]). Every replica counts what its watch
+    /// shows (standbys too), so aggregate replicas with `max`, not `sum`; an attempt that began
+    /// and ended while no replica watched is not counted.
+    pub attempts_ended: Family<OutcomeLabels, Counter>,
+}
+
+impl ControllerMetrics {
+    fn new() -> ControllerMetrics {
+        ControllerMetrics {
+            leader: Gauge::default(),
+            ready: Gauge::default(),
+            oldest_attempt_seconds: Family::default(),
+            lease_overdue_seconds: Family::default(),
+            attempts_ended: Family::default(),
+        }
+    }
+
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "leader",
+            "1 while this controller replica leads, else 0",
+            self.leader.clone(),
+        );
+        registry.register(
+            "controller_ready",
+            "1 while this controller replica is ready (watches synced, not shutting down)",
+            self.ready.clone(),
+        );
+        registry.register(
+            "oldest_attempt_seconds",
+            "Seconds since the claim of the queue's longest-running Leased job",
+            self.oldest_attempt_seconds.clone(),
+        );
+        registry.register(
+            "lease_overdue_seconds",
+            "Seconds the queue's most overdue Leased job is past its lease without being requeued",
+            self.lease_overdue_seconds.clone(),
+        );
+        registry.register(
+            "attempts_ended",
+            "Attempts seen ending, by queue and outcome",
+            self.attempts_ended.clone(),
+        );
+    }
+}
+
 /// Every leasehold metric.
 pub struct Metrics {
     registry: Registry,
@@ -68,6 +162,9 @@ pub struct Metrics {
     pub queue_wait_seconds: Histogram,
     /// Seconds from a claim to the end of that attempt by its holder (sidecar).
     pub run_seconds: Histogram,
+    /// The controller's own metrics: registered only by [`Metrics::controller`]; setting them
+    /// in a registry made by [`Metrics::new`] shows nothing.
+    pub controller: ControllerMetrics,
 }
 
 impl Default for Metrics {
@@ -77,7 +174,15 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// A registry with every metric registered.
+    /// The registry of a controller: every metric of [`Metrics::new`] and the
+    /// [`ControllerMetrics`].
+    pub fn controller() -> Metrics {
+        let mut metrics = Metrics::new();
+        metrics.controller.register(&mut metrics.registry);
+        metrics
+    }
+
+    /// A registry with every metric both roles share registered (the sidecar's).
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("leasehold");
         let jobs = Family::<JobLabels, Gauge>::default();
@@ -134,6 +239,7 @@ impl Metrics {
             undecodable_objects,
             queue_wait_seconds,
             run_seconds,
+            controller: ControllerMetrics::new(),
         }
     }
 
@@ -203,6 +309,11 @@ impl Health {
         self.dead.lock().unwrap().push(name.to_string());
     }
 
+    /// True once synced and before shutdown: what `/readyz` answers 200 for.
+    pub fn is_ready(&self) -> bool {
+        self.synced.load(Ordering::SeqCst) && !self.is_shutting_down()
+    }
+
     /// `/readyz`: 200 once synced and before shutdown, else 503 saying why.
     pub fn readyz(&self) -> Response {
         if self.is_shutting_down() {
@@ -257,10 +368,13 @@ mod tests {
     fn readiness_follows_sync_and_shutdown() {
         let h = Health::new();
         assert_eq!(h.readyz().status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(!h.is_ready());
         h.set_synced();
         assert_eq!(h.readyz().status(), StatusCode::OK);
+        assert!(h.is_ready());
         h.set_shutting_down();
         assert_eq!(h.readyz().status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(!h.is_ready());
         assert_eq!(h.healthz().status(), StatusCode::OK);
         h.task_died("renewer");
         assert_eq!(h.healthz().status(), StatusCode::INTERNAL_SERVER_ERROR);
@@ -273,6 +387,62 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(h.healthz().status(), StatusCode::INTERNAL_SERVER_ERROR);
+    }
+
+    fn rendered(m: &Metrics) -> String {
+        let body =
+            futures::executor::block_on(axum::body::to_bytes(m.render().into_body(), usize::MAX))
+                .unwrap();
+        String::from_utf8(body.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn only_a_controller_registry_serves_the_controller_metrics() {
+        let set = |m: &Metrics| {
+            m.controller.leader.set(1);
+            m.controller.ready.set(1);
+            let q = QueueLabel { queue: "q".into() };
+            m.controller
+                .oldest_attempt_seconds
+                .get_or_create(&q)
+                .set(2.5);
+            m.controller
+                .lease_overdue_seconds
+                .get_or_create(&q)
+                .set(0.0);
+            m.controller
+                .attempts_ended
+                .get_or_create(&OutcomeLabels {
+                    queue: "q".into(),
+                    outcome: "expired",
+                })
+                .inc();
+        };
+        let controller = Metrics::controller();
+        set(&controller);
+        let text = rendered(&controller);
+        for line in [
+            "leasehold_leader 1",
+            "leasehold_controller_ready 1",
+            "leasehold_oldest_attempt_seconds{queue=\"q\"} 2.5",
+            "leasehold_lease_overdue_seconds{queue=\"q\"} 0.0",
+            "leasehold_attempts_ended_total{queue=\"q\",outcome=\"expired\"} 1",
+            "leasehold_claims_total 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
+        let sidecar = Metrics::new();
+        set(&sidecar);
+        let text = rendered(&sidecar);
+        for name in [
+            "leasehold_leader",
+            "leasehold_controller_ready",
+            "leasehold_oldest_attempt_seconds",
+            "leasehold_lease_overdue_seconds",
+            "leasehold_attempts_ended",
+        ] {
+            assert!(!text.contains(name), "the sidecar serves {name}:\n{text}");
+        }
     }
 
     #[test]

@@ -175,6 +175,20 @@ fn helm_lint_passes_with_defaults_and_with_every_option_on() {
         "admissionWebhook.failurePolicy=Fail",
         "--set",
         "admissionWebhook.namespaceSelector.matchLabels.team=jobs",
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "metrics.podMonitor.enabled=true",
+        "--set",
+        "metrics.workerPodMonitor.enabled=true",
+        "--set",
+        "metrics.prometheusRule.enabled=true",
+        "--set",
+        "metrics.grafanaDashboard.enabled=true",
+        "--set",
+        "exampleWorker.keda.enabled=true",
+        "--set",
+        "controller.podDisruptionBudget.enabled=false",
     ]);
     assert!(out.contains("0 chart(s) failed"), "{out}");
     let out = helm_ok(&[
@@ -266,6 +280,7 @@ async fn everything_the_chart_renders_passes_a_server_side_dry_run() {
         "ValidatingWebhookConfiguration",
         "Secret",
         "ConfigMap",
+        "PodDisruptionBudget",
     ] {
         assert!(kinds.contains(&kind), "no {kind} rendered: {kinds:?}");
     }
@@ -776,7 +791,7 @@ async fn helm_install_upgrade_across_a_crd_change_and_uninstall_leave_no_orphans
 
     std::mem::forget(release); // uninstalled by hand below
     helm_ok(&["uninstall", rel, "--namespace", &ns.name, "--wait"]);
-    let namespaced = "deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings,secrets";
+    let namespaced = "deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings,secrets,poddisruptionbudgets";
     let cluster = "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings,validatingwebhookconfigurations";
     wait_for(
         "no objects of the release left",

@@ -12,14 +12,20 @@ use kube::api::{Patch, PatchParams};
 use kube::Api;
 use leasehold::crd::{LeasedJob, Phase};
 use leasehold::lease;
-use leasehold::metrics::{JobLabels, Metrics};
+use leasehold::metrics::{JobLabels, Metrics, OutcomeLabels, QueueLabel};
 use serde_json::json;
 
 /// Every metric the tests below prove to move when what it counts happens. Adding a metric
 /// means adding it here, to docs/protocol.md, and to a test that moves it.
-const MOVED: [&str; 9] = [
+const MOVED: [&str; 14] = [
     "leasehold_jobs",
     "leasehold_lease_expiries_total",
+    "leasehold_leader",
+    "leasehold_controller_ready",
+    "leasehold_oldest_attempt_seconds",
+    "leasehold_attempts_ended_total",
+    // Moved by tests/monitoring.rs: a controller that cannot take an expired job back.
+    "leasehold_lease_overdue_seconds",
     "leasehold_claims_total",
     "leasehold_claim_conflicts_total",
     "leasehold_stale_token_refusals_total",
@@ -78,6 +84,20 @@ async fn metrics_move_when_the_events_they_count_happen() {
 
     let (s, c1) = sc.claim(10).await;
     assert_eq!(s, 200);
+    // The controller's own: it leads, it is ready, and the claimed attempt's age grows.
+    wait_for(
+        "the attempt's age counted",
+        Duration::from_secs(15),
+        || async {
+            let m = http_get(ctl_port, "/metrics").await?.1;
+            let age = sample(&m, "leasehold_oldest_attempt_seconds{queue=\"q\"}")?;
+            (age >= 1.0
+                && sample(&m, "leasehold_leader")? == 1.0
+                && sample(&m, "leasehold_controller_ready")? == 1.0)
+                .then_some(())
+        },
+    )
+    .await;
     let (s, _) = sc
         .heartbeat(
             c1["name"].as_str().unwrap(),
@@ -117,6 +137,15 @@ async fn metrics_move_when_the_events_they_count_happen() {
     assert_eq!(s, 200);
     let m = metrics_of(sc_port).await;
     assert_eq!(sample(&m, "leasehold_run_seconds_count"), Some(1.0), "{m}");
+    let ended = |outcome: &str| {
+        format!("leasehold_attempts_ended_total{{queue=\"q\",outcome=\"{outcome}\"}}")
+    };
+    wait_for("the completion counted", Duration::from_secs(5), || async {
+        let m = http_get(ctl_port, "/metrics").await?.1;
+        (sample(&m, &ended("succeeded"))? == 1.0 && sample(&m, &ended("expired"))? == 0.0)
+            .then_some(())
+    })
+    .await;
 
     // Another holder takes the held job's Lease: the next renewal fails and is counted.
     let leased_name = c1["name"].as_str().unwrap().to_string();
@@ -169,6 +198,8 @@ async fn metrics_move_when_the_events_they_count_happen() {
     })
     .await;
     assert!(m.contains("leasehold_lease_expiries_total 1"), "{m}");
+    assert_eq!(sample(&m, &ended("expired")), Some(1.0), "{m}");
+    assert_eq!(sample(&m, &ended("succeeded")), Some(1.0), "{m}");
 }
 
 #[test]
@@ -191,9 +222,28 @@ fn every_metric_registered_and_documented_is_one_the_tests_move() {
         .collect();
     documented.sort();
     assert_eq!(documented, moved, "docs/protocol.md's metrics table");
-    // The registry: counters are exposed with the suffix _total; a family only once it has a
-    // member.
-    let metrics = Metrics::new();
+    // The registry (a controller's, which has every metric): counters are exposed with the
+    // suffix _total; a family only once it has a member.
+    let metrics = Metrics::controller();
+    let queue = QueueLabel { queue: "q".into() };
+    metrics
+        .controller
+        .oldest_attempt_seconds
+        .get_or_create(&queue)
+        .set(1.0);
+    metrics
+        .controller
+        .lease_overdue_seconds
+        .get_or_create(&queue)
+        .set(0.0);
+    metrics
+        .controller
+        .attempts_ended
+        .get_or_create(&OutcomeLabels {
+            queue: "q".into(),
+            outcome: "failed",
+        })
+        .inc();
     metrics.heartbeat(true);
     metrics.undecodable("LeasedJob");
     metrics

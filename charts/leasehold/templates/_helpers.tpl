@@ -65,3 +65,14 @@ app.kubernetes.io/component: controller
 {{- end }}
 {{- $users | toJson }}
 {{- end }}
+
+{{/* PromQL label matchers joined with commas, empty ones left out: (list "a=\"1\"" "" "b=\"2\"") -> a="1",b="2". */}}
+{{- define "leasehold.matchers" -}}
+{{- $parts := list }}
+{{- range . }}
+{{- if . }}
+{{- $parts = append $parts . }}
+{{- end }}
+{{- end }}
+{{- join "," $parts }}
+{{- end }}
