@@ -311,6 +311,7 @@ async fn main() -> anyhow::Result<()> {
         cli.command,
         Command::Controller { .. } | Command::Sidecar { .. }
     ) {
+        leasehold::memory::configure();
         tokio::spawn(leasehold::memory::trim_periodically());
     }
     match cli.command {
