@@ -565,6 +565,9 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
     if job.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
+    // Before anything waits: a job first seen later (after a claim already made) would have
+    // its claim taken for history and get no Event.
+    record_transitions(&job, &ctx).await;
     if !ctx.leases_synced.is_synced() {
         // Without the Lease cache every record would look new; try again shortly.
         return Ok(Action::requeue(Duration::from_millis(200)));
@@ -572,7 +575,6 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
     let ns = job.namespace().unwrap_or_default();
     let jobs: Api<LeasedJob> = Api::namespaced(ctx.client.clone(), &ns);
     let leases: Api<Lease> = Api::namespaced(ctx.client.clone(), &ns);
-    record_transitions(&job, &ctx).await;
     let Some(status) = job.status.as_ref().filter(|s| s.phase.is_some()) else {
         ctx.leading(&job)?;
         initialise(&jobs, &job, &ctx.post_params()).await?;
