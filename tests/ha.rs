@@ -24,6 +24,17 @@ const FAST: &[&str] = &[
     "0.5",
 ];
 
+/// A long leader lease: waiting it out would take 20 s, so a test that passes quickly shows
+/// the lease was not waited out.
+const SLOW: &[&str] = &[
+    "--leader-lease-duration",
+    "20",
+    "--leader-renew-deadline",
+    "15",
+    "--leader-retry-period",
+    "0.5",
+];
+
 async fn leader_of(leases: &Api<Lease>) -> Option<String> {
     let l = leases.get_opt("leasehold-controller").await.ok()??;
     l.spec.as_ref()?.holder_identity.as_ref()?;
@@ -167,21 +178,12 @@ async fn a_leader_stopped_with_sigterm_hands_over_within_seconds() {
     let client = client().await;
     let ns = TestNamespace::new(&client, "ha-term").await;
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
-    // A long lease: waiting it out would take 20 s.
-    let slow = [
-        "--leader-lease-duration",
-        "20",
-        "--leader-renew-deadline",
-        "15",
-        "--leader-retry-period",
-        "0.5",
-    ];
-    let mut a = controller_with(&ns.name, "ctl-a", &slow);
+    let mut a = controller_with(&ns.name, "ctl-a", SLOW);
     wait_for("ctl-a leads", Duration::from_secs(15), || async {
         leader_of(&leases).await.filter(|l| l == "ctl-a")
     })
     .await;
-    let _b = controller_with(&ns.name, "ctl-b", &slow);
+    let _b = controller_with(&ns.name, "ctl-b", SLOW);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let stopped = tokio::time::Instant::now();
     a.signal("TERM");
@@ -206,16 +208,7 @@ async fn a_leader_restarted_in_its_pod_leads_again_at_once() {
     let ns = TestNamespace::new(&client, "ha-restart").await;
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
-    // A long lease: waiting it out would take 20 s, and a job's expiry with it.
-    let slow = [
-        "--leader-lease-duration",
-        "20",
-        "--leader-renew-deadline",
-        "15",
-        "--leader-retry-period",
-        "0.5",
-    ];
-    let a = controller_with(&ns.name, "ctl-a", &slow);
+    let a = controller_with(&ns.name, "ctl-a", SLOW);
     wait_for("ctl-a leads", Duration::from_secs(15), || {
         leader_of(&leases)
     })
@@ -237,7 +230,7 @@ async fn a_leader_restarted_in_its_pod_leads_again_at_once() {
     a.signal("KILL");
     drop(a);
     let restarted = tokio::time::Instant::now();
-    let _a = controller_with(&ns.name, "ctl-a", &slow);
+    let _a = controller_with(&ns.name, "ctl-a", SLOW);
     wait_for("a new term of ctl-a", Duration::from_secs(10), || async {
         let l = leases.get("leasehold-controller").await.ok()?;
         (term(&l) != first

@@ -12,7 +12,6 @@ use leasehold::crd::Phase;
 use crate::cluster::{Bench, JobWatch};
 use crate::metrics::{self, Requests};
 use crate::procs::{self, CpuWindow, Sample};
-use crate::stats::ms;
 
 /// Result of one run.
 pub struct Footprint {
@@ -80,45 +79,10 @@ pub async fn run(
     let fill = fill_start.elapsed();
     let http = crate::procs::sidecar_http();
     let mut scs = procs::sidecars(bench, &http, &ns, queue, sidecars).await?;
-    let claims = scs.iter().enumerate().map(|(i, s)| {
-        let share = held / sidecars + usize::from(i < held % sidecars);
-        let (http, base) = (http.clone(), s.base.clone());
-        async move {
-            let mut took = Vec::new();
-            for _ in 0..share {
-                let t = Instant::now();
-                let r = http
-                    .post(format!("{base}/v1/claim?wait=30"))
-                    .send()
-                    .await
-                    .context("claim")?;
-                anyhow::ensure!(r.status() == 200, "claim answered {}", r.status());
-                took.push(ms(t.elapsed()));
-                // One heartbeat with progress and a message: the sidecar keeps them and every
-                // background renewal in the window carries them, so the row counts renewals
-                // as they are when a worker reports progress.
-                let claimed: serde_json::Value = r.json().await.context("claim answer")?;
-                let name = claimed["name"].as_str().context("claim without a name")?;
-                let r = http
-                    .post(format!("{base}/v1/jobs/{name}/heartbeat"))
-                    .json(&serde_json::json!({
-                        "token": claimed["token"],
-                        "progress": 0.5,
-                        "message": "benchmark: halfway",
-                    }))
-                    .send()
-                    .await
-                    .context("heartbeat")?;
-                anyhow::ensure!(r.status() == 200, "heartbeat answered {}", r.status());
-            }
-            anyhow::Ok(took)
-        }
-    });
-    let claim_ms: Vec<f64> = futures::future::try_join_all(claims)
-        .await?
-        .into_iter()
-        .flatten()
-        .collect();
+    // One heartbeat with progress and a message per job: every background renewal in the
+    // window carries them, so the row counts renewals as they are when a worker reports
+    // progress.
+    let claim_ms = procs::claim_loops(&http, &scs, held, procs::AfterClaim::Heartbeat).await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let interval = Duration::from_secs(u64::try_from(lease_seconds).unwrap_or(60)) / 3;
     let m0 = metrics::scrape(&bench.client).await?;

@@ -336,3 +336,70 @@ pub fn sidecar_http() -> reqwest::Client {
         .build()
         .expect("HTTP client")
 }
+
+/// What a claim loop ([`claim_loops`]) does with each job it claims.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterClaim {
+    /// Nothing: the sidecar holds the job (and renews its Lease) until it stops.
+    Hold,
+    /// Completes it at once, with an empty result.
+    Complete,
+    /// Holds it, after one heartbeat with progress and a message (which every background
+    /// renewal then carries, as when a worker reports progress).
+    Heartbeat,
+}
+
+/// `n` claims spread evenly over `sidecars`, one at a time on each, each followed by `after`.
+/// Returns each claim's latency (request to answer), in ms.
+///
+/// # Errors
+/// A claim that does not answer 200 within its 30 s wait, or an `after` call that fails.
+pub async fn claim_loops(
+    http: &reqwest::Client,
+    sidecars: &[Sidecar],
+    n: usize,
+    after: AfterClaim,
+) -> anyhow::Result<Vec<f64>> {
+    let loops = sidecars.iter().enumerate().map(|(i, s)| {
+        let share = n / sidecars.len() + usize::from(i < n % sidecars.len());
+        let (http, base) = (http.clone(), s.base.clone());
+        async move {
+            let mut took = Vec::with_capacity(share);
+            for _ in 0..share {
+                let t = Instant::now();
+                let r = http
+                    .post(format!("{base}/v1/claim?wait=30"))
+                    .send()
+                    .await
+                    .context("claim")?;
+                anyhow::ensure!(r.status() == 200, "claim answered {}", r.status());
+                took.push(crate::stats::ms(t.elapsed()));
+                let (path, body) = match after {
+                    AfterClaim::Hold => continue,
+                    AfterClaim::Complete => ("complete", serde_json::json!({"result": {}})),
+                    AfterClaim::Heartbeat => (
+                        "heartbeat",
+                        serde_json::json!({"progress": 0.5, "message": "benchmark: halfway"}),
+                    ),
+                };
+                let claimed: serde_json::Value = r.json().await.context("claim answer")?;
+                let name = claimed["name"].as_str().context("claim without a name")?;
+                let mut body = body;
+                body["token"] = claimed["token"].clone();
+                let r = http
+                    .post(format!("{base}/v1/jobs/{name}/{path}"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .context(path)?;
+                anyhow::ensure!(r.status().is_success(), "{path} answered {}", r.status());
+            }
+            anyhow::Ok(took)
+        }
+    });
+    Ok(futures::future::try_join_all(loops)
+        .await?
+        .into_iter()
+        .flatten()
+        .collect())
+}

@@ -21,7 +21,6 @@ use serde_json::Value;
 
 use crate::cluster::{self, status_phase, Bench, JobWatch};
 use crate::procs::{self, Sample};
-use crate::stats::ms;
 
 /// Share of the queue held (leased and renewed) at every stage: 5,000 of 100,000.
 pub const HELD_SHARE: f64 = 0.05;
@@ -119,11 +118,12 @@ async fn stages_into(
         // Claims up to the held share, spread over the holders; they keep them.
         let target = ((length as f64 * HELD_SHARE).round() as usize).max(HOLDERS);
         let more = target.saturating_sub(held);
-        claim_through(&http, &holders, more, false).await?;
+        procs::claim_loops(&http, &holders, more, procs::AfterClaim::Hold).await?;
         held += more;
         // The timed claims, each completed, so the held share stays.
         let timed = LATENCY_CLAIMS.min((created - held - completed) / 4).max(1);
-        let claim_ms = claim_through(&http, &holders, timed, true).await?;
+        let claim_ms =
+            procs::claim_loops(&http, &holders, timed, procs::AfterClaim::Complete).await?;
         completed += timed;
         // The controller, started again with the whole namespace to list.
         controller.kill().await;
@@ -169,50 +169,6 @@ async fn stages_into(
     drop(holders);
     controller.kill().await;
     Ok(())
-}
-
-/// `n` claims spread over `sidecars`, one at a time on each; each completed at once when
-/// `complete`. Returns each claim's latency, ms.
-async fn claim_through(
-    http: &reqwest::Client,
-    sidecars: &[procs::Sidecar],
-    n: usize,
-    complete: bool,
-) -> anyhow::Result<Vec<f64>> {
-    let loops = sidecars.iter().enumerate().map(|(i, s)| {
-        let share = n / sidecars.len() + usize::from(i < n % sidecars.len());
-        let (http, base) = (http.clone(), s.base.clone());
-        async move {
-            let mut took = Vec::with_capacity(share);
-            for _ in 0..share {
-                let t = Instant::now();
-                let r = http
-                    .post(format!("{base}/v1/claim?wait=30"))
-                    .send()
-                    .await
-                    .context("claim")?;
-                anyhow::ensure!(r.status() == 200, "claim answered {}", r.status());
-                took.push(ms(t.elapsed()));
-                if complete {
-                    let body: Value = r.json().await.context("claim body")?;
-                    let name = cluster::text(&body, "name")?;
-                    let r = http
-                        .post(format!("{base}/v1/jobs/{name}/complete"))
-                        .json(&serde_json::json!({"token": body["token"], "result": {}}))
-                        .send()
-                        .await
-                        .context("complete")?;
-                    anyhow::ensure!(r.status().is_success(), "complete answered {}", r.status());
-                }
-            }
-            anyhow::Ok(took)
-        }
-    });
-    Ok(futures::future::try_join_all(loops)
-        .await?
-        .into_iter()
-        .flatten()
-        .collect())
 }
 
 /// [`EXPIRY_JOBS`] jobs of a queue of their own, claimed by one sidecar that is SIGKILLed half a
