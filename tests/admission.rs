@@ -695,10 +695,6 @@ impl Worker {
     }
 }
 
-fn token_of(claim: &Value) -> &str {
-    claim["token"].as_str().unwrap()
-}
-
 #[tokio::test]
 async fn job_lifecycle_runs_with_exactly_the_charts_credentials() {
     let w = World::new("adm-life", &[]).await;

@@ -17,10 +17,6 @@ use leasehold::crd::{LeasedJob, Phase, CONDITION_LEASE_CONFLICT};
 use leasehold::lease;
 use serde_json::{json, Value};
 
-fn token_of(claim: &Value) -> String {
-    claim["token"].as_str().expect("a token").to_string()
-}
-
 async fn job(client: &kube::Client, ns: &str, name: &str) -> LeasedJob {
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
     jobs.get(name).await.expect("job")
@@ -392,9 +388,7 @@ async fn a_release_after_a_sidecar_restart_keeps_the_checkpoint() {
         json!({"metadata": {"name": "x"}, "spec": {"queue": "q"}}),
     )
     .await;
-    let (s, claimed) = sc.claim(10).await;
-    assert_eq!(s, 200, "{claimed}");
-    let token = token_of(&claimed);
+    let (_, token) = sc.claim_ok(10).await;
     let (s, body) = sc
         .heartbeat("x", json!({"token": token, "checkpoint": {"offset": 5}}))
         .await;
@@ -480,9 +474,7 @@ async fn a_drain_does_not_wait_for_a_lost_lease() {
         json!({"metadata": {"name": "x"}, "spec": {"queue": "q"}}),
     )
     .await;
-    let (s, claimed) = sc.claim(10).await;
-    assert_eq!(s, 200, "{claimed}");
-    let token = token_of(&claimed);
+    let (_, token) = sc.claim_ok(10).await;
     // Someone else takes the Lease: the holder's next heartbeat is refused.
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     leases

@@ -12,13 +12,6 @@ use kube::Api;
 use leasehold::crd::{LeasedJob, Phase};
 use serde_json::json;
 
-fn token_of(claim: &serde_json::Value) -> String {
-    claim["token"]
-        .as_str()
-        .expect("claim has a token")
-        .to_string()
-}
-
 #[tokio::test]
 async fn a_retryable_failure_with_backoff_is_not_claimable_before_retry_after() {
     let client = client().await;

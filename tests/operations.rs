@@ -36,13 +36,6 @@ const MOVED: [&str; 14] = [
     "leasehold_undecodable_objects_total",
 ];
 
-fn token_of(claim: &serde_json::Value) -> String {
-    claim["token"]
-        .as_str()
-        .expect("claim has a token")
-        .to_string()
-}
-
 async fn metrics_of(port: u16) -> String {
     let (status, body) = http_get(port, "/metrics").await.expect("metrics served");
     assert_eq!(status, 200);
@@ -466,9 +459,7 @@ async fn on_sigterm_the_sidecar_lets_its_worker_finish_and_the_result_is_accepte
         json!({"metadata": {"name": "j"}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
     )
     .await;
-    let (s, c) = sc.claim(10).await;
-    assert_eq!(s, 200);
-    let token = token_of(&c);
+    let (_, token) = sc.claim_ok(10).await;
     sc.proc.signal("TERM");
     // The worker keeps going for longer than a lease: the sidecar keeps the lease alive.
     for _ in 0..4 {

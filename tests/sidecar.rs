@@ -16,13 +16,6 @@ use leasehold::fence::REASON_LEASE_EXPIRED;
 use leasehold::lease;
 use serde_json::{json, Value};
 
-fn token_of(claim: &Value) -> String {
-    claim["token"]
-        .as_str()
-        .expect("claim has a token")
-        .to_string()
-}
-
 #[tokio::test]
 async fn sidecar_refuses_bad_tokens_unknown_jobs_and_bad_bodies_and_keeps_serving() {
     let client = client().await;
@@ -192,9 +185,7 @@ async fn heartbeats_keep_a_30s_job_alive_without_touching_the_job() {
         json!({"metadata": {"name": "long"}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
     )
     .await;
-    let (s, c) = sc.claim(10).await;
-    assert_eq!(s, 200, "{c}");
-    let token = token_of(&c);
+    let (_, token) = sc.claim_ok(10).await;
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let rv_after_claim = jobs.get("long").await.unwrap().metadata.resource_version;
@@ -261,9 +252,7 @@ async fn an_ended_attempts_lease_is_left_as_is_and_its_token_stays_refused() {
         json!({"metadata": {"name": "done"}, "spec": {"queue": "q"}}),
     )
     .await;
-    let (s, c) = a.claim(10).await;
-    assert_eq!(s, 200, "{c}");
-    let t1 = token_of(&c);
+    let (_, t1) = a.claim_ok(10).await;
     let (s, r) = a.heartbeat("done", json!({"token": t1})).await;
     assert_eq!(s, 200, "{r}");
     let (s, r) = a.complete("done", &t1, json!("ok")).await;

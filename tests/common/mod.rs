@@ -311,6 +311,14 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// The token of a claim's answer (`{"token": ...}`); panics if it has none.
+pub fn token_of(claim: &Value) -> String {
+    claim["token"]
+        .as_str()
+        .expect("claim has a token")
+        .to_string()
+}
+
 /// A running `leasehold sidecar` and an HTTP client for it.
 pub struct Sidecar {
     pub proc: Proc,
@@ -360,6 +368,15 @@ impl Sidecar {
     pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
         self.post_raw(path, serde_json::to_vec(&body).unwrap())
             .await
+    }
+
+    /// Claims (waiting up to `wait` s), asserting it answers 200; returns the claim's answer
+    /// and its token.
+    pub async fn claim_ok(&self, wait: u64) -> (Value, String) {
+        let (status, claimed) = self.claim(wait).await;
+        assert_eq!(status, 200, "{claimed}");
+        let token = token_of(&claimed);
+        (claimed, token)
     }
 
     pub async fn claim(&self, wait: u64) -> (u16, Value) {
