@@ -218,7 +218,7 @@ fn compare(
     }
 }
 
-/// Reads the installed CRD and compares it with [`LeasedJob::crd`].
+/// Reads the installed CRD and compares it with [`LeasedJob::crd`](kube::CustomResourceExt::crd).
 ///
 /// # Errors
 /// [`CrdCheckError::OutOfDate`] naming everything missing and [`FIX_COMMAND`];

@@ -15,9 +15,9 @@
 //! as no Lease for expiry (`record_of`) and is taken over by the next claim
 //! (docs/protocol.md, "What fences what").
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -30,20 +30,25 @@ use kube::{Api, Client, Resource, ResourceExt};
 use thiserror::Error;
 use tracing::{info, warn};
 
+mod expire;
+mod report;
+
+use expire::check_expiry;
+use report::{report, undecodable_reporter, Reported};
+
 use crate::crd::{
     LeasedJob, LeasedJobStatus, Phase, CONDITION_LEASE_CONFLICT, MANAGED_BY, MANAGED_BY_LABEL,
 };
 use crate::events::{EventType, Note, Publisher, Reporter};
-use crate::expiry::{self, Observation, Record, Verdict};
-use crate::fence::{self, Outcome, REASON_LEASE_EXPIRED};
-use crate::kubeapi::{is_status, is_too_large, is_undecodable, Clients};
+use crate::expiry::Observation;
+use crate::fence::{self, REASON_LEASE_EXPIRED};
+use crate::kubeapi::{is_status, Clients};
 use crate::leader::{self, Leadership};
 use crate::lease;
-use crate::metrics::{Health, JobLabels, Metrics, OutcomeLabels, QueueLabel};
-use crate::queue_stats::{self, JobSample};
+use crate::metrics::{Health, Metrics, OutcomeLabels};
+use crate::queue_stats;
 use crate::shutdown;
-use crate::token::Token;
-use crate::watch::{self, Undecodable};
+use crate::watch;
 
 /// Name under which the controller reports Events.
 pub const REPORTER: &str = "leasehold-controller";
@@ -309,166 +314,6 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
     }
 }
 
-/// How many skipped objects may wait for this replica to lead before more are dropped (their
-/// log line and metric stand; a later re-list reports them again).
-const UNDECODABLE_BACKLOG: usize = 256;
-
-/// What the controller does with the objects its watches skip as undecodable, besides the log
-/// line and the metric [`watch::watch`] gives them: a Warning Event `Undecodable` on each
-/// (see [`record_undecodable`]), recorded once this replica leads (standbys do not write;
-/// the initial list usually comes before the first election is won). Returns the callback for
-/// the watches and the task that records, to be aborted at shutdown.
-fn undecodable_reporter(
-    events: &Publisher,
-    leadership: &Arc<Leadership>,
-) -> (
-    impl FnMut(Undecodable) + Clone + Send + 'static,
-    tokio::task::JoinHandle<()>,
-) {
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Undecodable>(UNDECODABLE_BACKLOG);
-    let events = events.clone();
-    let leadership = Arc::clone(leadership);
-    let task = tokio::spawn(async move {
-        while let Some(skipped) = rx.recv().await {
-            while !leadership.is_leader() {
-                tokio::time::sleep(NOT_LEADER_REQUEUE).await;
-            }
-            record_undecodable(&events, &skipped).await;
-        }
-    });
-    let report = move |skipped: Undecodable| {
-        let _ = tx.try_send(skipped);
-    };
-    (report, task)
-}
-
-/// Records a Warning Event `Undecodable` on the object `skipped` names (an ObjectReference
-/// built from its metadata alone, since the object itself could not be read). A failure to
-/// record it is logged, never returned: the object was already reported in the log and the
-/// metric.
-async fn record_undecodable(events: &Publisher, skipped: &Undecodable) {
-    let note = Note {
-        type_: EventType::Warning,
-        reason: "Undecodable".into(),
-        action: "Skipped".into(),
-        text: format!(
-            "leasehold cannot read this {}: {}; it is skipped (never claimed, expired or \
-             requeued) until it is fixed or deleted",
-            skipped.kind, skipped.error
-        ),
-    };
-    if let Err(e) = events.publish(&skipped.object, &note).await {
-        warn!(object = %skipped.reference, category = e.category(), error = %crate::kubeapi::error_chain(&e), "Recording Event Undecodable failed");
-    }
-}
-
-/// The label sets [`report`] set last time, so that the next report removes those whose
-/// queue or phase has no job any more (and leaves the rest in place: a scrape never sees a
-/// family half rebuilt).
-#[derive(Default)]
-struct Reported {
-    jobs: HashSet<JobLabels>,
-    queues: HashSet<String>,
-}
-
-/// Sets the metrics the controller computes from its caches: `leasehold_jobs` by queue and
-/// phase, whether it leads and is ready, and the per-queue gauges of [`queue_stats`] (the
-/// oldest attempt's age, the most overdue lease). Called every second.
-fn report(jobs: &Store<LeasedJob>, ctx: &Context, health: &Health, reported: &mut Reported) {
-    let metrics = &ctx.metrics;
-    let gauges = &metrics.controller;
-    gauges.leader.set(i64::from(ctx.leadership.is_leader()));
-    gauges.ready.set(i64::from(health.is_ready()));
-    let state = jobs.state();
-    let queues = {
-        let observations = ctx.observations.lock().unwrap();
-        let now = Instant::now();
-        let samples = state.iter().map(|job| {
-            let phase = job.phase();
-            let leased = phase == Phase::Leased;
-            JobSample {
-                queue: &job.spec.queue,
-                phase,
-                claimed_time: job
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.claimed_time.as_ref())
-                    .filter(|_| leased)
-                    .map(|t| t.0),
-                overdue: if leased {
-                    overdue_of(job, ctx, &observations, now)
-                } else {
-                    None
-                },
-            }
-        });
-        queue_stats::gauges(samples, Timestamp::now())
-    };
-    let mut now_reported = Reported::default();
-    for (queue, q) in &queues {
-        for (phase, n) in &q.jobs {
-            let labels = JobLabels {
-                queue: queue.clone(),
-                phase: phase.to_string(),
-            };
-            metrics.jobs.get_or_create(&labels).set(*n);
-            now_reported.jobs.insert(labels);
-        }
-        let label = QueueLabel {
-            queue: queue.clone(),
-        };
-        gauges
-            .oldest_attempt_seconds
-            .get_or_create(&label)
-            .set(q.oldest_attempt.as_secs_f64());
-        gauges
-            .lease_overdue_seconds
-            .get_or_create(&label)
-            .set(q.lease_overdue.as_secs_f64());
-        // Every outcome from 0, so that rate() and increase() count a queue's first ones.
-        for outcome in queue_stats::Outcome::ALL {
-            let _ = gauges.attempts_ended.get_or_create(&OutcomeLabels {
-                queue: queue.clone(),
-                outcome: outcome.as_str(),
-            });
-        }
-        now_reported.queues.insert(queue.clone());
-    }
-    for gone in reported.jobs.difference(&now_reported.jobs) {
-        metrics.jobs.remove(gone);
-    }
-    for gone in reported.queues.difference(&now_reported.queues) {
-        let label = QueueLabel {
-            queue: gone.clone(),
-        };
-        gauges.oldest_attempt_seconds.remove(&label);
-        gauges.lease_overdue_seconds.remove(&label);
-    }
-    *reported = now_reported;
-}
-
-/// How far past its lease the Leased `job` is, by this replica's last look at it (see
-/// [`expiry::overdue`]); None when it has not looked yet.
-fn overdue_of(
-    job: &LeasedJob,
-    ctx: &Context,
-    observations: &HashMap<ObjectRef<LeasedJob>, Observation>,
-    now: Instant,
-) -> Option<Duration> {
-    let observation = observations.get(&ObjectRef::from_obj(job))?;
-    let ns = job.namespace().unwrap_or_default();
-    let lease_name = job
-        .status
-        .as_ref()
-        .and_then(|s| s.lease_name.clone())
-        .unwrap_or_else(|| lease::lease_name(&job.name_any()));
-    let lease = ctx.leases.get(&ObjectRef::new(&lease_name).within(&ns));
-    let token = job.token().unwrap_or_default();
-    let record = record_of(job, lease.as_deref());
-    let duration = lease_duration(job, lease.as_deref(), token);
-    expiry::overdue(observation, &record, duration, now)
-}
-
 impl Context {
     /// Ok while this replica leads; ask immediately before every write.
     fn leading(&self, job: &LeasedJob) -> Result<(), ReconcileError> {
@@ -727,241 +572,6 @@ async fn initialise(
             source,
         }),
     }
-}
-
-/// What the controller compares between looks at a leased job. A Lease that does not carry
-/// this attempt's heartbeats (another token, or another pod named as its holder) counts as no
-/// Lease: only the holder's renewals keep a job alive.
-fn record_of(job: &LeasedJob, lease: Option<&Lease>) -> Record {
-    let token = job.token().unwrap_or_default();
-    let holder = job.status.as_ref().and_then(|s| s.holder.as_deref());
-    let spec = lease
-        .filter(|l| lease::names_attempt(l, token, holder))
-        .and_then(|l| l.spec.as_ref());
-    Record {
-        token: token.to_string(),
-        holder_identity: spec.and_then(|s| s.holder_identity.clone()),
-        renew_time: spec
-            .and_then(|s| s.renew_time.as_ref())
-            .map(|t| t.0.to_string()),
-    }
-}
-
-async fn check_expiry(
-    job: &Arc<LeasedJob>,
-    ctx: &Context,
-    jobs: &Api<LeasedJob>,
-    leases: &Api<Lease>,
-    lease_name: &str,
-    lease: Option<&Lease>,
-) -> Result<Action, ReconcileError> {
-    let key = ObjectRef::from_obj(&**job);
-    let token = job.token().unwrap_or_default().to_string();
-    let read_fresh = || async {
-        match leases.get_opt(lease_name).await {
-            Ok(fresh) => Ok(fresh),
-            // A Lease this binary cannot read (an admin wrote a renewTime in year 9999) carries
-            // no heartbeat it can judge: as the watch skipped it, so does the expiry. A live
-            // holder would have rewritten renewTime by now.
-            Err(e) if is_undecodable(&e) => Ok(None),
-            Err(source) => Err(ReconcileError::Lease {
-                job: job.reference(),
-                action: "read",
-                source: lease::LeaseError::Api(source),
-            }),
-        }
-    };
-    // Where this look's record comes from: the cache, or a fresh read while the cache is known
-    // to disagree with one (see Context::fresh_reads).
-    let cached_record = record_of(job, lease);
-    // A Lease that was seen carrying this attempt's heartbeats and is now missing from the
-    // cache may only have left the cache (its label was removed): ask before believing it.
-    let vanished = cached_record.holder_identity.is_none()
-        && ctx
-            .observations
-            .lock()
-            .unwrap()
-            .get(&key)
-            .is_some_and(|o| o.record.holder_identity.is_some());
-    if vanished {
-        ctx.fresh_reads.lock().unwrap().insert(key.clone());
-    }
-    let mut fresh = None;
-    if ctx.fresh_reads.lock().unwrap().contains(&key) {
-        let read = read_fresh().await?;
-        if record_of(job, read.as_ref()) == cached_record {
-            ctx.fresh_reads.lock().unwrap().remove(&key);
-        }
-        fresh = Some(read);
-    }
-    let (record, lease) = match &fresh {
-        Some(read) => (record_of(job, read.as_ref()), read.as_ref()),
-        None => (cached_record, lease),
-    };
-    let duration = lease_duration(job, lease, &token);
-    let now = Instant::now();
-    let observation = {
-        let mut seen = ctx.observations.lock().unwrap();
-        let o = expiry::observe(seen.get(&key), record, now);
-        seen.insert(key.clone(), o.clone());
-        o
-    };
-    let verdict = expiry::judge(&observation, duration, now);
-    tracing::debug!(job = %job.reference(), fresh_read = fresh.is_some(), ?verdict, record = ?observation.record, "Judged the lease of LeasedJob {}", job.reference());
-    let silent_for = match verdict {
-        Verdict::Live { expires_in } => return Ok(Action::requeue(expires_in + EXPIRY_SLACK)),
-        Verdict::Expired { silent_for } => silent_for,
-    };
-    // The watch may lag (a restarted API server, a slow connection): confirm with a fresh read
-    // before taking a job away. A renewal we had not seen restarts the clock, and from then on
-    // this job is judged on fresh reads until the cache agrees.
-    let fresh = match fresh {
-        Some(read) => read,
-        None => read_fresh().await?,
-    };
-    let fresh_record = record_of(job, fresh.as_ref());
-    if fresh_record != observation.record {
-        ctx.fresh_reads.lock().unwrap().insert(key.clone());
-        let o = expiry::observe(Some(&observation), fresh_record, Instant::now());
-        ctx.observations.lock().unwrap().insert(key, o);
-        return Ok(Action::requeue(duration + EXPIRY_SLACK));
-    }
-    expire(
-        job,
-        ctx,
-        jobs,
-        leases,
-        lease_name,
-        fresh.as_ref(),
-        silent_for,
-        duration,
-    )
-    .await
-}
-
-/// The lease duration in force: the Lease's while it carries the current attempt's heartbeats
-/// ([`lease::names_attempt`]), else the job's.
-fn lease_duration(job: &LeasedJob, lease: Option<&Lease>, token: &str) -> Duration {
-    let holder = job.status.as_ref().and_then(|s| s.holder.as_deref());
-    let from_lease = lease
-        .filter(|l| lease::names_attempt(l, token, holder))
-        .and_then(|l| l.spec.as_ref())
-        .and_then(|s| s.lease_duration_seconds);
-    let secs = from_lease.unwrap_or(job.spec.lease_duration_seconds).max(1);
-    Duration::from_secs(u64::try_from(secs).unwrap_or(1))
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn expire(
-    job: &Arc<LeasedJob>,
-    ctx: &Context,
-    jobs: &Api<LeasedJob>,
-    leases: &Api<Lease>,
-    lease_name: &str,
-    lease: Option<&Lease>,
-    silent_for: Duration,
-    duration: Duration,
-) -> Result<Action, ReconcileError> {
-    let key = ObjectRef::from_obj(&**job);
-    let job_ref = job.reference();
-    let token_text = job.token().unwrap_or_default();
-    let Ok(token) = Token::parse(token_text) else {
-        warn!(job = %job_ref, "LeasedJob {job_ref} is Leased with a malformed token; leaving it to a human");
-        return Ok(Action::await_change());
-    };
-    let holder = job
-        .status
-        .as_ref()
-        .and_then(|s| s.holder.clone())
-        .unwrap_or_default();
-    let checkpoint = lease
-        .filter(|l| lease::names_attempt(l, token.as_str(), Some(&holder)))
-        .and_then(lease::checkpoint);
-    let message = format!(
-        "no heartbeat from {holder} for {:.1}s (leaseDurationSeconds {}), attempt {} expired",
-        silent_for.as_secs_f64(),
-        duration.as_secs(),
-        token.attempt()
-    );
-    let outcome = Outcome::Fail {
-        reason: REASON_LEASE_EXPIRED.into(),
-        message: message.clone(),
-        retryable: true,
-        checkpoint,
-    };
-    let patch = |outcome: &Outcome| {
-        fence::end_attempt_patch(
-            job,
-            &token,
-            &holder,
-            outcome,
-            Timestamp::now(),
-            rand::random(),
-        )
-    };
-    let next = fence::next_phase(&outcome, job.failed_attempts(), job.spec.max_attempts);
-    let action = "requeue after lease expiry";
-    let written = match ctx
-        .patch_status_if_unchanged(jobs, job, patch(&outcome), action)
-        .await
-    {
-        // The checkpoint would push the job past the API server's object size limit: requeue
-        // without it rather than leave the job Leased forever.
-        Err(ReconcileError::Job { source, .. }) if is_too_large(&source) => {
-            warn!(job = %job_ref, "The last checkpoint of LeasedJob {job_ref} does not fit in the job; requeueing without it");
-            let Outcome::Fail {
-                reason,
-                message,
-                retryable,
-                ..
-            } = outcome
-            else {
-                unreachable!("expiry is a failure")
-            };
-            let without = Outcome::Fail {
-                reason,
-                message,
-                retryable,
-                checkpoint: None,
-            };
-            ctx.patch_status_if_unchanged(jobs, job, patch(&without), action)
-                .await?
-        }
-        other => other?,
-    };
-    if !written {
-        // The token or phase changed since our snapshot: a result (or a release, or a newer
-        // claim) landed first. It stands; the requeue is dropped.
-        info!(job = %job_ref, attempt = token.attempt(), "Dropped requeue of LeasedJob {job_ref}: it changed before the lease expiry was written");
-        ctx.observations.lock().unwrap().remove(&key);
-        return Ok(Action::await_change());
-    }
-    ctx.observations.lock().unwrap().remove(&key);
-    ctx.metrics.lease_expiries.inc();
-    info!(job = %job_ref, attempt = token.attempt(), "Expired lease of LeasedJob {job_ref} (attempt {}); now {next}", token.attempt());
-    let (type_, reason) = if next == Phase::Failed {
-        (EventType::Warning, "LeaseExpiredFailed")
-    } else {
-        (EventType::Warning, REASON_LEASE_EXPIRED)
-    };
-    let note = if next == Phase::Failed {
-        format!(
-            "{message}; failed attempts reached maxAttempts {}, job Failed",
-            job.spec.max_attempts
-        )
-    } else {
-        format!("{message}; requeued")
-    };
-    ctx.event(job, type_, reason, note).await;
-    ctx.leading(job)?;
-    lease::release(leases, lease_name, token.as_str())
-        .await
-        .map_err(|source| ReconcileError::Lease {
-            job: job.reference(),
-            action: "release after expiry",
-            source,
-        })?;
-    Ok(Action::await_change())
 }
 
 /// Records Events for the transitions seen since the last look at this job: claims,

@@ -4,11 +4,12 @@
 //! - `get` lists LeasedJobs with queue, phase, attempt, holder, last heartbeat, time until the
 //!   lease runs out, and the progress the holder sent with its heartbeats (a bar and a message,
 //!   read from the job's Lease: [`crate::progress`]); `-w` keeps watching.
-//! - `retry` gives a Failed or Cancelled job a new attempt, keeping its history ([`retry`]).
+//! - `retry` gives a Failed or Cancelled job a new attempt, keeping its history
+//!   ([`retry`](fn@retry)).
 //! - `cancel` sets spec.cancel; the controller ends the job (docs/protocol.md).
 //!
 //! This module does the reads and writes; what is printed ([`view`]) and what a retry writes
-//! ([`retry`]) are pure functions beside it.
+//! ([`retry`](fn@retry)) are pure functions beside it.
 
 pub mod retry;
 pub mod view;
@@ -302,8 +303,8 @@ pub async fn watch(
 }
 
 /// `kubectl leasehold retry NAME`: gives the Failed or Cancelled job `name` a new attempt,
-/// keeping its history, with `more_attempts` failed attempts allowed from now (see [`retry`]
-/// for exactly what is written). Every write is conditional on the resourceVersion of the
+/// keeping its history, with `more_attempts` failed attempts allowed from now (see
+/// [`retry`](fn@retry) for exactly what is written). Every write is conditional on the resourceVersion of the
 /// snapshot it was built from. Returns the job as written.
 ///
 /// # Errors
