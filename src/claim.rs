@@ -116,6 +116,15 @@ pub fn pick<R: Rng>(
 /// chance of a 409 near 3 %.
 pub const WINDOW_PER_CLAIMER: usize = 32;
 
+/// How many claimers a claimer assumes when it has seen no claim at all from its queue in the
+/// last [`RECENT_CLAIM_SECONDS`] (a cold start, or the first burst after a quiet spell): many
+/// sidecars woken by the same jobs would otherwise all pick among the [`WINDOW_PER_CLAIMER`]
+/// oldest and most of their first claims would meet in 409s (benchmark row 2: a third of 32
+/// cold claimers' first claims). Its first pick therefore spreads over up to 16 x 32 oldest
+/// jobs; once claims are seen (its own included, a few hundred milliseconds later) the window
+/// follows the claimers actually seen.
+pub const COLD_CLAIMERS: usize = 16;
+
 /// How recent a claim must be (by its `status.claimedTime`) for its holder to count as a
 /// claimer competing now, in seconds.
 pub const RECENT_CLAIM_SECONDS: i64 = 10;
@@ -166,9 +175,8 @@ pub fn window_for(window: usize, spread: usize, claimers: usize, max: usize) -> 
 ///
 /// Used when a queue has fewer claimable jobs than claimers (its end, or one job arriving for
 /// many idle claimers): a random pick would then make most claimers race for the same few jobs
-/// and all but one get a 409. Instead the claimer ranked first for a job claims it at once and
-/// the others wait their turn ([`RENDEZVOUS_STEP_MS`] per place ahead of them), in case the
-/// first is busy or gone.
+/// and all but one get a 409. Instead the claimers take turns at each job
+/// ([`rendezvous_turn`]).
 pub fn rendezvous_rank(job: &str, me: &str, claimers: &HashSet<&str>) -> usize {
     let weight = |claimer: &str| {
         let mut h = std::hash::DefaultHasher::new();
@@ -179,18 +187,81 @@ pub fn rendezvous_rank(job: &str, me: &str, claimers: &HashSet<&str>) -> usize {
     claimers.iter().filter(|c| weight(c) > mine).count()
 }
 
-/// How long a claimer waits per claimer ranked ahead of it for a job
-/// ([`rendezvous_rank`]) before it tries that job itself, in milliseconds.
-pub const RENDEZVOUS_STEP_MS: u64 = 25;
+/// Length of one turn at a job ([`rendezvous_turn`]), in milliseconds.
+pub const RENDEZVOUS_SLOT_MS: u64 = 400;
 
-/// The longest such wait, in milliseconds, however many claimers are ahead.
-pub const RENDEZVOUS_MAX_WAIT_MS: u64 = 1000;
+/// The least and the most of a turn a claimer leaves unused at its end
+/// ([`rendezvous_guard_ms`]), in milliseconds.
+pub const RENDEZVOUS_GUARD_MS: (u64, u64) = (40, RENDEZVOUS_SLOT_MS * 3 / 4);
 
-/// The wait for `rank` ([`RENDEZVOUS_STEP_MS`] per place, at most
-/// [`RENDEZVOUS_MAX_WAIT_MS`]).
-pub fn rendezvous_wait(rank: usize) -> std::time::Duration {
-    let ms = (rank as u64).saturating_mul(RENDEZVOUS_STEP_MS);
-    std::time::Duration::from_millis(ms.min(RENDEZVOUS_MAX_WAIT_MS))
+/// How much of its turn a claimer leaves unused at its end, in milliseconds, given how long
+/// its claim writes have been taking (`claim_write_ms`, a moving average): twice that plus
+/// 20 ms, within [`RENDEZVOUS_GUARD_MS`]. A try started later could still be on its way, or
+/// its watch event not yet delivered, when the next claimer's turn begins, and that claimer's
+/// write would meet it (409). A busy API server (100 ms writes) thus closes most of each
+/// turn; an idle one (10 ms) almost none.
+pub fn rendezvous_guard_ms(claim_write_ms: u64) -> u64 {
+    let (least, most) = RENDEZVOUS_GUARD_MS;
+    claim_write_ms
+        .saturating_mul(2)
+        .saturating_add(20)
+        .clamp(least, most)
+}
+
+/// What [`rendezvous_turn`] says about one job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Turn {
+    /// This claimer's turn: it may try the job now; `left` of the turn remains.
+    Now {
+        /// Time left in the turn.
+        left: std::time::Duration,
+    },
+    /// Another claimer's turn; this claimer's next one starts after this long.
+    In(std::time::Duration),
+}
+
+/// Whose turn it is at `job` at wall-clock time `now_ms` (milliseconds since the Unix epoch),
+/// for the claimer ranked `rank` ([`rendezvous_rank`]) among `claimers`, which leaves the last
+/// `guard_ms` of its turns unused ([`rendezvous_guard_ms`]).
+///
+/// Turns are slots of [`RENDEZVOUS_SLOT_MS`] on the wall clock, shifted for each job by a
+/// phase taken from its name; slot m of a job belongs to the claimer ranked m mod `claimers`
+/// for it. Every claimer computes the same owner from the same clock, so at any instant
+/// exactly one claimer may try a job, and a claimer that comes back late from its previous job
+/// does not race the one whose turn it is now. A claimer starts a try only while more than
+/// `guard_ms` of its turn is left, so that the try has landed and been seen when the turn passes
+/// on; the guard also absorbs clock skew between nodes (NTP keeps it to milliseconds). The
+/// phases keep the jobs' turns from all closing at the same instant, which would leave every
+/// claimer waiting at once.
+///
+/// Turns are counted from the clock, not from when a job appeared: claimers see a job appear
+/// at different moments (a sidecar started later lists it seconds after the others watched it
+/// arrive), and turns counted from those moments would overlap.
+pub fn rendezvous_turn(
+    job: &str,
+    rank: usize,
+    claimers: usize,
+    now_ms: u64,
+    guard_ms: u64,
+) -> Turn {
+    use std::time::Duration;
+    let slot = RENDEZVOUS_SLOT_MS;
+    let claimers = claimers.max(1) as u64;
+    let rank = rank as u64 % claimers;
+    let phase = {
+        let mut h = std::hash::DefaultHasher::new();
+        job.hash(&mut h);
+        h.finish() % slot
+    };
+    let t = now_ms.saturating_add(phase);
+    let (m, into) = (t / slot, t % slot);
+    if m % claimers == rank && slot - into > guard_ms.min(slot - 1) {
+        return Turn::Now {
+            left: Duration::from_millis(slot - into),
+        };
+    }
+    let next = m + 1 + (rank + claimers - (m + 1) % claimers) % claimers;
+    Turn::In(Duration::from_millis(next * slot - t))
 }
 
 /// The claimable jobs of the highest priority present, at most `limit` of them, the oldest,
@@ -379,15 +450,71 @@ mod tests {
         // Each of the 8 claimers is first for some jobs (50 each on average).
         assert_eq!(firsts.len(), 8);
         assert!(firsts.values().all(|n| (20..=90).contains(n)), "{firsts:?}");
-        assert_eq!(rendezvous_wait(0), std::time::Duration::ZERO);
-        assert_eq!(
-            rendezvous_wait(2),
-            std::time::Duration::from_millis(2 * RENDEZVOUS_STEP_MS)
-        );
-        assert_eq!(
-            rendezvous_wait(1000),
-            std::time::Duration::from_millis(RENDEZVOUS_MAX_WAIT_MS)
-        );
+    }
+
+    #[test]
+    fn rendezvous_turns_are_exclusive_go_round_and_say_when_they_come() {
+        use std::time::Duration;
+        let ms = Duration::from_millis;
+        let base = 1_796_000_000_000u64;
+        for (claimers, guard) in [(1usize, 40), (2, 40), (3, 300), (8, 100), (32, 250)] {
+            for n in 0..12 {
+                let job = format!("job-{n}");
+                let mut had_turn = vec![false; claimers];
+                // Every 11 ms over three rounds of turns.
+                let horizon = (claimers as u64 + 2) * RENDEZVOUS_SLOT_MS * 3;
+                for now in (base..base + horizon).step_by(11) {
+                    let turns: Vec<Turn> = (0..claimers)
+                        .map(|r| rendezvous_turn(&job, r, claimers, now, guard))
+                        .collect();
+                    let open = turns
+                        .iter()
+                        .filter(|t| matches!(t, Turn::Now { .. }))
+                        .count();
+                    assert!(open <= 1, "{job} at {now}: {open} turns at once");
+                    for (r, turn) in turns.iter().enumerate() {
+                        match *turn {
+                            Turn::Now { left } => {
+                                assert!(left > ms(guard), "{job} {now} {left:?}");
+                                assert!(left <= ms(RENDEZVOUS_SLOT_MS));
+                                had_turn[r] = true;
+                            }
+                            Turn::In(wait) => {
+                                assert!(wait > Duration::ZERO);
+                                // The turn announced does come, and not before.
+                                let at = now + u64::try_from(wait.as_millis()).unwrap();
+                                assert!(matches!(
+                                    rendezvous_turn(&job, r, claimers, at, guard),
+                                    Turn::Now { .. }
+                                ));
+                                assert!(matches!(
+                                    rendezvous_turn(&job, r, claimers, at - 1, guard),
+                                    Turn::In(_)
+                                ));
+                                // Every claimer's turn comes within a round.
+                                let round = claimers as u64 * RENDEZVOUS_SLOT_MS;
+                                assert!(wait <= ms(round), "{job} {r}/{claimers}: {wait:?}");
+                            }
+                        }
+                    }
+                }
+                assert!(had_turn.iter().all(|t| *t), "{job}: {had_turn:?}");
+            }
+        }
+        // The jobs' turns do not all change hands at the same instant.
+        let edges: std::collections::HashSet<u64> = (0..20)
+            .map(
+                |n| match rendezvous_turn(&format!("job-{n}"), 0, 1, base, 40) {
+                    Turn::Now { left } => u64::try_from(left.as_millis()).unwrap(),
+                    Turn::In(wait) => u64::try_from(wait.as_millis()).unwrap(),
+                },
+            )
+            .collect();
+        assert!(edges.len() > 10, "{edges:?}");
+        // The guard follows the claim writes' latency, within its bounds.
+        assert_eq!(rendezvous_guard_ms(0), RENDEZVOUS_GUARD_MS.0);
+        assert_eq!(rendezvous_guard_ms(50), 120);
+        assert_eq!(rendezvous_guard_ms(10_000), RENDEZVOUS_GUARD_MS.1);
     }
 
     #[test]

@@ -225,6 +225,13 @@ impl ClaimIndex {
             .map(|(t, _)| *t)
     }
 
+    /// True when any claim from the queue (by anyone, this claimer included) was seen since
+    /// `now` minus [`claim::RECENT_CLAIM_SECONDS`]; false at a cold start.
+    pub fn claimed_lately(&self, now: Timestamp) -> bool {
+        let since = now - SignedDuration::from_secs(claim::RECENT_CLAIM_SECONDS);
+        self.claims.values().any(|t| *t >= since)
+    }
+
     /// The holders seen claiming from the queue since `now` minus
     /// [`claim::RECENT_CLAIM_SECONDS`], and `me`; see [`claim::recent_claimers`].
     pub fn recent_claimers(&self, me: &str, now: Timestamp) -> HashSet<String> {
@@ -402,7 +409,10 @@ mod tests {
             claimers,
             HashSet::from(["me".to_string(), "pod-a".to_string()])
         );
-        // Ten seconds later pod-a is no longer a recent claimer.
+        // Ten seconds later pod-a is no longer a recent claimer: the queue is cold again.
+        assert!(index.claimed_lately(at(105)));
         assert_eq!(index.recent_claimers("me", at(111)).len(), 1);
+        assert!(!index.claimed_lately(at(111)));
+        assert!(!ClaimIndex::new("q").claimed_lately(at(105)));
     }
 }

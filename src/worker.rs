@@ -28,7 +28,7 @@
 //! afresh before renewing for a token it does not hold.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -274,6 +274,9 @@ struct Inner {
     draining: watch::Sender<bool>,
     /// The claim window now (see [`WorkerConfig::spread`]).
     window: AtomicUsize,
+    /// How long claim writes have been taking, in ms: a moving average (1/4 of each new
+    /// answer's time), for the rendezvous guard ([`claim::rendezvous_guard_ms`]).
+    claim_write_ms: AtomicU64,
     /// The queue's claimable jobs in claim order, and its recent claimers, kept from the same
     /// watch as `store` (which is never older than it).
     index: Arc<Mutex<ClaimIndex>>,
@@ -348,6 +351,7 @@ impl Worker {
             ended: Notify::new(),
             draining: watch::channel(false).0,
             window: AtomicUsize::new(window),
+            claim_write_ms: AtomicU64::new(0),
             index,
         };
         (
@@ -487,10 +491,9 @@ impl Worker {
             ));
         }
         let mut draining = self.inner.draining.subscribe();
-        let mut waiting_since = None;
         loop {
             changes.borrow_and_update();
-            let picked = self.pick(&mut waiting_since);
+            let picked = self.pick();
             let turn = match picked {
                 Pick::Defer(turn) => Some(turn),
                 _ => None,
@@ -537,19 +540,15 @@ impl Worker {
     /// The job to try to claim next, if any.
     ///
     /// With enough claimable jobs for a window of [`claim::WINDOW_PER_CLAIMER`] per claimer
-    /// seen ([`claim::recent_claimers`]): one at random among the oldest (the adaptive window,
-    /// at least that wide). With fewer (a short queue, its end, or one job for many idle
-    /// claimers): the oldest job this claimer is ranked first for
-    /// ([`claim::rendezvous_rank`]), or, once its turn has come, one it is ranked lower for;
-    /// else [`Pick::Defer`] until that turn.
-    ///
-    /// `waiting_since` is when this claim call began waiting its turn (set here the first time
-    /// it has to): turns count from then, not from when a job was first seen, since jobs wait
-    /// in a busy queue for long before anyone's turn comes.
+    /// seen ([`claim::recent_claimers`]; [`claim::COLD_CLAIMERS`] when no claim was seen
+    /// lately): one at random among the oldest (the adaptive window, at least that wide). With
+    /// fewer (a short queue, its end, or one job for many idle
+    /// claimers): one whose rendezvous turn this claimer has now ([`claim::rendezvous_turn`]),
+    /// else [`Pick::Defer`] until its next turn.
     ///
     /// The candidates come from the queue's [`ClaimIndex`] (the window's worth, in claim
     /// order), the jobs from the watch cache; the choice among them is [`claim`]'s.
-    fn pick(&self, waiting_since: &mut Option<Instant>) -> Pick {
+    fn pick(&self) -> Pick {
         let config = &self.inner.config;
         let now = Timestamp::now();
         let index = self.inner.index.lock().unwrap();
@@ -567,15 +566,23 @@ impl Worker {
             let names = index.candidates(now, room, |_, _| false);
             if names.len() < room {
                 let jobs = self.cached(&names);
-                let candidates = claim::top_candidates(&jobs, &config.queue, now, room);
-                let since = *waiting_since.get_or_insert_with(Instant::now);
-                return self.rendezvous(&candidates, &claimers, since, skip);
+                let candidates: Vec<&Arc<LeasedJob>> =
+                    claim::top_candidates(&jobs, &config.queue, now, room)
+                        .into_iter()
+                        .filter(|j| !skip(j))
+                        .collect();
+                return self.rendezvous(&candidates, &claimers);
             }
         }
+        let seen = if index.claimed_lately(now) {
+            claimers.len()
+        } else {
+            claim::COLD_CLAIMERS
+        };
         let window = claim::window_for(
             self.inner.window.load(Ordering::Relaxed),
             config.spread,
-            claimers.len(),
+            seen,
             max_window,
         );
         let names = index.candidates(now, window, |name, rv| {
@@ -597,36 +604,25 @@ impl Worker {
             .collect()
     }
 
-    /// [`Worker::pick`] with too few `candidates` for the `claimers`: the oldest candidate
-    /// whose turn has come for this claimer (its rank times [`claim::RENDEZVOUS_STEP_MS`] after
-    /// `since`), lowest rank first; else when the next turn comes.
-    fn rendezvous(
-        &self,
-        candidates: &[&Arc<LeasedJob>],
-        claimers: &std::collections::HashSet<&str>,
-        since: Instant,
-        skip: impl Fn(&LeasedJob) -> bool,
-    ) -> Pick {
-        let now = Instant::now();
+    /// [`Worker::pick`] with too few `candidates` (oldest first) for the `claimers`: the
+    /// oldest job whose turn this claimer has now ([`claim::rendezvous_turn`]); else
+    /// [`Pick::Defer`] until this claimer's next turn at any of them.
+    fn rendezvous(&self, candidates: &[&Arc<LeasedJob>], claimers: &HashSet<&str>) -> Pick {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let guard = claim::rendezvous_guard_ms(self.inner.claim_write_ms.load(Ordering::Relaxed));
         let me = self.inner.config.identity.as_str();
-        let mut ranked: Vec<(usize, &Arc<LeasedJob>)> = candidates
-            .iter()
-            .filter(|j| !skip(j))
-            .map(|j| (claim::rendezvous_rank(&j.name_any(), me, claimers), *j))
-            .collect();
-        // Stable: candidates come oldest first, so within a rank the oldest is tried first.
-        ranked.sort_by_key(|(rank, _)| *rank);
-        match ranked.first() {
-            None => Pick::Nothing,
-            Some((rank, job)) => {
-                let turn = since + claim::rendezvous_wait(*rank);
-                if turn <= now {
-                    Pick::Job(Arc::clone(job))
-                } else {
-                    Pick::Defer(turn)
-                }
+        let mut next: Option<Duration> = None;
+        for job in candidates {
+            let name = job.name_any();
+            let rank = claim::rendezvous_rank(&name, me, claimers);
+            match claim::rendezvous_turn(&name, rank, claimers.len(), now_ms, guard) {
+                claim::Turn::Now { .. } => return Pick::Job(Arc::clone(job)),
+                claim::Turn::In(wait) => next = Some(next.map_or(wait, |n| n.min(wait))),
             }
         }
+        next.map_or(Pick::Nothing, |wait| Pick::Defer(Instant::now() + wait))
     }
 
     /// After a 409: widens the claim window fourfold, if more jobs are claimable than it holds
@@ -652,6 +648,15 @@ impl Worker {
             more_claimable = more,
             "Claim conflict (409); claim window was {window}"
         );
+    }
+
+    /// Folds the time one claim write took into [`Inner::claim_write_ms`].
+    fn note_claim_write(&self, took: Duration) {
+        let took = u64::try_from(took.as_millis()).unwrap_or(u64::MAX);
+        let average = &self.inner.claim_write_ms;
+        let was = average.load(Ordering::Relaxed);
+        let now = if was == 0 { took } else { (3 * was + took) / 4 };
+        average.store(now, Ordering::Relaxed);
     }
 
     /// After a successful claim: narrows the claim window by 1/32, not below spread.
@@ -688,8 +693,12 @@ impl Worker {
                 claim::claim(&me.inner.jobs, &snapshot, identity).await
             })
         };
+        let started = Instant::now();
         let claimed = match tokio::time::timeout(bound, &mut write).await {
-            Ok(Ok(claimed)) => Ok(claimed),
+            Ok(Ok(claimed)) => {
+                self.note_claim_write(started.elapsed());
+                Ok(claimed)
+            }
             Ok(Err(join)) => {
                 return Err(WorkerError::unavailable(
                     format!("claim of LeasedJob {}", snapshot.reference()),
