@@ -195,15 +195,17 @@ pub const RENDEZVOUS_SLOT_MS: u64 = 400;
 pub const RENDEZVOUS_GUARD_MS: (u64, u64) = (40, RENDEZVOUS_SLOT_MS * 3 / 4);
 
 /// How much of its turn a claimer leaves unused at its end, in milliseconds, given how long
-/// its claim writes have been taking (`claim_write_ms`, a moving average): twice that plus
-/// 20 ms, within [`RENDEZVOUS_GUARD_MS`]. A try started later could still be on its way, or
+/// its claim writes have been taking (`claim_write_ms`, a moving average): three times that
+/// plus 20 ms, within [`RENDEZVOUS_GUARD_MS`] (the watch event that shows the claim to the
+/// others comes after the write's answer, and a loaded API server's slow writes run well past
+/// its average). A try started later could still be on its way, or
 /// its watch event not yet delivered, when the next claimer's turn begins, and that claimer's
 /// write would meet it (409). A busy API server (100 ms writes) thus closes most of each
-/// turn; an idle one (10 ms) almost none.
+/// turn; an idle one (10 ms) little.
 pub fn rendezvous_guard_ms(claim_write_ms: u64) -> u64 {
     let (least, most) = RENDEZVOUS_GUARD_MS;
     claim_write_ms
-        .saturating_mul(2)
+        .saturating_mul(3)
         .saturating_add(20)
         .clamp(least, most)
 }
@@ -513,7 +515,7 @@ mod tests {
         assert!(edges.len() > 10, "{edges:?}");
         // The guard follows the claim writes' latency, within its bounds.
         assert_eq!(rendezvous_guard_ms(0), RENDEZVOUS_GUARD_MS.0);
-        assert_eq!(rendezvous_guard_ms(50), 120);
+        assert_eq!(rendezvous_guard_ms(50), 170);
         assert_eq!(rendezvous_guard_ms(10_000), RENDEZVOUS_GUARD_MS.1);
     }
 

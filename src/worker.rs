@@ -228,6 +228,10 @@ impl WorkerError {
 /// One held attempt, as this process knows it.
 struct Held {
     token: Token,
+    /// The job as the claim's answer stored it (payload and result dropped), when this process
+    /// made the claim: the snapshot an end of the attempt builds its write from while the
+    /// watch has not delivered the claim yet (quick jobs), instead of a read.
+    claimed: Option<LeasedJob>,
     lease_name: String,
     duration: Duration,
     state: Mutex<HeldState>,
@@ -794,10 +798,13 @@ impl Worker {
                 .observe(waited.max(0.0));
         }
         let status = job.status.clone().unwrap_or_default();
+        let mut slim = job.clone();
+        slim.drop_payload_and_result();
         self.hold(
             &job.name_any(),
             token.clone(),
             job.spec.lease_duration_seconds,
+            Some(slim),
         );
         Ok(Some(Claimed {
             namespace: self.inner.config.namespace.clone(),
@@ -849,10 +856,17 @@ impl Worker {
     }
 
     /// Starts holding an attempt: records it and spawns its background renewer.
-    fn hold(&self, name: &str, token: Token, duration_s: i32) -> Arc<Held> {
+    fn hold(
+        &self,
+        name: &str,
+        token: Token,
+        duration_s: i32,
+        claimed: Option<LeasedJob>,
+    ) -> Arc<Held> {
         let now = Instant::now();
         let held = Arc::new(Held {
             token,
+            claimed,
             lease_name: lease::lease_name(name),
             duration: Duration::from_secs(u64::try_from(duration_s.max(1)).unwrap_or(1)),
             state: Mutex::new(HeldState {
@@ -1192,7 +1206,8 @@ impl Worker {
                     .as_ref()
                     .and_then(|s| s.lease_duration_seconds)
                     .unwrap_or(60);
-                let held = held.unwrap_or_else(|| self.hold(name, token.clone(), duration_s));
+                let held =
+                    held.unwrap_or_else(|| self.hold(name, token.clone(), duration_s, None));
                 let renew_time = lease
                     .spec
                     .as_ref()
@@ -1465,14 +1480,15 @@ impl Worker {
         let outcome = outcome(checkpoint);
         let ns = &self.inner.config.namespace;
         let cached = self.inner.store.get(&ObjectRef::new(name).within(ns));
-        let job = match fence::apply_from(
-            &self.inner.jobs,
-            ns,
-            name,
-            &token,
-            &outcome,
-            cached.as_deref(),
-        )
+        // The watch cache once it shows this attempt (it may be newer than the claim), else
+        // the claim's own answer; either way the write tests the token and phase, and a stale
+        // snapshot costs a read and nothing else.
+        let snapshot = match (&cached, held.as_ref().and_then(|h| h.claimed.as_ref())) {
+            (Some(c), _) if c.token() == Some(token.as_str()) => Some(&**c),
+            (_, Some(answer)) => Some(answer),
+            (c, None) => c.as_deref(),
+        };
+        let job = match fence::apply_from(&self.inner.jobs, ns, name, &token, &outcome, snapshot)
         .await
         {
             Ok(job) => job,
