@@ -417,8 +417,14 @@ async fn main() -> anyhow::Result<()> {
     };
     let mut drawn = Vec::new();
     for chart in &charts {
-        match plots::draw(&plot_dir, chart) {
-            Ok(_) => drawn.push(format!("![{}](bench/{})", chart.title, chart.file)),
+        // A block's curves get names of their own, so that they do not replace the curves
+        // of the full run (or of another block) drawn from other figures.
+        let file = match cli.block.as_str() {
+            "" => chart.file.to_string(),
+            block => format!("{block}-{}", chart.file),
+        };
+        match plots::draw(&plot_dir, &file, chart) {
+            Ok(_) => drawn.push(format!("![{}](bench/{file})", chart.title)),
             Err(e) => failures.push(("plots", e)),
         }
     }

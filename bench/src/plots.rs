@@ -40,13 +40,14 @@ const COLORS: [RGBColor; 4] = [
     RGBColor(0x94, 0x67, 0xbd),
 ];
 
-/// Draws `chart` into `dir` (created if missing). Returns the file written.
+/// Draws `chart` into `dir` (created if missing) as the file `file`. Returns the file
+/// written.
 ///
 /// # Errors
 /// When the directory cannot be created or the file written.
-pub fn draw(dir: &Path, chart: &Chart) -> anyhow::Result<PathBuf> {
+pub fn draw(dir: &Path, file: &str, chart: &Chart) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
-    let path = dir.join(chart.file);
+    let path = dir.join(file);
     let all = chart.lines.iter().flat_map(|l| l.points.iter());
     let (x_max, y_max) = all.fold((0f64, 0f64), |(x, y), p| (x.max(p.0), y.max(p.1)));
     let root = SVGBackend::new(&path, (720, 420)).into_drawing_area();
