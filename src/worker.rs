@@ -1206,8 +1206,7 @@ impl Worker {
                     .as_ref()
                     .and_then(|s| s.lease_duration_seconds)
                     .unwrap_or(60);
-                let held =
-                    held.unwrap_or_else(|| self.hold(name, token.clone(), duration_s, None));
+                let held = held.unwrap_or_else(|| self.hold(name, token.clone(), duration_s, None));
                 let renew_time = lease
                     .spec
                     .as_ref()

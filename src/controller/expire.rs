@@ -40,6 +40,13 @@ pub(super) fn record_of(job: &LeasedJob, lease: Option<&Lease>) -> Record {
     }
 }
 
+/// Looks at the Leased `job`'s Lease (`lease`, from the cache, named `lease_name`) and judges
+/// it on this replica's clock ([`expiry::observe`], [`expiry::judge`]): a live lease requeues
+/// the reconcile for when it would run out; an expired one is confirmed by a fresh read (a
+/// renewal the watch had not delivered restarts the clock) before [`expire`] ends the attempt.
+///
+/// # Errors
+/// [`ReconcileError`] when the Lease cannot be read or the job not written.
 pub(super) async fn check_expiry(
     job: &Arc<LeasedJob>,
     ctx: &Context,
@@ -144,6 +151,14 @@ pub(super) fn lease_duration(job: &LeasedJob, lease: Option<&Lease>, token: &str
     Duration::from_secs(u64::try_from(secs).unwrap_or(1))
 }
 
+/// Ends the attempt of `job` whose lease ran out (`silent_for` without a renewal, against
+/// `duration`): requeues it, or fails it once its attempts are used up, with a JSON Patch that
+/// tests the expired token and the Leased phase (a result that landed first wins, and the
+/// requeue is dropped); then clears the Lease's holderIdentity, so that a holder still
+/// renewing is refused by the API server.
+///
+/// # Errors
+/// [`ReconcileError`] when a write fails for another reason than losing to the holder.
 #[allow(clippy::too_many_arguments)]
 async fn expire(
     job: &Arc<LeasedJob>,

@@ -27,7 +27,7 @@ use crate::watch::Undecodable;
 const UNDECODABLE_BACKLOG: usize = 256;
 
 /// What the controller does with the objects its watches skip as undecodable, besides the log
-/// line and the metric [`watch::watch`] gives them: a Warning Event `Undecodable` on each
+/// line and the metric [`watch::watch`](crate::watch::watch) gives them: a Warning Event `Undecodable` on each
 /// (see [`record_undecodable`]), recorded once this replica leads (standbys do not write;
 /// the initial list usually comes before the first election is won). Returns the callback for
 /// the watches and the task that records, to be aborted at shutdown.
