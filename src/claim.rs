@@ -178,13 +178,31 @@ pub fn window_for(window: usize, spread: usize, claimers: usize, max: usize) -> 
 /// and all but one get a 409. Instead the claimers take turns at each job
 /// ([`rendezvous_turn`]).
 pub fn rendezvous_rank(job: &str, me: &str, claimers: &HashSet<&str>) -> usize {
-    let weight = |claimer: &str| {
-        let mut h = std::hash::DefaultHasher::new();
-        (job, claimer).hash(&mut h);
-        (h.finish(), claimer.to_string())
-    };
-    let mine = weight(me);
-    claimers.iter().filter(|c| weight(c) > mine).count()
+    let mine = rendezvous_weight(job, me);
+    claimers
+        .iter()
+        .filter(|c| rendezvous_weight(job, c) > mine)
+        .count()
+}
+
+/// True when `me` ranks first among `claimers` for `job` ([`rendezvous_rank`] 0). Stops at
+/// the first claimer that outranks `me`: about two hashes for a job that is not `me`'s, where
+/// the rank costs one per claimer.
+///
+/// Used in a long queue: each claimer picks among the jobs of the window it ranks first for
+/// ([`crate::worker`]), so that claimers who agree on who is claiming never pick the same job;
+/// they disagree only while a claimer's first claims are reaching the others' watches.
+pub fn rendezvous_first(job: &str, me: &str, claimers: &HashSet<&str>) -> bool {
+    let mine = rendezvous_weight(job, me);
+    claimers.iter().all(|c| rendezvous_weight(job, c) <= mine)
+}
+
+/// The highest-random-weight score of `claimer` for `job`: a hash of both, the claimer's name
+/// breaking the (unlikely) ties so that the order is total.
+fn rendezvous_weight<'a>(job: &str, claimer: &'a str) -> (u64, &'a str) {
+    let mut h = std::hash::DefaultHasher::new();
+    (job, claimer).hash(&mut h);
+    (h.finish(), claimer)
 }
 
 /// Length of one turn at a job ([`rendezvous_turn`]), in milliseconds.
@@ -448,6 +466,13 @@ mod tests {
                 .find(|c| rendezvous_rank(&job, c, &claimers) == 0)
                 .unwrap();
             *firsts.entry(*first).or_insert(0) += 1;
+            for c in &claimers {
+                assert_eq!(
+                    rendezvous_first(&job, c, &claimers),
+                    c == first,
+                    "{job}: only {first} is first"
+                );
+            }
         }
         // Each of the 8 claimers is first for some jobs (50 each on average).
         assert_eq!(firsts.len(), 8);
