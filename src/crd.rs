@@ -58,11 +58,14 @@ pub const MAX_JOB_BYTES: usize = 1024 * 1024;
     status = "LeasedJobStatus",
     derive = "Default",
     doc = "A job that workers lease: claimed by one worker at a time with a fresh fencing token, kept alive by heartbeats on its Lease, and requeued by the controller when the heartbeats stop.",
-    // Field selectors the API server evaluates: `spec.queue` narrows each sidecar's watch to
-    // its queue; `status.phase` is for people (`kubectl get ljob --field-selector
-    // status.phase=Failed`). Selectable fields need Kubernetes 1.30 or later (KEP-4358).
+    // Field selectors the API server evaluates: `spec.queue` and `status.phase` narrow each
+    // sidecar's queue watch to its queue's live jobs, `status.holder` its watch of the jobs it
+    // holds (crate::queue_watch); `status.phase` is for people too (`kubectl get ljob
+    // --field-selector status.phase=Failed`). Selectable fields need Kubernetes 1.30 or later
+    // (KEP-4358).
     selectable = ".spec.queue",
     selectable = ".status.phase",
+    selectable = ".status.holder",
     validation = Rule::new("self.spec.queue == oldSelf.spec.queue").message("spec.queue is immutable: the sidecars of the new queue could not see this job's claim; create a new LeasedJob instead"),
     validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.phase) || oldSelf.status.phase != 'Leased' || self.spec.leaseDurationSeconds == oldSelf.spec.leaseDurationSeconds").message("spec.leaseDurationSeconds cannot change while the job is Leased: its holder was granted the lease with the old duration. Change it while the job is Queued (it applies from the next claim), or cancel the job"),
     printcolumn = r#"{"name":"Queue","type":"string","jsonPath":".spec.queue"}"#,

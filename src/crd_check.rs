@@ -353,6 +353,10 @@ mod tests {
                     version: "v1alpha1".into(),
                     json_path: ".status.phase".into()
                 },
+                Missing::SelectableField {
+                    version: "v1alpha1".into(),
+                    json_path: ".status.holder".into()
+                },
             ]
         );
         let mut unserved = installed();

@@ -52,6 +52,7 @@ pub mod metrics;
 pub mod plugin;
 pub mod progress;
 pub mod queue_stats;
+pub mod queue_watch;
 pub mod shutdown;
 pub mod sidecar;
 pub mod telemetry;

@@ -162,6 +162,12 @@ pub struct Metrics {
     pub queue_wait_seconds: Histogram,
     /// Seconds from a claim to the end of that attempt by its holder (sidecar).
     pub run_seconds: Histogram,
+    /// `leasehold_queue_watch_running`: 1 while the sidecar's watch of its queue runs, 0 while
+    /// it is stopped for want of claims ([`crate::queue_watch`]) (sidecar).
+    pub queue_watch_running: Gauge,
+    /// `leasehold_queue_watch_stops_total`: times that watch stopped because no claim came
+    /// while the queue's changes outnumbered a fresh list (sidecar).
+    pub queue_watch_stops: Counter,
     /// The controller's own metrics: registered only by [`Metrics::controller`]; setting them
     /// in a registry made by [`Metrics::new`] shows nothing.
     pub controller: ControllerMetrics,
@@ -195,6 +201,8 @@ impl Metrics {
         // 1 ms .. ~9 h, doubling.
         let queue_wait_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 25));
         let run_seconds = Histogram::new(exponential_buckets(0.01, 2.0, 23));
+        let queue_watch_running = Gauge::default();
+        let queue_watch_stops = Counter::default();
         registry.register("jobs", "LeasedJobs by queue and phase", jobs.clone());
         registry.register("claims", "Successful claims", claims.clone());
         registry.register(
@@ -228,6 +236,16 @@ impl Metrics {
             "Seconds from a claim to the end of the attempt",
             run_seconds.clone(),
         );
+        registry.register(
+            "queue_watch_running",
+            "1 while the sidecar watches its queue, 0 while that watch is stopped for want of claims",
+            queue_watch_running.clone(),
+        );
+        registry.register(
+            "queue_watch_stops",
+            "Times the sidecar stopped watching its queue because no claim came",
+            queue_watch_stops.clone(),
+        );
         Metrics {
             registry,
             jobs,
@@ -239,6 +257,8 @@ impl Metrics {
             undecodable_objects,
             queue_wait_seconds,
             run_seconds,
+            queue_watch_running,
+            queue_watch_stops,
             controller: ControllerMetrics::new(),
         }
     }

@@ -54,6 +54,7 @@ use crate::kubeapi::{error_chain, is_too_large, Clients};
 use crate::lease::{self, LeaseError};
 use crate::metrics::{Health, Metrics};
 use crate::progress::Progress;
+use crate::queue_watch::{self, QueueWatch};
 use crate::token::{Token, TokenError};
 
 /// Default for [`WorkerConfig::worker_timeout`]: five minutes.
@@ -258,9 +259,17 @@ struct Inner {
     config: WorkerConfig,
     jobs: Api<LeasedJob>,
     leases: Api<Lease>,
+    /// The queue's live jobs (Queued and Leased), for claiming: empty while the queue watch
+    /// is stopped ([`crate::queue_watch`]).
     store: Store<LeasedJob>,
-    /// Set once `store` has listed the queue.
-    synced: crate::watch::Synced,
+    /// Whether the queue watch runs, is complete, and who is claiming.
+    queue_watch: Arc<QueueWatch>,
+    /// The jobs this process's identity holds or last held, in any phase: what heartbeats and
+    /// ends of attempts check.
+    held_store: Store<LeasedJob>,
+    /// Set once `held_store` has listed them.
+    held_synced: crate::watch::Synced,
+    /// Bumped after every event of the queue watch.
     changes: watch::Receiver<u64>,
     held: Mutex<HashMap<String, Arc<Held>>>,
     /// Snapshots (name -> resourceVersion) already tried, so a stale cache entry is not
@@ -300,43 +309,66 @@ impl Worker {
         let jobs: Api<LeasedJob> = Api::namespaced(clients.requests.clone(), &config.namespace);
         let leases: Api<Lease> = Api::namespaced(clients.requests, &config.namespace);
         let watched: Api<LeasedJob> = Api::namespaced(clients.watches, &config.namespace);
+        let metrics = Arc::new(Metrics::new());
+        // Two watches, both filtered by the API server on selectable fields of the CRD: the
+        // queue's live jobs, for claiming, kept only while claims come (crate::queue_watch),
+        // and the jobs this process holds, always.
         let (store, writer) = reflector::store();
         let (tx, changes) = watch::channel(0u64);
-        // spec.queue is a selectable field of the CRD, so the API server filters for us.
-        let selector = format!("spec.queue={}", config.queue);
-        // Each job is decoded on its own: one this binary cannot read is skipped and reported
-        // (log, metric), and the rest of the queue is served.
-        let metrics = Arc::new(Metrics::new());
-        let stream = crate::watch::watch(
+        let queue_watch = Arc::new(QueueWatch::default());
+        let index = Arc::new(Mutex::new(ClaimIndex::new(&config.queue)));
+        let queue_task = queue_watch::run(
+            watched.clone(),
+            config.queue.clone(),
+            Arc::clone(&metrics),
+            queue_watch::Cache {
+                writer,
+                store: store.clone(),
+                index: Arc::clone(&index),
+                changes: tx,
+            },
+            Arc::clone(&queue_watch),
+        );
+        let (held_store, held_writer) = reflector::store();
+        let held_stream = crate::watch::watch(
             &watched,
-            watcher::Config::default().fields(&selector),
+            watcher::Config::default()
+                .fields(&queue_watch::held_selector(&config.queue, &config.identity)),
             Arc::clone(&metrics),
             |_| {},
         )
-        // The cache keeps what choosing and claiming a job need, not its payload or result:
-        // a sidecar's memory then does not grow with the bytes of the queue. The claim's
-        // answer brings the payload; a claim writes only the status (checkpoint kept).
         .modify(crate::crd::LeasedJob::drop_payload_and_result)
-        .reflect(writer);
-        let synced = crate::watch::Synced::default();
-        let stream = synced.track(stream);
-        let health = Health::new();
-        let ready = Arc::clone(&health);
-        let index = Arc::new(Mutex::new(ClaimIndex::new(&config.queue)));
-        let indexed = Arc::clone(&index);
-        let watch_task = tokio::spawn(async move {
-            let mut stream = std::pin::pin!(stream);
+        .reflect(held_writer);
+        let held_synced = crate::watch::Synced::default();
+        let held_stream = held_synced.track(held_stream);
+        let held_task = async move {
+            let mut stream = std::pin::pin!(held_stream);
             while let Some(event) = stream.next().await {
-                match event {
-                    Ok(event) => {
-                        indexed.lock().unwrap().observe(&event);
-                        if matches!(event, watcher::Event::InitDone) {
-                            ready.set_synced();
-                        }
-                    }
-                    Err(e) => crate::watch::log_error("LeasedJob", &e),
+                if let Err(e) = event {
+                    crate::watch::log_error("LeasedJob", &e);
                 }
-                tx.send_modify(|n| *n = n.wrapping_add(1));
+            }
+        };
+        let health = Health::new();
+        let ready = {
+            let (health, held_synced, queue_watch) = (
+                Arc::clone(&health),
+                held_synced.clone(),
+                Arc::clone(&queue_watch),
+            );
+            async move {
+                held_synced.wait().await;
+                queue_watch.wait_ever_synced().await;
+                health.set_synced();
+                std::future::pending::<()>().await;
+            }
+        };
+        // One task for all three, so that aborting it stops them all.
+        let watch_task = tokio::spawn(async move {
+            tokio::select! {
+                () = queue_task => {}
+                () = held_task => {}
+                () = ready => {}
             }
         });
         let window = config.spread;
@@ -345,7 +377,9 @@ impl Worker {
             jobs,
             leases,
             store,
-            synced,
+            queue_watch,
+            held_store,
+            held_synced,
             changes,
             held: Mutex::default(),
             tried: Mutex::default(),
@@ -371,9 +405,15 @@ impl Worker {
         &self.inner.config
     }
 
-    /// True once the queue's watch has listed everything.
+    /// True once the watch of the jobs this process holds has listed them, and the queue's
+    /// watch has listed the queue once (it may have stopped since: [`crate::queue_watch`]).
     pub fn is_ready(&self) -> bool {
-        self.inner.synced.is_synced()
+        self.inner.held_synced.is_synced() && self.inner.queue_watch.ever_synced()
+    }
+
+    /// True while the queue's watch runs (or is starting again for a claim).
+    pub fn is_watching_queue(&self) -> bool {
+        self.inner.queue_watch.is_watching()
     }
 
     /// This worker's metrics.
@@ -484,14 +524,18 @@ impl Worker {
         }
         let deadline = Instant::now() + wait;
         let mut changes = self.inner.changes.clone();
-        if tokio::time::timeout_at(deadline, self.inner.synced.wait())
+        // The queue watch runs while this claim is in progress (and starts again if it had
+        // stopped): a stopped one lists the queue first, for up to RELIST_WAIT whatever `wait`.
+        let _claiming = self.inner.queue_watch.claiming();
+        let listed = deadline.max(Instant::now() + queue_watch::RELIST_WAIT);
+        if tokio::time::timeout_at(listed, self.inner.queue_watch.wait_synced())
             .await
             .is_err()
         {
             // Not an empty queue: this sidecar cannot see the queue yet.
             return Err(WorkerError::unavailable(
                 format!("claim from queue {}", self.inner.config.queue),
-                "the LeasedJob watch has not synced yet (see /readyz)",
+                "the LeasedJob watch of the queue has not listed it yet (see /readyz)",
             ));
         }
         let mut draining = self.inner.draining.subscribe();
@@ -1057,8 +1101,9 @@ impl Worker {
         let key = ObjectRef::new(name).within(&self.inner.config.namespace);
         let secs = self
             .inner
-            .store
+            .held_store
             .get(&key)
+            .or_else(|| self.inner.store.get(&key))
             .map_or(5, |j| j.spec.lease_duration_seconds.max(1));
         let secs = u64::try_from(secs).unwrap_or(5);
         (call_bound(Duration::from_secs(secs)), None)
@@ -1315,9 +1360,9 @@ impl Worker {
     /// reason).
     fn cached_job_moved_on(&self, name: &str, token: &Token) -> Option<(&'static str, String)> {
         let key = ObjectRef::new(name).within(&self.inner.config.namespace);
-        // Not in the cache: deleted, or moved out of this queue's watch; the caller asks the
+        // Not in the cache: deleted, or claimed by another holder since; the caller asks the
         // API server.
-        let job = self.inner.store.get(&key)?;
+        let job = self.inner.held_store.get(&key)?;
         if job.attempt() > token.attempt() {
             let why = format!(
                 "is on attempt {}, your token is from attempt {}",
@@ -1346,7 +1391,7 @@ impl Worker {
     /// (the Lease of a deleted job lives on until garbage collection removes it).
     async fn job_deleted(&self, name: &str) -> bool {
         let key = ObjectRef::new(name).within(&self.inner.config.namespace);
-        if self.inner.store.get(&key).is_some() || !self.inner.synced.is_synced() {
+        if self.inner.held_store.get(&key).is_some() || !self.inner.held_synced.is_synced() {
             return false;
         }
         matches!(self.inner.jobs.get_opt(name).await, Ok(None))
@@ -1498,7 +1543,7 @@ impl Worker {
         };
         let outcome = outcome(checkpoint);
         let ns = &self.inner.config.namespace;
-        let cached = self.inner.store.get(&ObjectRef::new(name).within(ns));
+        let cached = self.inner.held_store.get(&ObjectRef::new(name).within(ns));
         // The watch cache once it shows this attempt (it may be newer than the claim), else
         // the claim's own answer; either way the write tests the token and phase, and a stale
         // snapshot costs a read and nothing else.

@@ -156,9 +156,10 @@ async fn defaults_apply_and_the_payload_comes_back_unchanged() {
     assert!(ok && out.contains("heartbeat"), "{out}");
 }
 
-/// `status.phase` and `spec.queue` are selectable fields: the API server itself filters jobs by
-/// them, for `kubectl get ljob --field-selector status.phase=Failed` as for a client's list or
-/// watch; a field that is not declared selectable is refused.
+/// `status.phase`, `spec.queue` and `status.holder` are selectable fields: the API server
+/// itself filters jobs by them, for `kubectl get ljob --field-selector status.phase=Failed` as
+/// for a sidecar's two watches (its queue's live jobs, a new one without a status included, and
+/// the jobs it holds); a field that is not declared selectable is refused.
 #[tokio::test]
 async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
     let client = client().await;
@@ -180,6 +181,7 @@ async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
         .await;
         job.status = Some(LeasedJobStatus {
             phase: Some(phase),
+            holder: (name == "c" || name == "d").then(|| "pod-a".to_string()),
             ..LeasedJobStatus::default()
         });
         jobs.replace_status(name, &PostParams::default(), &job)
@@ -211,11 +213,11 @@ async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
         ],
         "{out}"
     );
-    let listed = |fields: &'static str| {
+    let listed = |fields: String| {
         let jobs = jobs.clone();
         async move {
             let mut names: Vec<String> = jobs
-                .list(&ListParams::default().fields(fields))
+                .list(&ListParams::default().fields(&fields))
                 .await
                 .unwrap()
                 .items
@@ -226,12 +228,30 @@ async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
             names
         }
     };
-    assert_eq!(listed("status.phase=Failed,spec.queue=q").await, ["b", "e"]);
     assert_eq!(
-        listed("status.phase!=Failed,spec.queue=q").await,
+        listed("status.phase=Failed,spec.queue=q".into()).await,
+        ["b", "e"]
+    );
+    assert_eq!(
+        listed("status.phase!=Failed,spec.queue=q".into()).await,
         ["a", "c"]
     );
-    assert_eq!(listed("spec.queue=other").await, ["d"]);
+    assert_eq!(listed("spec.queue=other".into()).await, ["d"]);
+    // A job just created has no status yet: the queue watch must still see it.
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "f"}, "spec": {"queue": "q"}}),
+    )
+    .await;
+    let queue = leasehold::queue_watch::queue_selector("q");
+    assert_eq!(listed(queue).await, ["a", "f"]);
+    let held = leasehold::queue_watch::held_selector("q", "pod-a");
+    assert_eq!(
+        listed(held).await,
+        ["c"],
+        "d is pod-a's too, in another queue"
+    );
     let (ok, out) = kubectl(
         &[
             "get",
@@ -239,12 +259,12 @@ async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
             "-n",
             &ns.name,
             "--field-selector",
-            "status.holder=pod-a",
+            "spec.priority=0",
         ],
         "",
     );
     assert!(!ok, "a field that is not selectable was accepted: {out}");
-    assert!(out.contains("status.holder"), "{out}");
+    assert!(out.contains("spec.priority"), "{out}");
 }
 
 /// `kubectl explain` fills each description's paragraphs to its 80 columns: no line ends

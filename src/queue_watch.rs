@@ -1,0 +1,381 @@
+//! A sidecar's watch of its queue, kept only while it pays for itself.
+//!
+//! To choose a job in milliseconds a sidecar keeps its queue's live jobs (Queued and Leased) in
+//! a watch cache ([`crate::claim_index`]). It needs that cache only while its worker claims:
+//! a worker busy with one job for minutes or hours has no use for every change of every other
+//! job of the queue, and with S sidecars on one queue each change is sent S times (benchmark
+//! row 9). So this watch follows the rent-or-buy rule of competitive snoopy caching (Karlin,
+//! Manasse, Rudolph and Sleator, "Competitive Snoopy Caching", FOCS 1986; the ski-rental
+//! problem): while no claim is in progress it counts the changes it receives (the rent); once
+//! they outnumber what a fresh list would bring (the jobs it caches, plus [`RELIST_EVENTS`] for
+//! the list and watch requests themselves: the price of buying), it stops watching and empties
+//! its cache, and the next claim lists the queue again ([`RELIST_WAIT`]). Whatever the pattern
+//! of claims, that costs at most about twice the cheaper of watching all along and listing
+//! afresh for every claim.
+//!
+//! The jobs a sidecar holds are watched apart from this one, all the time (the field selector
+//! `status.holder=<identity>`: see [`held_selector`]), so stopping this watch never hides a
+//! cancel, an expiry or a deletion of a held job from its heartbeats.
+//!
+//! [`Interest`] is the rule, a plain value; [`QueueWatch`] shares it between the claims and
+//! the watch task ([`run`]), which does the IO.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use kube::runtime::reflector::{store::Writer, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::Api;
+use tokio::sync::{watch, Notify};
+use tracing::info;
+
+use crate::claim_index::ClaimIndex;
+use crate::crd::LeasedJob;
+use crate::metrics::Metrics;
+
+/// The fixed part of what listing the queue again costs, counted in watch events: a LIST
+/// request and a new WATCH request, each about as costly for the API server as sending a few
+/// events. An estimate; it only sets how soon an idle sidecar of an almost empty queue stops.
+pub const RELIST_EVENTS: usize = 8;
+
+/// Longest a claim waits for a stopped queue watch to list the queue again, whatever the
+/// claim's own `wait` (a `wait=0` claim too): a list of a few thousand jobs takes well under a
+/// second; 100,000 take about 25 s (docs/scaling.md), when the claim is answered 503 and the
+/// list goes on.
+pub const RELIST_WAIT: Duration = Duration::from_secs(10);
+
+/// The rent-or-buy rule (see the module doc): whether the queue watch should run.
+#[derive(Debug)]
+pub struct Interest {
+    /// Claims in progress.
+    claims: usize,
+    /// Changes received since the last claim ended (or since the watch started) while no
+    /// claim was in progress.
+    idle_events: usize,
+    /// True while the watch runs (or is starting).
+    watching: bool,
+}
+
+impl Default for Interest {
+    /// Watching: a sidecar's first claim usually comes right after it starts.
+    fn default() -> Self {
+        Interest {
+            claims: 0,
+            idle_events: 0,
+            watching: true,
+        }
+    }
+}
+
+impl Interest {
+    /// A claim begins. True when the watch had stopped and must start again.
+    pub fn claim_began(&mut self) -> bool {
+        self.claims += 1;
+        self.idle_events = 0;
+        !std::mem::replace(&mut self.watching, true)
+    }
+
+    /// A claim ended (with a job or without): the idle count starts again from zero.
+    pub fn claim_ended(&mut self) {
+        self.claims = self.claims.saturating_sub(1);
+        self.idle_events = 0;
+    }
+
+    /// The watch delivered a change (an added, modified or deleted job; not a list) while the
+    /// cache holds `cached` jobs. True when the watch should stop now: no claim in progress,
+    /// and more changes since the last claim than `cached` + [`RELIST_EVENTS`].
+    pub fn changed(&mut self, cached: usize) -> bool {
+        if self.claims > 0 || !self.watching {
+            return false;
+        }
+        self.idle_events += 1;
+        if self.idle_events > cached.saturating_add(RELIST_EVENTS) {
+            self.watching = false;
+            self.idle_events = 0;
+            return true;
+        }
+        false
+    }
+
+    /// True while the watch runs or is starting.
+    pub fn is_watching(&self) -> bool {
+        self.watching
+    }
+}
+
+/// What the claims and the watch task share.
+#[derive(Debug)]
+pub struct QueueWatch {
+    interest: Mutex<Interest>,
+    /// Wakes a stopped watch task ([`Notify::notify_one`] keeps the wake for a task not yet
+    /// waiting).
+    start: Notify,
+    /// True while the cache holds a complete list of the queue.
+    synced: watch::Sender<bool>,
+    /// True once the cache has been complete at least once (readiness).
+    ever_synced: watch::Sender<bool>,
+}
+
+impl Default for QueueWatch {
+    fn default() -> Self {
+        QueueWatch {
+            interest: Mutex::default(),
+            start: Notify::new(),
+            synced: watch::channel(false).0,
+            ever_synced: watch::channel(false).0,
+        }
+    }
+}
+
+/// A claim in progress ([`QueueWatch::claiming`]); ends it when dropped.
+#[derive(Debug)]
+pub struct Claiming<'a>(&'a QueueWatch);
+
+impl Drop for Claiming<'_> {
+    fn drop(&mut self) {
+        self.0.interest.lock().unwrap().claim_ended();
+    }
+}
+
+impl QueueWatch {
+    /// Marks a claim in progress until the returned guard is dropped, starting the watch again
+    /// if it had stopped.
+    pub fn claiming(&self) -> Claiming<'_> {
+        if self.interest.lock().unwrap().claim_began() {
+            info!("Watching the queue again for a claim");
+            self.start.notify_one();
+        }
+        Claiming(self)
+    }
+
+    /// True while the cache holds a complete list of the queue.
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    /// True once the cache has been complete at least once.
+    pub fn ever_synced(&self) -> bool {
+        *self.ever_synced.borrow()
+    }
+
+    /// Waits until the cache holds a complete list of the queue (at once if it does).
+    pub async fn wait_synced(&self) {
+        let mut rx = self.synced.subscribe();
+        // The sender lives in `self`, so the channel cannot close while this waits.
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// Waits until the cache has been complete once.
+    pub async fn wait_ever_synced(&self) {
+        let mut rx = self.ever_synced.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// True while the watch runs or is starting.
+    pub fn is_watching(&self) -> bool {
+        self.interest.lock().unwrap().is_watching()
+    }
+}
+
+/// The field selector of a queue watch: the queue's jobs that are not finished (finished jobs
+/// cannot be claimed, and leave the cache as they finish). Queued and Leased stay: the claims
+/// of the others are what tells a sidecar who else is claiming (`claim::recent_claimers`).
+pub fn queue_selector(queue: &str) -> String {
+    format!(
+        "spec.queue={},status.phase!=Succeeded,status.phase!=Failed,status.phase!=Cancelled",
+        escape_field_value(queue)
+    )
+}
+
+/// The field selector of the watch of the jobs `identity` holds or last held in `queue`, in
+/// any phase (`status.holder` stays after the attempt ends, until the next claim).
+pub fn held_selector(queue: &str, identity: &str) -> String {
+    format!(
+        "spec.queue={},status.holder={}",
+        escape_field_value(queue),
+        escape_field_value(identity)
+    )
+}
+
+/// `value` escaped for a field selector: `\`, `,` and `=` get a backslash (apimachinery's
+/// `fields.EscapeValue`).
+pub fn escape_field_value(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for c in value.chars() {
+        if matches!(c, '\\' | ',' | '=') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// What the queue watch keeps up to date.
+pub struct Cache {
+    /// Writes the store the claims read.
+    pub writer: Writer<LeasedJob>,
+    /// That store (its size is what a fresh list would bring).
+    pub store: Store<LeasedJob>,
+    /// The claim index, fed every event after the store.
+    pub index: Arc<Mutex<ClaimIndex>>,
+    /// Bumped after every event, to wake waiting claims.
+    pub changes: watch::Sender<u64>,
+}
+
+/// The queue watch task: runs the watch of [`queue_selector`] in `api` into `cache`, and stops
+/// and starts by `shared`'s [`Interest`]. Runs until aborted.
+pub async fn run(
+    api: Api<LeasedJob>,
+    queue: String,
+    metrics: Arc<Metrics>,
+    cache: Cache,
+    shared: Arc<QueueWatch>,
+) {
+    let Cache {
+        mut writer,
+        store,
+        index,
+        changes,
+    } = cache;
+    let selector = queue_selector(&queue);
+    loop {
+        metrics.queue_watch_running.set(1);
+        // Each job is decoded on its own: one this binary cannot read is skipped and reported
+        // (log, metric), and the rest of the queue is served. The cache keeps what choosing
+        // and claiming a job need, not its payload or result: a sidecar's memory then does not
+        // grow with the bytes of the queue. The claim's answer brings the payload.
+        let stream = crate::watch::watch(
+            &api,
+            watcher::Config::default().fields(&selector),
+            Arc::clone(&metrics),
+            |_| {},
+        )
+        .modify(LeasedJob::drop_payload_and_result);
+        let mut stream = std::pin::pin!(stream);
+        while let Some(event) = stream.next().await {
+            let event = match event {
+                Ok(event) => event,
+                Err(e) => {
+                    crate::watch::log_error("LeasedJob", &e);
+                    continue;
+                }
+            };
+            writer.apply_watcher_event(&event);
+            index.lock().unwrap().observe(&event);
+            let stop = match &event {
+                watcher::Event::InitDone => {
+                    shared.synced.send_replace(true);
+                    shared.ever_synced.send_replace(true);
+                    false
+                }
+                watcher::Event::Apply(_) | watcher::Event::Delete(_) => {
+                    let mut interest = shared.interest.lock().unwrap();
+                    let stop = interest.changed(store.len());
+                    if stop {
+                        // Under the same lock as the decision: a claim that begins from
+                        // now on waits for the next list.
+                        shared.synced.send_replace(false);
+                    }
+                    stop
+                }
+                watcher::Event::Init | watcher::Event::InitApply(_) => false,
+            };
+            changes.send_modify(|n| *n = n.wrapping_add(1));
+            if stop {
+                break;
+            }
+        }
+        // Stopped: forget the queue (an empty list), keep the claims seen, and wait for a
+        // claim. (The stream itself never ends: kube's watcher retries on its own.)
+        for e in [watcher::Event::Init, watcher::Event::InitDone] {
+            writer.apply_watcher_event(&e);
+            index.lock().unwrap().observe(&e);
+        }
+        crate::memory::release_freed();
+        metrics.queue_watch_running.set(0);
+        metrics.queue_watch_stops.inc();
+        info!(queue = %queue, "Stopped watching queue {queue}: no claim while its changes outnumbered a fresh list; the next claim lists it again");
+        changes.send_modify(|n| *n = n.wrapping_add(1));
+        shared.start.notified().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_idle_watch_stops_once_changes_outnumber_a_fresh_list() {
+        let mut i = Interest::default();
+        assert!(i.is_watching());
+        for _ in 0..(10 + RELIST_EVENTS) {
+            assert!(!i.changed(10), "not yet: a list would cost as much");
+        }
+        assert!(i.changed(10), "one more than a list of 10 jobs would cost");
+        assert!(!i.is_watching());
+        assert!(!i.changed(10), "a stopped watch decides nothing more");
+    }
+
+    #[test]
+    fn a_claim_in_progress_keeps_the_watch_whatever_the_changes() {
+        let mut i = Interest::default();
+        assert!(!i.claim_began(), "already watching: nothing to start");
+        for _ in 0..10_000 {
+            assert!(!i.changed(0));
+        }
+        i.claim_ended();
+        for _ in 0..RELIST_EVENTS {
+            assert!(!i.changed(0), "the count starts from the claim's end");
+        }
+        assert!(i.changed(0));
+    }
+
+    #[test]
+    fn a_claim_starts_a_stopped_watch_once() {
+        let mut i = Interest::default();
+        while !i.changed(0) {}
+        assert!(i.claim_began(), "stopped: the claim must start it");
+        assert!(!i.claim_began(), "a second claim finds it starting");
+        i.claim_ended();
+        i.claim_ended();
+        i.claim_ended(); // one too many does not underflow
+        assert!(i.is_watching());
+    }
+
+    #[test]
+    fn each_claim_resets_the_idle_count() {
+        let mut i = Interest::default();
+        for _ in 0..100 {
+            for _ in 0..RELIST_EVENTS {
+                assert!(!i.changed(0));
+            }
+            i.claim_began();
+            i.claim_ended();
+        }
+        assert!(
+            i.is_watching(),
+            "never more than a list's worth between claims"
+        );
+    }
+
+    #[test]
+    fn a_longer_queue_earns_a_longer_watch() {
+        let (mut short, mut long) = (Interest::default(), Interest::default());
+        let count = |i: &mut Interest, cached| (0..).take_while(|_| !i.changed(cached)).count();
+        assert_eq!(count(&mut short, 0), RELIST_EVENTS);
+        assert_eq!(count(&mut long, 1000), 1000 + RELIST_EVENTS);
+    }
+
+    #[test]
+    fn selectors_name_the_queue_and_holder_escaped() {
+        assert_eq!(
+            queue_selector("media"),
+            "spec.queue=media,status.phase!=Succeeded,status.phase!=Failed,status.phase!=Cancelled"
+        );
+        assert_eq!(
+            held_selector("media", "pod,a=b\\c"),
+            "spec.queue=media,status.holder=pod\\,a\\=b\\\\c"
+        );
+    }
+}
