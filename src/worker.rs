@@ -259,7 +259,7 @@ struct Inner {
     config: WorkerConfig,
     jobs: Api<LeasedJob>,
     leases: Api<Lease>,
-    /// The queue's live jobs (Queued and Leased), for claiming: empty while the queue watch
+    /// The queue's jobs, for claiming: empty while the queue watch
     /// is stopped ([`crate::queue_watch`]).
     store: Store<LeasedJob>,
     /// Whether the queue watch runs, is complete, and who is claiming.
@@ -311,7 +311,7 @@ impl Worker {
         let watched: Api<LeasedJob> = Api::namespaced(clients.watches, &config.namespace);
         let metrics = Arc::new(Metrics::new());
         // Two watches, both filtered by the API server on selectable fields of the CRD: the
-        // queue's live jobs, for claiming, kept only while claims come (crate::queue_watch),
+        // queue's jobs, for claiming, kept only while claims come (crate::queue_watch),
         // and the jobs this process holds, always.
         let (store, writer) = reflector::store();
         let (tx, changes) = watch::channel(0u64);

@@ -158,8 +158,8 @@ async fn defaults_apply_and_the_payload_comes_back_unchanged() {
 
 /// `status.phase`, `spec.queue` and `status.holder` are selectable fields: the API server
 /// itself filters jobs by them, for `kubectl get ljob --field-selector status.phase=Failed` as
-/// for a sidecar's two watches (its queue's live jobs, a new one without a status included, and
-/// the jobs it holds); a field that is not declared selectable is refused.
+/// for a sidecar's two watches (its queue's jobs, a new one without a status included, and the
+/// jobs it holds); a field that is not declared selectable is refused.
 #[tokio::test]
 async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
     let client = client().await;
@@ -237,7 +237,7 @@ async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
         ["a", "c"]
     );
     assert_eq!(listed("spec.queue=other".into()).await, ["d"]);
-    // A job just created has no status yet: the queue watch must still see it.
+    // A job just created has no status yet: both watches must treat it right.
     create_job(
         &client,
         &ns.name,
@@ -245,7 +245,7 @@ async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
     )
     .await;
     let queue = leasehold::queue_watch::queue_selector("q");
-    assert_eq!(listed(queue).await, ["a", "f"]);
+    assert_eq!(listed(queue).await, ["a", "b", "c", "e", "f"]);
     let held = leasehold::queue_watch::held_selector("q", "pod-a");
     assert_eq!(
         listed(held).await,
