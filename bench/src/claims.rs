@@ -55,9 +55,8 @@ pub async fn run(bench: &Bench, claimers: usize, jobs: usize) -> anyhow::Result<
     bench.create_jobs(&ns, queue, "j", jobs, 60, 16).await?;
     {
         let watch = JobWatch::start(bench.client.clone(), &ns).await?;
-        watch
-            .wait_phase(jobs, Phase::Queued, Duration::from_secs(300))
-            .await?;
+        let queued = watch.wait_phase(jobs, Phase::Queued, Duration::from_secs(300));
+        controller.while_running(queued).await?;
     }
     let mut workers = Vec::new();
     let mut watches = Vec::new();

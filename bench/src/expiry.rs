@@ -47,9 +47,8 @@ pub async fn run(
     bench
         .create_jobs(&ns, queue, "e", jobs, lease_seconds, 16)
         .await?;
-    watch
-        .wait_phase(jobs, Phase::Queued, Duration::from_secs(120))
-        .await?;
+    let queued = watch.wait_phase(jobs, Phase::Queued, Duration::from_secs(120));
+    controller.while_running(queued).await?;
     // Each sidecar claims its share, all sidecars at once.
     let claims = sidecars.iter().enumerate().map(|(i, s)| {
         let share = jobs / holders + usize::from(i < jobs % holders);

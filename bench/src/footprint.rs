@@ -72,9 +72,8 @@ pub async fn run(
         .await?;
     {
         let watch = JobWatch::start(bench.client.clone(), &ns).await?;
-        watch
-            .wait_phase(jobs, Phase::Queued, Duration::from_secs(900))
-            .await?;
+        let queued = watch.wait_phase(jobs, Phase::Queued, Duration::from_secs(900));
+        controller.while_running(queued).await?;
     }
     let fill = fill_start.elapsed();
     let http = crate::procs::sidecar_http();

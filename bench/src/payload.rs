@@ -56,10 +56,9 @@ pub async fn run(bench: &Bench, jobs: usize, payload_bytes: &[usize]) -> anyhow:
             .buffer_unordered(16)
             .try_collect::<Vec<()>>()
             .await?;
-        JobWatch::start(bench.client.clone(), &ns)
-            .await?
-            .wait_phase(jobs, Phase::Queued, Duration::from_secs(900))
-            .await?;
+        let watch = JobWatch::start(bench.client.clone(), &ns).await?;
+        let queued = watch.wait_phase(jobs, Phase::Queued, Duration::from_secs(900));
+        controller.while_running(queued).await?;
         let http = procs::sidecar_http();
         let mut sidecars = procs::sidecars(bench, &http, &ns, queue, 1).await?;
         tokio::time::sleep(SETTLE).await;

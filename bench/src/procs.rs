@@ -193,6 +193,23 @@ impl Proc {
         }
         Ok(())
     }
+
+    /// Runs `wait` (a wait for what this process should bring about, such as the controller
+    /// initialising jobs) while checking every second that the process still runs: fails at
+    /// once when it exits (a controller refusing an out-of-date CRD, say) instead of after the
+    /// wait's own timeout.
+    pub async fn while_running<T>(
+        &mut self,
+        wait: impl std::future::Future<Output = anyhow::Result<T>>,
+    ) -> anyhow::Result<T> {
+        let mut wait = std::pin::pin!(wait);
+        loop {
+            tokio::select! {
+                out = &mut wait => return out,
+                () = tokio::time::sleep(Duration::from_secs(1)) => self.check_running()?,
+            }
+        }
+    }
 }
 
 /// Starts `leasehold controller` for one namespace.
