@@ -9,7 +9,7 @@
 //! problem): while no claim is in progress it counts the changes it receives (the rent); once
 //! they outnumber what a fresh list would bring (the jobs it caches, plus [`RELIST_EVENTS`] for
 //! the list and watch requests themselves: the price of buying), it stops watching and empties
-//! its cache, and the next claim lists the queue again ([`RELIST_WAIT`]). Whatever the pattern
+//! its cache, and the next claim lists the queue again (waiting at least [`RELIST_WAIT`] for it). Whatever the pattern
 //! of claims, that costs at most about twice the cheaper of watching all along and listing
 //! afresh for every claim. A watch caching more than [`MAX_RELIST_JOBS`] never stops: the
 //! price of buying is also the next claim's wait, and a list of a long queue takes seconds.
@@ -45,10 +45,10 @@ pub const RELIST_EVENTS: usize = 8;
 /// docs/scaling.md), however much traffic stopping would save.
 pub const MAX_RELIST_JOBS: usize = 1000;
 
-/// Longest a claim waits for a stopped queue watch to list the queue again, whatever the
-/// claim's own `wait` (a `wait=0` claim too): a list of a few thousand jobs takes well under a
-/// second; 100,000 take about 25 s (docs/scaling.md), when the claim is answered 503 and the
-/// list goes on.
+/// How long a claim that finds the queue watch stopped waits for the new list at least,
+/// whatever its own `wait` (a `wait=0` claim too; a longer `wait` waits that long): a list of a
+/// few hundred jobs takes tens of milliseconds, and a watch caching more than
+/// [`MAX_RELIST_JOBS`] never stops. Past it the claim is answered 503 and the list goes on.
 pub const RELIST_WAIT: Duration = Duration::from_secs(10);
 
 /// The rent-or-buy rule (see the module doc): whether the queue watch should run.

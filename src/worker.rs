@@ -7,8 +7,10 @@
 //! Background renewal runs every `leaseDurationSeconds / 3` per held job (client-go's leader
 //! election renews at a similar fraction of its lease). It stops when:
 //! - the attempt ends (complete, fail, release);
-//! - a renewal finds holderIdentity changed or the Lease gone, or the watch cache shows the job
-//!   no longer Leased to the attempt (expired, cancelled, superseded): the lease is lost;
+//! - a renewal finds holderIdentity changed or the Lease gone, or the held-jobs watch cache
+//!   shows the job no longer Leased to the attempt (expired, cancelled), or a fresh read does
+//!   for a job that left that cache (superseded by another holder's claim, deleted): the lease
+//!   is lost;
 //! - renewals have failed (network, 5xx, 403) for a whole lease duration, measured on the
 //!   monotonic clock from the last success: the lease is declared lost, since the controller
 //!   may have requeued the job by then;
@@ -527,18 +529,21 @@ impl Worker {
         // The queue watch runs while this claim is in progress (and starts again if it had
         // stopped): a stopped one lists the queue first, for up to RELIST_WAIT whatever `wait`.
         let _claiming = self.inner.queue_watch.claiming();
-        let listed = deadline.max(Instant::now() + queue_watch::RELIST_WAIT);
-        if tokio::time::timeout_at(listed, self.inner.queue_watch.wait_synced())
-            .await
-            .is_err()
-        {
-            // Not an empty queue: this sidecar cannot see the queue yet.
-            return Err(WorkerError::unavailable(
-                format!("claim from queue {}", self.inner.config.queue),
-                "the LeasedJob watch of the queue has not listed it yet (see /readyz)",
-            ));
-        }
         let mut draining = self.inner.draining.subscribe();
+        let listed = deadline.max(Instant::now() + queue_watch::RELIST_WAIT);
+        tokio::select! {
+            synced = tokio::time::timeout_at(listed, self.inner.queue_watch.wait_synced()) => {
+                if synced.is_err() {
+                    // Not an empty queue: this sidecar cannot see the queue yet.
+                    return Err(WorkerError::unavailable(
+                        format!("claim from queue {}", self.inner.config.queue),
+                        "the LeasedJob watch of the queue has not listed it yet (see /readyz)",
+                    ));
+                }
+            }
+            () = &mut gone => return Ok(None),
+            _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
+        }
         loop {
             changes.borrow_and_update();
             let picked = self.pick();
@@ -1002,6 +1007,15 @@ impl Worker {
                 self.lose(held, code, lost_message(&job_ref, &why));
                 return;
             }
+            // Not in the held-jobs cache: claimed by another holder since (superseded), or
+            // deleted; a fresh read tells.
+            if let Some(job) = self.read_if_uncached(name).await {
+                if let Some(r) = fence::refusal(&job_ref, job.as_ref(), &held.token) {
+                    warn!(job = %job_ref, attempt = held.token.attempt(), "Stopped renewing LeasedJob {job_ref}: {r}");
+                    self.lose(held, r.code(), r.to_string());
+                    return;
+                }
+            }
             let renewed = self.renew_bounded(held, None).await;
             self.inner.metrics.heartbeat(renewed.is_ok());
             match renewed {
@@ -1254,9 +1268,24 @@ impl Worker {
                     return Err(WorkerError::Refused(r));
                 }
                 let moved_on = match self.cached_job_moved_on(name, &token) {
-                    None if self.job_deleted(name).await => {
-                        Some(("job_not_found", "the LeasedJob was deleted".to_string()))
-                    }
+                    // Not in the held-jobs cache: deleted, or claimed by another holder since
+                    // (superseded); a fresh read tells.
+                    None => match self.read_if_uncached(name).await {
+                        Some(None) => {
+                            Some(("job_not_found", "the LeasedJob was deleted".to_string()))
+                        }
+                        Some(Some(job)) => {
+                            if let Some(r) = fence::refusal(&self.job_ref(name), Some(&job), &token)
+                            {
+                                if let Some(h) = &held {
+                                    self.lose(h, r.code(), r.to_string());
+                                }
+                                return Err(WorkerError::Refused(r));
+                            }
+                            None
+                        }
+                        None => None,
+                    },
                     other => other,
                 };
                 if let Some((code, why)) = moved_on {
@@ -1387,14 +1416,17 @@ impl Worker {
         None
     }
 
-    /// True when the job is absent from the synced cache and the API server confirms it is gone
-    /// (the Lease of a deleted job lives on until garbage collection removes it).
-    async fn job_deleted(&self, name: &str) -> bool {
+    /// The job `name` as the API server has it now (`Some(None)`: deleted), read when the
+    /// synced held-jobs cache does not show it: a job claimed by another holder since has left
+    /// that cache (its `status.holder` changed), and only a fresh read tells this process its
+    /// attempt was superseded. `None` when the cache shows the job, has not listed yet, or the
+    /// read failed: nothing is known beyond the cache, and the Lease decides.
+    async fn read_if_uncached(&self, name: &str) -> Option<Option<LeasedJob>> {
         let key = ObjectRef::new(name).within(&self.inner.config.namespace);
         if self.inner.held_store.get(&key).is_some() || !self.inner.held_synced.is_synced() {
-            return false;
+            return None;
         }
-        matches!(self.inner.jobs.get_opt(name).await, Ok(None))
+        self.inner.jobs.get_opt(name).await.ok()
     }
 
     /// After the Lease refused a renewal: the refusal as the job explains it.

@@ -7,9 +7,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use kube::api::{Patch, PatchParams};
+use kube::api::{Patch, PatchParams, PostParams};
 use kube::Api;
-use leasehold::crd::LeasedJob;
+use leasehold::crd::{LeasedJob, Phase};
 use serde_json::json;
 
 /// `leasehold_queue_watch_running` and `leasehold_queue_watch_stops_total` of `sc`.
@@ -148,4 +148,41 @@ async fn a_waiting_claim_keeps_the_queue_watch_however_busy_the_queue() {
     .await;
     let (s, got) = claim.await.unwrap();
     assert_eq!((s, got["name"].as_str()), (200, Some("now")), "{got}");
+}
+
+/// A job claimed by another holder leaves this sidecar's held-jobs watch; its heartbeat must
+/// then read the job and be refused, even while the Lease still names the old token (here the
+/// new attempt is written straight to the status, as if its holder had not taken the Lease
+/// over yet).
+#[tokio::test]
+async fn a_superseded_attempt_is_refused_though_its_lease_still_names_it() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "queue-watch-superseded").await;
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let a = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    create_queued(&client, &ns.name, std::iter::once("s".to_string())).await;
+    let (_, token) = a.claim_ok(10).await;
+    let (s, r) = a.heartbeat("s", json!({"token": token})).await;
+    assert_eq!(s, 200, "{r}");
+    let mut job = jobs.get("s").await.unwrap();
+    let status = job.status.as_mut().unwrap();
+    assert_eq!(status.phase, Some(Phase::Leased));
+    status.attempt = 2;
+    status.holder = Some("pod-b".into());
+    status.token = Some(format!("2.{}", "0123456789abcdef".repeat(2)));
+    jobs.replace_status("s", &PostParams::default(), &job)
+        .await
+        .unwrap();
+    wait_for(
+        "pod-a's heartbeat refused",
+        Duration::from_secs(10),
+        || async {
+            let (s, r) = a.heartbeat("s", json!({"token": token})).await;
+            (s == 409 && r["error"] == "lease_lost").then_some(())
+        },
+    )
+    .await;
+    // Every later call with the old token is refused too.
+    let (s, r) = a.complete("s", &token, json!("late")).await;
+    assert_eq!((s, r["error"].as_str()), (409, Some("lease_lost")), "{r}");
 }
