@@ -34,6 +34,7 @@ use tracing::info;
 use crate::claim_index::ClaimIndex;
 use crate::crd::LeasedJob;
 use crate::metrics::Metrics;
+use crate::watch::Synced;
 
 /// The fixed part of what listing the queue again costs, counted in watch events: a LIST
 /// request and a new WATCH request, each about as costly for the API server as sending a few
@@ -122,10 +123,10 @@ pub struct QueueWatch {
     /// Wakes a stopped watch task ([`Notify::notify_one`] keeps the wake for a task not yet
     /// waiting).
     start: Notify,
-    /// True while the cache holds a complete list of the queue.
-    synced: watch::Sender<bool>,
-    /// True once the cache has been complete at least once (readiness).
-    ever_synced: watch::Sender<bool>,
+    /// Set while the cache holds a complete list of the queue.
+    synced: Synced,
+    /// Set once the cache has been complete at least once (readiness).
+    ever_synced: Synced,
 }
 
 impl Default for QueueWatch {
@@ -133,8 +134,8 @@ impl Default for QueueWatch {
         QueueWatch {
             interest: Mutex::default(),
             start: Notify::new(),
-            synced: watch::channel(false).0,
-            ever_synced: watch::channel(false).0,
+            synced: Synced::default(),
+            ever_synced: Synced::default(),
         }
     }
 }
@@ -160,32 +161,19 @@ impl QueueWatch {
         Claiming(self)
     }
 
-    /// True while the cache holds a complete list of the queue.
-    pub fn is_synced(&self) -> bool {
-        *self.synced.borrow()
-    }
-
     /// True once the cache has been complete at least once.
     pub fn ever_synced(&self) -> bool {
-        *self.ever_synced.borrow()
+        self.ever_synced.is_synced()
     }
 
     /// Waits until the cache holds a complete list of the queue (at once if it does).
     pub async fn wait_synced(&self) {
-        let mut rx = self.synced.subscribe();
-        // The sender lives in `self`, so the channel cannot close while this waits.
-        let _ = rx.wait_for(|s| *s).await;
+        self.synced.wait().await;
     }
 
     /// Waits until the cache has been complete once.
     pub async fn wait_ever_synced(&self) {
-        let mut rx = self.ever_synced.subscribe();
-        let _ = rx.wait_for(|s| *s).await;
-    }
-
-    /// True while the watch runs or is starting.
-    pub fn is_watching(&self) -> bool {
-        self.interest.lock().unwrap().is_watching()
+        self.ever_synced.wait().await;
     }
 }
 
@@ -280,8 +268,8 @@ pub async fn run(
             index.lock().unwrap().observe(&event);
             let stop = match &event {
                 watcher::Event::InitDone => {
-                    shared.synced.send_replace(true);
-                    shared.ever_synced.send_replace(true);
+                    shared.synced.set(true);
+                    shared.ever_synced.set(true);
                     false
                 }
                 watcher::Event::Apply(_) | watcher::Event::Delete(_) => {
@@ -291,7 +279,7 @@ pub async fn run(
                     if stop {
                         // Under the same lock as the decision: a claim that begins from
                         // now on waits for the next list.
-                        shared.synced.send_replace(false);
+                        shared.synced.set(false);
                     }
                     stop
                 }

@@ -338,6 +338,13 @@ impl Synced {
         let _ = rx.wait_for(|synced| *synced).await;
     }
 
+    /// Marks the cache complete (`true`) or not (`false`: a watch that stopped and emptied its
+    /// cache, [`crate::queue_watch`]), waking every waiter when it becomes complete.
+    pub fn set(&self, synced: bool) {
+        self.tx
+            .send_if_modified(|s| std::mem::replace(s, synced) != synced);
+    }
+
     /// `stream` (a watch after its reflector) marking this synced at its first `InitDone`.
     pub fn track<K, E>(
         &self,

@@ -413,11 +413,6 @@ impl Worker {
         self.inner.held_synced.is_synced() && self.inner.queue_watch.ever_synced()
     }
 
-    /// True while the queue's watch runs (or is starting again for a claim).
-    pub fn is_watching_queue(&self) -> bool {
-        self.inner.queue_watch.is_watching()
-    }
-
     /// This worker's metrics.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.inner.metrics
@@ -527,7 +522,8 @@ impl Worker {
         let deadline = Instant::now() + wait;
         let mut changes = self.inner.changes.clone();
         // The queue watch runs while this claim is in progress (and starts again if it had
-        // stopped): a stopped one lists the queue first, for up to RELIST_WAIT whatever `wait`.
+        // stopped): a stopped one lists the queue first, waited for as long as `wait` and at
+        // least RELIST_WAIT.
         let _claiming = self.inner.queue_watch.claiming();
         let mut draining = self.inner.draining.subscribe();
         let listed = deadline.max(Instant::now() + queue_watch::RELIST_WAIT);
