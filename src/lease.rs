@@ -325,30 +325,72 @@ fn lease_ref(api_ns: &str, name: &str) -> String {
     format!("{api_ns}/{name}")
 }
 
-/// Acquires the Lease of `job` for `token`, right after the claim that issued it: creates it,
-/// or takes it over from an older attempt with a resourceVersion precondition, adding one to
-/// leaseTransitions. Retries on conflict a few times; the claim already made this caller the
-/// owner, so a conflict only means someone (the controller releasing, an old holder's last
-/// renewal) wrote in between. A first attempt's Lease normally does not exist yet, so for
-/// attempt 1 the create is tried before any read (one request instead of two on the claim
-/// path); if the Lease exists after all, the create fails with 409 and the read path follows.
+/// What the first renewal of an attempt carries into the Lease it creates ([`acquire`]):
+/// nothing for a background renewal, the worker's checkpoint and progress for a heartbeat.
+#[derive(Debug, Clone, Copy)]
+pub struct FirstRenewal<'a> {
+    /// The checkpoint to store (any JSON up to [`MAX_CHECKPOINT_BYTES`]).
+    pub checkpoint: Option<&'a Value>,
+    /// The progress to show.
+    pub progress: &'a Progress,
+}
+
+impl Default for FirstRenewal<'_> {
+    fn default() -> Self {
+        static NONE: Progress = Progress {
+            fraction: None,
+            message: None,
+        };
+        FirstRenewal {
+            checkpoint: None,
+            progress: &NONE,
+        }
+    }
+}
+
+/// Acquires the Lease of `job` for `token`: creates it, or takes it over from an older attempt
+/// with a resourceVersion precondition, adding one to leaseTransitions. The sidecar does this
+/// at the attempt's first renewal, not at the claim (the claim's own write starts the lease:
+/// see docs/protocol.md, "The Lease is written by the first renewal"), so `first` carries what
+/// that renewal carries: a checkpoint and progress, stored in the same write. Retries on
+/// conflict a few times; the claim already made this caller the owner, so a conflict only
+/// means someone (the controller releasing, an old holder's last renewal) wrote in between. A
+/// first attempt's Lease normally does not exist yet, so for attempt 1 the create is tried
+/// before any read (one request instead of two); if the Lease exists after all, the create
+/// fails with 409 and the read path follows.
 ///
 /// A Lease of that name that is not this job's ([`ownership`]) is never written.
 ///
 /// # Errors
 /// [`LeaseError::Lost`] when the Lease is held by the same or a newer attempt;
-/// [`LeaseError::NotOurs`] when the Lease belongs to something else; [`LeaseError::Api`]
-/// otherwise.
+/// [`LeaseError::NotOurs`] when the Lease belongs to something else;
+/// [`LeaseError::CheckpointTooLarge`]; [`LeaseError::Api`] otherwise.
 pub async fn acquire(
     api: &Api<Lease>,
     job: &LeasedJob,
     token: &Token,
+    first: &FirstRenewal<'_>,
 ) -> Result<Lease, LeaseError> {
+    let checkpoint = first.checkpoint.map(checkpoint_text).transpose()?;
+    let for_claim = |now: Timestamp, transitions: i32, previous: Option<&Lease>| {
+        let mut lease = lease_for_claim(job, token, now, transitions, previous);
+        let annotations = lease
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default);
+        if let Some(text) = &checkpoint {
+            annotations.insert(CHECKPOINT_ANNOTATION.to_string(), text.clone());
+        }
+        for (name, text) in first.progress.annotations() {
+            annotations.insert(name.to_string(), text);
+        }
+        lease
+    };
     let name = lease_name(&job.name_any());
     let ns = job.namespace().unwrap_or_default();
     let mut last_err = None;
     if token.attempt() == 1 {
-        let lease = lease_for_claim(job, token, Timestamp::now(), 0, None);
+        let lease = for_claim(Timestamp::now(), 0, None);
         match api.create(&PostParams::default(), &lease).await {
             Ok(l) => return Ok(l),
             Err(e) if is_status(&e, 409) => last_err = Some(e),
@@ -359,7 +401,7 @@ pub async fn acquire(
         let now = Timestamp::now();
         match api.get_opt(&name).await.map_err(LeaseError::Api)? {
             None => {
-                let lease = lease_for_claim(job, token, now, 0, None);
+                let lease = for_claim(now, 0, None);
                 match api.create(&PostParams::default(), &lease).await {
                     Ok(l) => return Ok(l),
                     Err(e) if is_status(&e, 409) => last_err = Some(e),
@@ -390,7 +432,12 @@ pub async fn acquire(
                     });
                 }
                 if holder_identity(&current) == Some(token.as_str()) {
-                    return Ok(current);
+                    // Taken already, by a first renewal of the same attempt sent at the same
+                    // moment: what this one carries is written as a renewal.
+                    if first.checkpoint.is_none() && first.progress.annotations().is_empty() {
+                        return Ok(current);
+                    }
+                    return renew(api, &name, token, first.checkpoint, first.progress).await;
                 }
                 let transitions = current
                     .spec
@@ -398,7 +445,7 @@ pub async fn acquire(
                     .and_then(|s| s.lease_transitions)
                     .unwrap_or(0)
                     + 1;
-                let lease = lease_for_claim(job, token, now, transitions, Some(&current));
+                let lease = for_claim(now, transitions, Some(&current));
                 match api.replace(&name, &PostParams::default(), &lease).await {
                     Ok(l) => return Ok(l),
                     Err(e) if is_status(&e, 409) => last_err = Some(e),

@@ -1,8 +1,16 @@
 //! The worker client: the library a Rust worker uses, and what the sidecar serves over HTTP.
 //!
 //! A [`Worker`] watches one queue of one namespace, claims jobs from that watch cache
-//! ([`crate::claim`]), acquires their Leases, keeps every held Lease renewed in the background,
-//! and forwards the worker's heartbeats, results, failures and releases as conditional writes.
+//! ([`crate::claim`]), keeps every held lease renewed in the background, and forwards the
+//! worker's heartbeats, results, failures and releases as conditional writes.
+//!
+//! The claim's own write starts the lease: an attempt's Lease is written by its first renewal
+//! (the worker's first heartbeat, or the background renewal a third of a lease duration after
+//! the claim), so an attempt that ends before then costs two writes, the claim and its end
+//! (docs/protocol.md, "The Lease is written by the first renewal"). A first renewal whose Lease
+//! name is taken by something else undoes the claim, as a release with the condition
+//! `LeaseConflict`; one that would come a whole lease duration after the claim (this process
+//! was frozen) is not made: the lease is lost.
 //!
 //! Background renewal runs every `leaseDurationSeconds / 3` per held job (client-go's leader
 //! election renews at a similar fraction of its lease). It stops when:
@@ -242,11 +250,21 @@ struct Held {
     wake: Notify,
 }
 
+impl Held {
+    /// Whether the attempt's Lease was written.
+    fn lease_taken(&self) -> bool {
+        self.state.lock().unwrap().lease_taken
+    }
+}
+
 struct HeldState {
     /// When the last renewal was confirmed (monotonic clock).
     last_renewed: Instant,
     /// The renewTime of the last confirmed renewal (wall clock), for `expiresAt`.
     renew_time: Timestamp,
+    /// False until the attempt's Lease is written (by its first renewal): until then the
+    /// claim's write is its only renewal, and `last_renewed` is when that write was sent.
+    lease_taken: bool,
     last_contact: Instant,
     checkpoint: Option<Value>,
     /// The progress the worker last sent, carried by every renewal from then on (background
@@ -748,7 +766,6 @@ impl Worker {
 
     async fn try_claim(&self, snapshot: &LeasedJob) -> Result<Option<Claimed>, WorkerError> {
         self.mark_tried(snapshot);
-        let identity = &self.inner.config.identity;
         let lease_duration = Duration::from_secs(
             u64::try_from(snapshot.spec.lease_duration_seconds.max(1)).unwrap_or(1),
         );
@@ -814,45 +831,9 @@ impl Worker {
                 ));
             }
         };
+        // The Lease is not written here: the attempt's first renewal writes it (see the module
+        // doc), so a job done before then costs the claim and its end only.
         let job_ref = job.reference();
-        let acquired =
-            tokio::time::timeout(bound, lease::acquire(&self.inner.leases, &job, &token))
-                .await
-                .unwrap_or(Err(LeaseError::Timeout { after: bound }));
-        if let Err(e) = acquired {
-            // Hand the job straight back, as a release (not a failed attempt), rather than
-            // leave it Leased to nobody until its lease runs out.
-            let outcome = match &e {
-                LeaseError::NotOurs { stale, .. } => {
-                    let (reason, after) = if *stale {
-                        ("StaleLease", STALE_LEASE_RETRY)
-                    } else {
-                        ("LeaseNotOurs", FOREIGN_LEASE_RETRY)
-                    };
-                    let message = format!(
-                        "{e}; the claim by {identity} was undone (not a failed attempt) and the job is retried after {}s",
-                        after.as_secs()
-                    );
-                    Outcome::Unclaim {
-                        reason: reason.to_string(),
-                        message,
-                        retry_after: Timestamp::now()
-                            + SignedDuration::try_from(after).unwrap_or_default(),
-                    }
-                }
-                _ => Outcome::Release { checkpoint: None },
-            };
-            self.undo_claim(&job, &token, outcome).await;
-            warn!(job = %job_ref, attempt = token.attempt(), error = %error_chain(&e), "Gave the claim of LeasedJob {job_ref} back: its Lease could not be taken");
-            return match e {
-                // Another job's business or a leftover: this job waits, the claimer moves on.
-                LeaseError::NotOurs { .. } | LeaseError::Lost { .. } => Ok(None),
-                e => Err(WorkerError::unavailable(
-                    format!("Lease acquisition for LeasedJob {job_ref}"),
-                    error_chain(&e),
-                )),
-            };
-        }
         info!(job = %job_ref, attempt = token.attempt(), "Claimed LeasedJob {job_ref} (attempt {})", token.attempt());
         self.inner.metrics.claims.inc();
         if let Some(created) = &job.metadata.creation_timestamp {
@@ -870,6 +851,7 @@ impl Worker {
             token.clone(),
             job.spec.lease_duration_seconds,
             Some(slim),
+            started,
         );
         Ok(Some(Claimed {
             namespace: self.inner.config.namespace.clone(),
@@ -905,6 +887,39 @@ impl Worker {
         }
     }
 
+    /// Undoes the claim of `job` whose Lease name is taken by something else (`conflict`, a
+    /// [`LeaseError::NotOurs`]): a release that sets the condition `LeaseConflict` and
+    /// `status.retryAfter` ([`STALE_LEASE_RETRY`] for a leftover of an earlier job of the same
+    /// name, else [`FOREIGN_LEASE_RETRY`]), so the job waits and is not counted as failed.
+    /// Returns what the worker is told.
+    async fn undo_for_conflict(
+        &self,
+        job: &LeasedJob,
+        token: &Token,
+        conflict: &LeaseError,
+    ) -> String {
+        let stale = matches!(conflict, LeaseError::NotOurs { stale: true, .. });
+        let (reason, after) = if stale {
+            ("StaleLease", STALE_LEASE_RETRY)
+        } else {
+            ("LeaseNotOurs", FOREIGN_LEASE_RETRY)
+        };
+        let identity = &self.inner.config.identity;
+        let message = format!(
+            "{conflict}; the claim by {identity} was undone (not a failed attempt) and the job is retried after {}s",
+            after.as_secs()
+        );
+        let outcome = Outcome::Unclaim {
+            reason: reason.to_string(),
+            message: message.clone(),
+            retry_after: Timestamp::now() + SignedDuration::try_from(after).unwrap_or_default(),
+        };
+        self.undo_claim(job, token, outcome).await;
+        let job_ref = job.reference();
+        warn!(job = %job_ref, attempt = token.attempt(), error = %error_chain(conflict), "Gave the claim of LeasedJob {job_ref} back: its Lease could not be taken");
+        lost_message(&job_ref, &message)
+    }
+
     /// Gives back a claim whose claimer went away before it was answered (its HTTP client
     /// disconnected, or timed out): a release, so the job is claimable again at once and the
     /// attempt does not count as failed.
@@ -920,23 +935,29 @@ impl Worker {
         }
     }
 
-    /// Starts holding an attempt: records it and spawns its background renewer.
+    /// Starts holding an attempt: records it and spawns its background renewer. `claimed` is
+    /// the claim's answer when this process made the claim at `renewed` (when its write was
+    /// sent); its Lease is then not written yet. Without it, the attempt was found holding a
+    /// Lease renewed at `renewed`.
     fn hold(
         &self,
         name: &str,
         token: Token,
         duration_s: i32,
         claimed: Option<LeasedJob>,
+        renewed: Instant,
     ) -> Arc<Held> {
         let now = Instant::now();
+        let lease_taken = claimed.is_none();
         let held = Arc::new(Held {
             token,
             claimed,
             lease_name: lease::lease_name(name),
             duration: Duration::from_secs(u64::try_from(duration_s.max(1)).unwrap_or(1)),
             state: Mutex::new(HeldState {
-                last_renewed: now,
+                last_renewed: renewed,
                 renew_time: Timestamp::now(),
+                lease_taken,
                 last_contact: now,
                 checkpoint: None,
                 progress: Progress::default(),
@@ -1023,6 +1044,8 @@ impl Worker {
                     }
                     due = Instant::now() + interval;
                 }
+                // Its Lease name is taken by something else: the claim was undone.
+                Err(LeaseError::NotOurs { .. }) => return,
                 Err(LeaseError::Lost { .. }) => {
                     warn!(job = %job_ref, attempt = held.token.attempt(), "Lost lease of LeasedJob {job_ref}: holderIdentity changed");
                     self.lose(
@@ -1189,14 +1212,21 @@ impl Worker {
     }
 
     /// One renewal of `held`'s Lease, waiting at most [`call_bound`] of its lease duration. It
-    /// carries the latest progress the worker sent for the attempt.
+    /// carries the latest progress the worker sent for the attempt. The attempt's first
+    /// renewal writes the Lease ([`Worker::take_lease`]).
     async fn renew_bounded(
         &self,
         held: &Held,
         checkpoint: Option<&Value>,
     ) -> Result<Lease, LeaseError> {
         let after = call_bound(held.duration);
-        let progress = held.state.lock().unwrap().progress.clone();
+        let (progress, taken) = {
+            let st = held.state.lock().unwrap();
+            (st.progress.clone(), st.lease_taken)
+        };
+        if let (false, Some(job)) = (taken, &held.claimed) {
+            return self.take_lease(held, job, checkpoint, &progress).await;
+        }
         let renew = lease::renew(
             &self.inner.leases,
             &held.lease_name,
@@ -1207,6 +1237,61 @@ impl Worker {
         tokio::time::timeout(after, renew)
             .await
             .unwrap_or(Err(LeaseError::Timeout { after }))
+    }
+
+    /// The first renewal of an attempt this process claimed (`job`, the claim's answer): writes
+    /// its Lease ([`lease::acquire`]) with `checkpoint` and `progress`, waiting at most
+    /// [`call_bound`] of its lease duration.
+    ///
+    /// Not made once a whole lease duration has passed since the claim was sent (this process
+    /// was frozen, or every try failed): no renewal reached the API server, so the controller
+    /// may have requeued the job, and a Lease written now could name an attempt that ended.
+    /// The attempt is lost then. A Lease name taken by something else undoes the claim
+    /// ([`Worker::undo_for_conflict`]) and the attempt is lost with that reason.
+    ///
+    /// # Errors
+    /// [`LeaseError::Lost`] (lost as above, or the Lease names a newer attempt);
+    /// [`LeaseError::NotOurs`]; [`LeaseError::Timeout`] and [`LeaseError::Api`] (retry).
+    async fn take_lease(
+        &self,
+        held: &Held,
+        job: &LeasedJob,
+        checkpoint: Option<&Value>,
+        progress: &Progress,
+    ) -> Result<Lease, LeaseError> {
+        let job_ref = job.reference();
+        let since = held.state.lock().unwrap().last_renewed.elapsed();
+        if since >= held.duration {
+            let why = format!(
+                "no renewal got through in {}s since the claim, a whole lease duration",
+                since.as_secs()
+            );
+            warn!(job = %job_ref, attempt = held.token.attempt(), "Stopped renewing LeasedJob {job_ref}: {why}");
+            self.lose(held, LEASE_LOST, lost_message(&job_ref, &why));
+            return Err(LeaseError::Lost {
+                lease: held.lease_name.clone(),
+            });
+        }
+        let after = call_bound(held.duration);
+        let first = lease::FirstRenewal {
+            checkpoint,
+            progress,
+        };
+        let acquired = tokio::time::timeout(
+            after,
+            lease::acquire(&self.inner.leases, job, &held.token, &first),
+        )
+        .await
+        .unwrap_or(Err(LeaseError::Timeout { after }));
+        match &acquired {
+            Ok(_) => held.state.lock().unwrap().lease_taken = true,
+            Err(e @ LeaseError::NotOurs { .. }) => {
+                let message = self.undo_for_conflict(job, &held.token, e).await;
+                self.lose(held, LEASE_LOST, message);
+            }
+            Err(_) => {}
+        }
+        acquired
     }
 
     async fn heartbeat_inner(
@@ -1221,6 +1306,8 @@ impl Worker {
             lease::checkpoint_text(c).map_err(|e| WorkerError::TooLarge(e.to_string()))?;
         }
         let held = self.held_for(name, &token)?;
+        // The job as read for a token this process does not hold.
+        let mut unheld = None;
         // The Lease alone proves nothing: the Lease of an attempt that ended still names its
         // token. A token whose attempt is known to have ended is refused before any write.
         match &held {
@@ -1231,7 +1318,7 @@ impl Worker {
                     return Err(WorkerError::LeaseLost { code, message });
                 }
             }
-            None => self.check_unheld(name, &token).await?,
+            None => unheld = Some(self.check_unheld(name, &token).await?),
         }
         let renewed = match &held {
             Some(h) => {
@@ -1242,14 +1329,39 @@ impl Worker {
             // token holds it: the Lease decides.
             None => {
                 let lease_name = lease::lease_name(name);
-                lease::renew(
+                let renewed = lease::renew(
                     &self.inner.leases,
                     &lease_name,
                     &token,
                     checkpoint.as_ref(),
                     &progress,
                 )
-                .await
+                .await;
+                match (renewed, &unheld) {
+                    // Its Lease is not written yet (the first renewal writes it, and this
+                    // process restarted before that) or names an older attempt: this is the
+                    // first renewal, made for the holder the job names, which is this process.
+                    (Err(LeaseError::Lost { .. }), Some(job))
+                        if job.status.as_ref().and_then(|s| s.holder.as_deref())
+                            == Some(self.inner.config.identity.as_str()) =>
+                    {
+                        let first = lease::FirstRenewal {
+                            checkpoint: checkpoint.as_ref(),
+                            progress: &progress,
+                        };
+                        let acquired =
+                            lease::acquire(&self.inner.leases, job, &token, &first).await;
+                        if let Err(e @ LeaseError::NotOurs { .. }) = &acquired {
+                            let message = self.undo_for_conflict(job, &token, e).await;
+                            return Err(WorkerError::LeaseLost {
+                                code: LEASE_LOST,
+                                message,
+                            });
+                        }
+                        acquired
+                    }
+                    (renewed, _) => renewed,
+                }
             }
         };
         if !matches!(renewed, Err(LeaseError::CheckpointTooLarge { .. })) {
@@ -1296,7 +1408,9 @@ impl Worker {
                     .as_ref()
                     .and_then(|s| s.lease_duration_seconds)
                     .unwrap_or(60);
-                let held = held.unwrap_or_else(|| self.hold(name, token.clone(), duration_s, None));
+                let held = held.unwrap_or_else(|| {
+                    self.hold(name, token.clone(), duration_s, None, Instant::now())
+                });
                 let renew_time = lease
                     .spec
                     .as_ref()
@@ -1317,7 +1431,18 @@ impl Worker {
                     lease_duration_seconds: duration_s,
                 })
             }
-            Err(LeaseError::Lost { .. } | LeaseError::NotOurs { .. }) => {
+            Err(e @ (LeaseError::Lost { .. } | LeaseError::NotOurs { .. })) => {
+                // Lost before any write (a first renewal too late), or its claim undone for a
+                // Lease name taken by something else: the reason is already known.
+                if let Some(h) = &held {
+                    let lost = h.state.lock().unwrap().lost.clone();
+                    if let (Some((code, message)), true) = (
+                        lost,
+                        matches!(e, LeaseError::NotOurs { .. }) || !h.lease_taken(),
+                    ) {
+                        return Err(WorkerError::LeaseLost { code, message });
+                    }
+                }
                 let err = self.explain_lost(name, &token).await;
                 if let Some(h) = &held {
                     self.lose(h, err.code(), err.to_string());
@@ -1364,10 +1489,12 @@ impl Worker {
     /// the renewal, so only the job can tell.) One read, for the first heartbeat of an attempt
     /// after a restart; a successful renewal makes the attempt held again.
     ///
+    /// Returns the job read, Leased to the token.
+    ///
     /// # Errors
     /// [`WorkerError::Refused`] with the job's refusal; [`WorkerError::Unavailable`] when the
     /// job could not be read.
-    async fn check_unheld(&self, name: &str, token: &Token) -> Result<(), WorkerError> {
+    async fn check_unheld(&self, name: &str, token: &Token) -> Result<LeasedJob, WorkerError> {
         if let Some(r) = self.ended_refusal(name, token) {
             return Err(WorkerError::Refused(r));
         }
@@ -1375,9 +1502,10 @@ impl Worker {
         let job = self.inner.jobs.get_opt(name).await.map_err(|e| {
             WorkerError::unavailable(format!("heartbeat of LeasedJob {job_ref}"), error_chain(&e))
         })?;
-        match fence::refusal(&job_ref, job.as_ref(), token) {
-            Some(r) => Err(WorkerError::Refused(r)),
-            None => Ok(()),
+        match (fence::refusal(&job_ref, job.as_ref(), token), job) {
+            (None, Some(job)) => Ok(job),
+            (Some(r), _) => Err(WorkerError::Refused(r)),
+            (None, None) => Err(WorkerError::Refused(Refusal::NotFound { job: job_ref })),
         }
     }
 
@@ -1540,8 +1668,12 @@ impl Worker {
         token: &Token,
         held: Option<&Arc<Held>>,
     ) -> Option<Value> {
-        if let Some(c) = held.and_then(|h| h.state.lock().unwrap().checkpoint.clone()) {
-            return Some(c);
+        if let Some(h) = held {
+            let st = h.state.lock().unwrap();
+            if st.checkpoint.is_some() || !st.lease_taken {
+                // The worker's latest, or none: no Lease of this attempt was written yet.
+                return st.checkpoint.clone();
+            }
         }
         match self.inner.leases.get_opt(&lease::lease_name(name)).await {
             Ok(Some(l)) if lease::holder_identity(&l) == Some(token.as_str()) => {

@@ -372,7 +372,7 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
     let (job, t1) = claim::claim(&jobs_a, &w.job("j").await, "pod-a")
         .await
         .unwrap();
-    let acquired = lease::acquire(&leases_a, &job, &t1)
+    let acquired = lease::acquire(&leases_a, &job, &t1, &Default::default())
         .await
         .expect("pod-a acquires");
     assert_eq!(lease::holder_pod(&acquired), Some("pod-a"));
@@ -483,7 +483,7 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
     let (job, t2) = claim::claim(&jobs_b, &w.job("j").await, "pod-b")
         .await
         .unwrap();
-    let taken = lease::acquire(&leases_b, &job, &t2)
+    let taken = lease::acquire(&leases_b, &job, &t2, &Default::default())
         .await
         .expect("pod-b takes over");
     assert_eq!(lease::holder_pod(&taken), Some("pod-b"));
@@ -786,6 +786,14 @@ async fn job_lifecycle_runs_with_exactly_the_charts_credentials() {
         (Some(yb), Some(2))
     );
     assert_eq!(c2["checkpoint"], json!({"step": 7}));
+    // Its first heartbeat takes over pod-b's Lease, under the chart's policy.
+    let (s, r) = a
+        .post(
+            &format!("/v1/jobs/{yb}/heartbeat"),
+            json!({"token": token_of(&c2), "checkpoint": {"step": 8}}),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
     let (s, r) = a
         .post(
             &format!("/v1/jobs/{yb}/fail"),
@@ -795,6 +803,13 @@ async fn job_lifecycle_runs_with_exactly_the_charts_credentials() {
     assert_eq!(s, 200, "{r}");
     let c3 = a.claim().await;
     assert_eq!(c3["attempt"], 3);
+    let (s, r) = a
+        .post(
+            &format!("/v1/jobs/{yb}/heartbeat"),
+            json!({"token": token_of(&c3)}),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
     let (s, r) = a
         .post(
             &format!("/v1/jobs/{yb}/complete"),

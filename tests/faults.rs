@@ -36,7 +36,10 @@ async fn renewals_failing_for_a_whole_lease_lose_the_lease_and_the_system_recove
     let (s, r) = a.heartbeat("j", json!({"token": token})).await;
     assert_eq!((s, r["error"].as_str()), (409, Some("lease_lost")), "{r}");
     assert!(
-        r["message"].as_str().unwrap().contains("renewals failed"),
+        r["message"]
+            .as_str()
+            .unwrap()
+            .contains("a whole lease duration"),
         "{r}"
     );
 

@@ -83,7 +83,9 @@ async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
     )
     .await;
     let (job, t1) = claim::claim(&jobs, &job, "a").await.unwrap();
-    lease::acquire(&leases, &job, &t1).await.unwrap();
+    lease::acquire(&leases, &job, &t1, &Default::default())
+        .await
+        .unwrap();
     // Attempt 1 is given back; attempt 2 is claimed by b.
     fence::apply(
         &jobs,
@@ -96,7 +98,9 @@ async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
     .unwrap();
     let job = jobs.get("j").await.unwrap();
     let (job, t2) = claim::claim(&jobs, &job, "b").await.unwrap();
-    lease::acquire(&leases, &job, &t2).await.unwrap();
+    lease::acquire(&leases, &job, &t2, &Default::default())
+        .await
+        .unwrap();
 
     // The raw conditional patch a stale holder would send, straight to the API server.
     let stale_patch = fence::end_attempt_patch(
@@ -205,7 +209,9 @@ async fn late_result_against_expiry_exactly_one_side_wins_200_times() {
             let name = format!("late-{i}");
             let snapshot = jobs.get(&name).await.unwrap();
             let (job, token) = claim::claim(&jobs, &snapshot, "holder").await.unwrap();
-            lease::acquire(&leases, &job, &token).await.unwrap();
+            lease::acquire(&leases, &job, &token, &Default::default())
+                .await
+                .unwrap();
             let claimed_at = tokio::time::Instant::now();
             // Spread the result over 4.7 s .. 5.5 s after the claim: around the expiry.
             let offset_ms = 4700 + (i as u64 * 800) / n as u64;

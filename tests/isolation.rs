@@ -67,7 +67,8 @@ async fn conflicted(client: &kube::Client, ns: &str, name: &str, reason: &str) -
 }
 
 /// Item 4 and 12: a Lease named `ljob-foo` that another application owns is never written; the
-/// claim of `foo` is undone (not a failed attempt), says why, and other jobs are unaffected.
+/// claim of `foo` is undone by its first renewal (not a failed attempt), the worker is told why
+/// at that heartbeat, and other jobs are unaffected.
 #[tokio::test]
 async fn a_foreign_lease_is_never_written_and_only_its_job_waits() {
     let client = client().await;
@@ -87,9 +88,22 @@ async fn a_foreign_lease_is_never_written_and_only_its_job_waits() {
         json!({"metadata": {"name": "foo"}, "spec": {"queue": "q"}}),
     )
     .await;
-    // The claim of foo is undone; nothing else is claimable.
-    let (s, body) = sc.claim(3).await;
-    assert_eq!(s, 204, "{body}");
+    // The claim's write starts the lease; its first renewal would write the Lease, finds the
+    // name taken, and undoes the claim.
+    let (claimed, token) = sc.claim_ok(3).await;
+    assert_eq!(claimed["name"].as_str(), Some("foo"), "{claimed}");
+    let (s, body) = sc.heartbeat("foo", json!({"token": token})).await;
+    assert_eq!(
+        (s, body["error"].as_str()),
+        (409, Some("lease_lost")),
+        "{body}"
+    );
+    let told = body["message"].as_str().unwrap();
+    assert!(
+        told.contains("ljob-foo") && told.contains("undone"),
+        "{told}"
+    );
+    assert!(!told.contains("some-other-app"), "{told}");
     let foo = conflicted(&client, &ns.name, "foo", "LeaseNotOurs").await;
     // The other job of the queue is claimed and completed as usual.
     create_job(
@@ -242,17 +256,20 @@ async fn a_long_name_and_its_lease_name_twin_keep_their_own_leases() {
         json!({"metadata": {"name": z}, "spec": {"queue": "q"}}),
     )
     .await;
-    let (s, body) = sc.claim(3).await;
-    assert_eq!(s, 204, "{body}");
+    let (claimed, token) = sc.claim_ok(3).await;
+    assert_eq!(claimed["name"].as_str(), Some(z), "{claimed}");
+    let (s, body) = sc.heartbeat(z, json!({"token": token})).await;
+    assert_eq!(s, 409, "{body}");
     conflicted(&client, &ns.name, z, "LeaseNotOurs").await;
     let after = leases.get(&lease::lease_name(z)).await.unwrap();
     assert_eq!(after.resource_version(), planted.resource_version());
 }
 
 /// Item 11: a leftover Lease labelled as leasehold's but owned by no LeasedJob (holder from
-/// attempt 5) makes the claim undo itself at once: the job is never failed for it. A Lease left
-/// by an earlier job of the same name (another uid) is recognised as stale and the job is
-/// claimed once garbage collection removed it.
+/// attempt 5) makes the claim undo itself at its first renewal (here the background one, a
+/// third of the lease after the claim): the job is never failed for it. A Lease left by an
+/// earlier job of the same name (another uid) is recognised as stale and the job runs once
+/// garbage collection removed it.
 #[tokio::test]
 async fn a_leftover_lease_never_fails_a_job_that_never_ran() {
     let client = client().await;
@@ -276,9 +293,15 @@ async fn a_leftover_lease_never_fails_a_job_that_never_ran() {
     )
     .await;
     let start = Instant::now();
-    let (s, body) = sc.claim(3).await;
-    assert_eq!(s, 204, "{body}");
+    let (claimed, token) = sc.claim_ok(3).await;
+    assert_eq!(claimed["name"].as_str(), Some("j"), "{claimed}");
     let j = conflicted(&client, &ns.name, "j", "LeaseNotOurs").await;
+    let (s, body) = sc.heartbeat("j", json!({"token": token})).await;
+    assert_eq!(
+        (s, body["error"].as_str()),
+        (409, Some("lease_lost")),
+        "{body}"
+    );
     assert!(start.elapsed() < Duration::from_secs(5));
     // Well past the lease duration it is still Queued, never Failed.
     tokio::time::sleep(Duration::from_secs(7)).await;
@@ -306,16 +329,22 @@ async fn a_leftover_lease_never_fails_a_job_that_never_ran() {
         json!({"metadata": {"name": "k"}, "spec": {"queue": "q", "maxAttempts": 1}}),
     )
     .await;
-    let (s, claimed) = wait_for(
-        "k claimed once the stale Lease is collected",
+    // Claimed, its first renewal finds the stale Lease and undoes the claim (StaleLease,
+    // retried after 3 s), until garbage collection has removed the Lease.
+    let claimed = wait_for(
+        "k runs once the stale Lease is collected",
         Duration::from_secs(60),
         || async {
             let (s, c) = sc.claim(2).await;
-            (s == 200).then_some((s, c))
+            if s != 200 {
+                return None;
+            }
+            let (s, _) = sc.heartbeat("k", json!({"token": token_of(&c)})).await;
+            (s == 200).then_some(c)
         },
     )
     .await;
-    assert_eq!((s, claimed["name"].as_str()), (200, Some("k")));
+    assert_eq!(claimed["name"].as_str(), Some("k"));
     let (s, body) = sc.complete("k", &token_of(&claimed), json!("done")).await;
     assert_eq!(s, 200, "{body}");
     let k = job(&client, &ns.name, "k").await;
@@ -342,8 +371,7 @@ async fn a_lease_that_lost_its_label_still_expires() {
         json!({"metadata": {"name": "x"}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
     )
     .await;
-    let (s, claimed) = sc.claim(10).await;
-    assert_eq!(s, 200, "{claimed}");
+    sc.claim_leased(10).await;
     let (ok, out) = kubectl(
         &[
             "label",
@@ -474,7 +502,7 @@ async fn a_drain_does_not_wait_for_a_lost_lease() {
         json!({"metadata": {"name": "x"}, "spec": {"queue": "q"}}),
     )
     .await;
-    let (_, token) = sc.claim_ok(10).await;
+    let (_, token) = sc.claim_leased(10).await;
     // Someone else takes the Lease: the holder's next heartbeat is refused.
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     leases

@@ -186,11 +186,12 @@ async fn metrics_move_when_the_events_they_count_happen() {
             .then_some(())
     })
     .await;
-    let m = http_get(ctl_port, "/metrics").await.unwrap().1;
-    wait_for("phases counted", Duration::from_secs(5), || async {
+    // The gauges and the attempts-ended counts come from the controller's look every second,
+    // so they may trail the expiry counter by a second.
+    let m = wait_for("phases counted", Duration::from_secs(5), || async {
         let m = http_get(ctl_port, "/metrics").await?.1;
         let succeeded = sample(&m, "leasehold_jobs{queue=\"q\",phase=\"Succeeded\"}")?;
-        (succeeded == 1.0).then_some(())
+        (succeeded == 1.0 && sample(&m, &ended("expired"))? == 1.0).then_some(m)
     })
     .await;
     assert!(m.contains("leasehold_lease_expiries_total 1"), "{m}");

@@ -69,7 +69,8 @@ async fn undecodable_counted(port: u16, kind: &str) -> f64 {
     .await
 }
 
-/// Claims `job` (alone in `queue`) with a fresh sidecar, SIGKILLs the sidecar, and returns
+/// Claims `job` (alone in `queue`) with a fresh sidecar (its first heartbeat writes the
+/// Lease), SIGKILLs the sidecar, and returns
 /// once the controller has requeued the job after its 5 s lease. When `poison_lease` is set,
 /// the job's Lease is first given a renewTime of year 9999 (after the kill), as an admin
 /// might: the controller can no longer read it, and must still requeue the job.
@@ -77,8 +78,8 @@ async fn killed_holders_job_is_requeued(ns: &str, queue: &str, job: &str, poison
     let client = client().await;
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
     let sc = Sidecar::start(ns, queue, &format!("{job}-holder"), &[]).await;
-    let (s, c) = sc.claim(15).await;
-    assert_eq!((s, c["name"].as_str()), (200, Some(job)), "{c}");
+    let (c, _) = sc.claim_leased(15).await;
+    assert_eq!(c["name"].as_str(), Some(job), "{c}");
     sc.proc.signal("KILL");
     drop(sc);
     if poison_lease {

@@ -75,7 +75,7 @@ async fn get_shows_the_progress_a_heartbeat_sent_and_the_job_is_not_written() {
         json!({"metadata": {"name": "transcode"}, "spec": {"queue": "media", "leaseDurationSeconds": 60}}),
     )
     .await;
-    let (_, token) = sc.claim_ok(10).await;
+    let (_, token) = sc.claim_leased(10).await;
     let before = job_of(&client, &ns.name, "transcode").await;
     let lease_before = lease_of(&client, &ns.name, "transcode").await;
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
-use kube::Api;
+use kube::{Api, ResourceExt};
 use leasehold::crd::{LeasedJob, Phase};
 use leasehold::fence::REASON_LEASE_EXPIRED;
 use leasehold::lease;
@@ -185,7 +185,7 @@ async fn heartbeats_keep_a_30s_job_alive_without_touching_the_job() {
         json!({"metadata": {"name": "long"}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
     )
     .await;
-    let (_, token) = sc.claim_ok(10).await;
+    let (_, token) = sc.claim_leased(10).await;
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let rv_after_claim = jobs.get("long").await.unwrap().metadata.resource_version;
@@ -287,9 +287,8 @@ async fn an_ended_attempts_lease_is_left_as_is_and_its_token_stays_refused() {
         json!({"metadata": {"name": "back"}, "spec": {"queue": "q"}}),
     )
     .await;
-    let (s, c) = a.claim(10).await;
-    assert_eq!((s, c["name"].as_str()), (200, Some("back")), "{c}");
-    let t1 = token_of(&c);
+    let (c, t1) = a.claim_leased(10).await;
+    assert_eq!(c["name"].as_str(), Some("back"), "{c}");
     let (s, r) = a.post("/v1/jobs/back/release", json!({"token": t1})).await;
     assert_eq!((s, r["phase"].as_str()), (200, Some("Queued")), "{r}");
     let left = lease_now(&leases, "back").await;
@@ -303,23 +302,191 @@ async fn an_ended_attempts_lease_is_left_as_is_and_its_token_stays_refused() {
         left,
         "a refused heartbeat wrote the Lease"
     );
-    // The next claim takes the Lease over from the ended attempt and holds the job.
-    let (s, c) = b.claim(10).await;
+    // The next claim's first renewal takes the Lease over from the ended attempt, and the
+    // claim holds the job.
+    let (c, t2) = b.claim_leased(10).await;
     assert_eq!(
-        (s, c["name"].as_str(), c["attempt"].as_i64()),
-        (200, Some("back"), Some(2)),
+        (c["name"].as_str(), c["attempt"].as_i64()),
+        (Some("back"), Some(2)),
         "{c}"
     );
-    let t2 = token_of(&c);
     let taken = lease_now(&leases, "back").await;
     assert_eq!(taken.0.as_deref(), Some(t2.as_str()));
     assert_eq!(taken.2, Some(left.2.unwrap_or(0) + 1));
-    let (s, r) = b.heartbeat("back", json!({"token": t2})).await;
-    assert_eq!(s, 200, "{r}");
     let (s, r) = a.heartbeat("back", json!({"token": t1})).await;
     assert_eq!((s, r["error"].as_str()), (409, Some("lease_lost")), "{r}");
     let (s, r) = b.complete("back", &t2, json!("ok")).await;
     assert_eq!((s, r["phase"].as_str()), (200, Some("Succeeded")), "{r}");
+}
+
+/// The claim's write starts the lease and the attempt's first renewal writes its Lease
+/// (docs/protocol.md, "The Lease is written by the first renewal"): a job done before then
+/// leaves no Lease (two writes in all), and the background renewal a third of the lease after
+/// the claim writes it when the worker does not heartbeat.
+#[tokio::test]
+async fn the_first_renewal_writes_the_lease_and_a_quick_job_writes_none() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "first-renewal").await;
+    let _controller = controller(&ns.name);
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "quick"}, "spec": {"queue": "q", "leaseDurationSeconds": 30}}),
+    )
+    .await;
+    let (_, token) = sc.claim_ok(10).await;
+    let (s, r) = sc.complete("quick", &token, json!("done")).await;
+    assert_eq!((s, r["phase"].as_str()), (200, Some("Succeeded")), "{r}");
+    assert!(
+        leases
+            .get_opt(&lease::lease_name("quick"))
+            .await
+            .unwrap()
+            .is_none(),
+        "a job done before its first renewal wrote a Lease"
+    );
+
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "slow"}, "spec": {"queue": "q", "leaseDurationSeconds": 5}}),
+    )
+    .await;
+    let (_, token) = sc.claim_ok(10).await;
+    let l = wait_for(
+        "the background renewal to write the Lease",
+        Duration::from_secs(3),
+        || async { leases.get_opt(&lease::lease_name("slow")).await.ok()? },
+    )
+    .await;
+    assert_eq!(lease::holder_identity(&l), Some(token.as_str()));
+    assert_eq!(lease::holder_pod(&l), Some("pod-a"));
+    let job = jobs.get("slow").await.unwrap();
+    assert_eq!(
+        l.owner_references()[0].uid,
+        job.metadata.uid.clone().unwrap()
+    );
+    // Well past the lease, the background renewals keep it.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(jobs.get("slow").await.unwrap().phase(), Phase::Leased);
+    let (s, r) = sc.complete("slow", &token, json!("done")).await;
+    assert_eq!(s, 200, "{r}");
+
+    // Two first renewals at once (a worker's background heartbeater and its chunk loop): the
+    // one that finds the Lease taken by the other still writes its checkpoint.
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "twice"}, "spec": {"queue": "q", "leaseDurationSeconds": 60}}),
+    )
+    .await;
+    let (_, t) = sc.claim_ok(10).await;
+    let (plain, carrying) = tokio::join!(
+        sc.heartbeat("twice", json!({"token": t})),
+        sc.heartbeat("twice", json!({"token": t, "checkpoint": {"chunk": 1}})),
+    );
+    assert_eq!((plain.0, carrying.0), (200, 200), "{plain:?} {carrying:?}");
+    let l = leases.get(&lease::lease_name("twice")).await.unwrap();
+    assert_eq!(lease::checkpoint(&l), Some(json!({"chunk": 1})));
+    let (s, r) = sc.complete("twice", &t, json!("done")).await;
+    assert_eq!(s, 200, "{r}");
+}
+
+/// Before its first renewal the claim is the attempt's only renewal: a worker killed then loses
+/// its job a lease duration after the claim (the controller's clock starts when it sees the
+/// claim), and a sidecar frozen past the lease before its first renewal never writes a Lease
+/// for the attempt that ended meanwhile.
+#[tokio::test]
+async fn an_attempt_without_a_lease_yet_expires_a_lease_after_its_claim() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "no-lease-yet").await;
+    let _controller = controller(&ns.name);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "k"}, "spec": {"queue": "q", "leaseDurationSeconds": 6}}),
+    )
+    .await;
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    let before = Timestamp::now();
+    sc.claim_ok(10).await;
+    let claimed = Timestamp::now();
+    sc.proc.signal("KILL");
+    drop(sc);
+    let (job, seen_at) = wait_for("the expiry", Duration::from_secs(20), || async {
+        let j = jobs.get("k").await.ok()?;
+        (j.failed_attempts() == 1).then(|| (j, Timestamp::now()))
+    })
+    .await;
+    assert_eq!(job.status.unwrap().failures[0].reason, REASON_LEASE_EXPIRED);
+    let (early, late) = (
+        seen_at.duration_since(claimed).as_secs_f64(),
+        seen_at.duration_since(before).as_secs_f64(),
+    );
+    println!("requeued {early:.2}s after the claim's answer (lease 6s)");
+    assert!(early >= 6.0 - 0.1, "requeued early: {early:.2}s");
+    assert!(late <= 6.0 + 1.0, "requeued late: {late:.2}s");
+    assert!(leases
+        .get_opt(&lease::lease_name("k"))
+        .await
+        .unwrap()
+        .is_none());
+
+    // Frozen right after the claim, for longer than the lease.
+    let sc = Sidecar::start(&ns.name, "q", "pod-b", &[]).await;
+    let (c, token) = sc.claim_ok(10).await;
+    assert_eq!(c["attempt"].as_i64(), Some(2), "{c}");
+    sc.proc.signal("STOP");
+    wait_for("the second expiry", Duration::from_secs(20), || async {
+        let j = jobs.get("k").await.ok()?;
+        (j.failed_attempts() == 2).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    sc.proc.signal("CONT");
+    let (s, r) = sc.heartbeat("k", json!({"token": token})).await;
+    assert_eq!((s, r["error"].as_str()), (409, Some("lease_lost")), "{r}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let l = leases.get_opt(&lease::lease_name("k")).await.unwrap();
+    assert!(
+        l.as_ref().and_then(lease::holder_identity) != Some(token.as_str()),
+        "the woken sidecar wrote a Lease for its ended attempt: {l:?}"
+    );
+}
+
+/// A sidecar restarted before its attempt's first renewal (the worker kept its token) writes
+/// the Lease at the worker's first heartbeat: the job names it as the holder.
+#[tokio::test]
+async fn a_restarted_sidecar_writes_the_lease_at_the_first_heartbeat() {
+    let client = client().await;
+    let ns = TestNamespace::new(&client, "restart-first").await;
+    let _controller = controller(&ns.name);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "r"}, "spec": {"queue": "q", "leaseDurationSeconds": 60}}),
+    )
+    .await;
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    let (_, token) = sc.claim_ok(10).await;
+    sc.proc.signal("KILL");
+    drop(sc);
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    let (s, r) = sc
+        .heartbeat("r", json!({"token": token, "checkpoint": {"at": 1}}))
+        .await;
+    assert_eq!(s, 200, "{r}");
+    let l = leases.get(&lease::lease_name("r")).await.unwrap();
+    assert_eq!(lease::holder_identity(&l), Some(token.as_str()));
+    assert_eq!(lease::checkpoint(&l), Some(json!({"at": 1})));
+    let (s, r) = sc.complete("r", &token, json!(1)).await;
+    assert_eq!(s, 200, "{r}");
 }
 
 /// Kills the sidecar (and so the pod's worker) with SIGKILL; returns the renewTime of the last

@@ -379,6 +379,16 @@ impl Sidecar {
         (claimed, token)
     }
 
+    /// Claims a job, as [`Sidecar::claim_ok`], then heartbeats once, as a worker does before
+    /// its first expensive call: the attempt's first renewal writes its Lease.
+    pub async fn claim_leased(&self, wait: u64) -> (Value, String) {
+        let (claimed, token) = self.claim_ok(wait).await;
+        let name = claimed["name"].as_str().expect("claimed name");
+        let (s, r) = self.heartbeat(name, json!({"token": token})).await;
+        assert_eq!(s, 200, "the first heartbeat of {name}: {r}");
+        (claimed, token)
+    }
+
     pub async fn claim(&self, wait: u64) -> (u16, Value) {
         self.post(&format!("/v1/claim?wait={wait}"), json!(null))
             .await
