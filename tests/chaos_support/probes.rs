@@ -77,8 +77,8 @@ impl Chaos {
         Ok((at.saturating_duration_since(t0), at - ended))
     }
 
-    /// Expiry probe: a fresh sidecar claims a job, is killed; the time from the Lease's last
-    /// renewTime to the requeue seen.
+    /// Expiry probe: a fresh sidecar claims a job, heartbeats once (the first renewal writes
+    /// the Lease), is killed; the time from the Lease's last renewTime to the requeue seen.
     pub(crate) async fn expiry_probe(&self, n: usize) -> Result<Duration, String> {
         let name = format!("probe-e-{n}");
         let queue = format!("expiry-probe-{n}");
@@ -92,6 +92,11 @@ impl Chaos {
                 "the holder claimed {} instead of {name}",
                 claim["name"]
             ));
+        }
+        let token = claim["token"].as_str().unwrap_or_default();
+        let (s, r) = holder.heartbeat(&name, json!({"token": token})).await;
+        if s != 200 {
+            return Err(format!("the first heartbeat of {name} answered {s} {r}"));
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
         holder.proc.signal("KILL");
