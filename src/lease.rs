@@ -1,9 +1,11 @@
 //! The per-job `coordination.k8s.io/v1` Lease: its name, and the writes made to it — acquire
 //! (create or take over), renew (the heartbeat, optionally with a checkpoint) and release (the
-//! controller's, for an attempt it ended itself: expiry or cancel).
+//! controller's, for an attempt it ended itself: expiry or cancel; and the sidecar's, for a
+//! Lease its first renewal wrote after the attempt ended).
 //!
 //! Field meanings follow client-go's leader election (`tools/leaderelection/resourcelock`):
-//! `holderIdentity` is the current fencing token, `acquireTime` the claim time, `renewTime` the
+//! `holderIdentity` is the current fencing token, `acquireTime` the attempt's first renewal
+//! (the sidecar writes the Lease then, not at the claim), `renewTime` the
 //! last heartbeat, `leaseDurationSeconds` the job's, and `leaseTransitions` counts owners.
 //!
 //! Every write is conditional. Acquire replaces the Lease under the resourceVersion it read, and
@@ -82,6 +84,14 @@ pub enum LeaseError {
         /// removes it soon.
         stale: bool,
     },
+    /// The attempt ended (expired, cancelled, superseded, its job deleted) before its first
+    /// renewal's Lease write was confirmed against the job: `why` says how, in the words of
+    /// the job's refusal (never another attempt's token).
+    #[error("the attempt ended before its first renewal: {why}")]
+    Ended {
+        /// The job's refusal of the token.
+        why: String,
+    },
     /// No answer from the API server within `after`: the write may or may not have been
     /// applied. Retry.
     #[error("no answer from the API server within {} ms", after.as_millis())]
@@ -95,7 +105,7 @@ impl LeaseError {
     /// Stable category, for metrics and logs.
     pub fn category(&self) -> &'static str {
         match self {
-            LeaseError::Lost { .. } => "lease_lost",
+            LeaseError::Lost { .. } | LeaseError::Ended { .. } => "lease_lost",
             LeaseError::CheckpointTooLarge { .. } => "too_large",
             LeaseError::Api(_) => "api",
             LeaseError::Timeout { .. } => "timeout",
@@ -432,11 +442,10 @@ pub async fn acquire(
                     });
                 }
                 if holder_identity(&current) == Some(token.as_str()) {
-                    // Taken already, by a first renewal of the same attempt sent at the same
-                    // moment: what this one carries is written as a renewal.
-                    if first.checkpoint.is_none() && first.progress.annotations().is_empty() {
-                        return Ok(current);
-                    }
+                    // Taken already: by a first renewal of the same attempt sent at the same
+                    // moment, or by this one's own write whose answer was lost. This one is
+                    // written as a renewal, so that its renewTime, checkpoint and progress
+                    // are on the Lease when it is answered.
                     return renew(api, &name, token, first.checkpoint, first.progress).await;
                 }
                 let transitions = current

@@ -265,6 +265,9 @@ struct HeldState {
     /// False until the attempt's Lease is written (by its first renewal): until then the
     /// claim's write is its only renewal, and `last_renewed` is when that write was sent.
     lease_taken: bool,
+    /// True once a first renewal was sent: one whose answer was lost may have written the
+    /// Lease, and its checkpoint, all the same.
+    first_renewal_sent: bool,
     last_contact: Instant,
     checkpoint: Option<Value>,
     /// The progress the worker last sent, carried by every renewal from then on (background
@@ -772,6 +775,8 @@ impl Worker {
         let bound = call_bound(lease_duration);
         // The claim write runs as a task of its own, so that one whose answer comes too late
         // is still seen through: if it got through after all, it is given back.
+        // Taken before the write can be sent: the lease runs from the claim (see take_lease).
+        let started = Instant::now();
         let mut write = {
             let (me, snapshot) = (self.clone(), snapshot.clone());
             tokio::spawn(async move {
@@ -779,7 +784,6 @@ impl Worker {
                 claim::claim(&me.inner.jobs, &snapshot, identity).await
             })
         };
-        let started = Instant::now();
         let claimed = match tokio::time::timeout(bound, &mut write).await {
             Ok(Ok(claimed)) => {
                 self.note_claim_write(started.elapsed());
@@ -958,6 +962,7 @@ impl Worker {
                 last_renewed: renewed,
                 renew_time: Timestamp::now(),
                 lease_taken,
+                first_renewal_sent: lease_taken,
                 last_contact: now,
                 checkpoint: None,
                 progress: Progress::default(),
@@ -1044,8 +1049,9 @@ impl Worker {
                     }
                     due = Instant::now() + interval;
                 }
-                // Its Lease name is taken by something else: the claim was undone.
-                Err(LeaseError::NotOurs { .. }) => return,
+                // Its Lease name is taken by something else (the claim was undone), or the
+                // attempt ended before its first renewal: already declared lost.
+                Err(LeaseError::NotOurs { .. } | LeaseError::Ended { .. }) => return,
                 Err(LeaseError::Lost { .. }) => {
                     warn!(job = %job_ref, attempt = held.token.attempt(), "Lost lease of LeasedJob {job_ref}: holderIdentity changed");
                     self.lose(
@@ -1277,10 +1283,13 @@ impl Worker {
             checkpoint,
             progress,
         };
-        let acquired = tokio::time::timeout(
-            after,
-            lease::acquire(&self.inner.leases, job, &held.token, &first),
-        )
+        held.state.lock().unwrap().first_renewal_sent = true;
+        let acquired = tokio::time::timeout(after, async {
+            let lease = lease::acquire(&self.inner.leases, job, &held.token, &first).await?;
+            self.confirm_first_renewal(&job.name_any(), &held.token)
+                .await?;
+            Ok(lease)
+        })
         .await
         .unwrap_or(Err(LeaseError::Timeout { after }));
         match &acquired {
@@ -1289,9 +1298,43 @@ impl Worker {
                 let message = self.undo_for_conflict(job, &held.token, e).await;
                 self.lose(held, LEASE_LOST, message);
             }
+            Err(LeaseError::Ended { why }) => {
+                let message = lost_message(&job_ref, why);
+                self.lose(held, LEASE_LOST, message);
+            }
             Err(_) => {}
         }
         acquired
+    }
+
+    /// After a first renewal wrote the Lease of `name` for `token`: reads the job afresh, and
+    /// when it is no longer Leased to the token, clears the Lease's holderIdentity (fenced by
+    /// the token) and says so. The controller ends an attempt (expiry, cancel) before it
+    /// clears that attempt's Lease, and before the first renewal there was no Lease to clear;
+    /// so a Lease written after that clear would name the ended token and accept its renewals.
+    /// A read after the write that still shows the job Leased to the token proves the write
+    /// came first, and the controller's clear will find it.
+    ///
+    /// # Errors
+    /// [`LeaseError::Ended`] when the attempt ended (the Lease cleared, or left to a newer
+    /// attempt); [`LeaseError::Api`] when the job could not be read (the renewal is retried).
+    async fn confirm_first_renewal(&self, name: &str, token: &Token) -> Result<(), LeaseError> {
+        let job = self
+            .inner
+            .jobs
+            .get_opt(name)
+            .await
+            .map_err(LeaseError::Api)?;
+        let Some(refusal) = fence::refusal(&self.job_ref(name), job.as_ref(), token) else {
+            return Ok(());
+        };
+        let lease_name = lease::lease_name(name);
+        if let Err(e) = lease::release(&self.inner.leases, &lease_name, token.as_str()).await {
+            warn!(job = %self.job_ref(name), error = %error_chain(&e), "Clearing the Lease a first renewal wrote for an ended attempt failed; the job's status still fences it");
+        }
+        Err(LeaseError::Ended {
+            why: refusal.to_string(),
+        })
     }
 
     async fn heartbeat_inner(
@@ -1350,7 +1393,13 @@ impl Worker {
                             progress: &progress,
                         };
                         let acquired =
-                            lease::acquire(&self.inner.leases, job, &token, &first).await;
+                            match lease::acquire(&self.inner.leases, job, &token, &first).await {
+                                Ok(lease) => self
+                                    .confirm_first_renewal(name, &token)
+                                    .await
+                                    .map(|()| lease),
+                                e => e,
+                            };
                         if let Err(e @ LeaseError::NotOurs { .. }) = &acquired {
                             let message = self.undo_for_conflict(job, &token, e).await;
                             return Err(WorkerError::LeaseLost {
@@ -1431,6 +1480,10 @@ impl Worker {
                     lease_duration_seconds: duration_s,
                 })
             }
+            Err(LeaseError::Ended { why }) => Err(WorkerError::LeaseLost {
+                code: LEASE_LOST,
+                message: lost_message(&self.job_ref(name), &why),
+            }),
             Err(e @ (LeaseError::Lost { .. } | LeaseError::NotOurs { .. })) => {
                 // Lost before any write (a first renewal too late), or its claim undone for a
                 // Lease name taken by something else: the reason is already known.
@@ -1670,7 +1723,7 @@ impl Worker {
     ) -> Option<Value> {
         if let Some(h) = held {
             let st = h.state.lock().unwrap();
-            if st.checkpoint.is_some() || !st.lease_taken {
+            if st.checkpoint.is_some() || !st.first_renewal_sent {
                 // The worker's latest, or none: no Lease of this attempt was written yet.
                 return st.checkpoint.clone();
             }
