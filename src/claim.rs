@@ -125,6 +125,19 @@ pub const WINDOW_PER_CLAIMER: usize = 32;
 /// follows the claimers actually seen.
 pub const COLD_CLAIMERS: usize = 16;
 
+/// Claimable jobs per claimer seen from which claimers split the queue between them by
+/// rendezvous hashing ([`rendezvous_first`]) instead of taking turns at every job
+/// ([`rendezvous_turn`]). The split keeps two claimers off the same job however slow the API
+/// server is; turns need a claim's write and its watch event to land within the rest of a
+/// 400 ms turn, and a loaded API server took longer (benchmark row 2 at 32 claimers on a
+/// 1,000-job queue, all of it in turns before: 1 to 25 % of claim writes answered 409, the
+/// winner's event still unseen by the next claimer 300 ms after its write; 1.5 to 4.9 % in
+/// three runs with the split from 1 per claimer, 1.1 to 16 % from 4). With J jobs and C
+/// claimers a claimer ranks first for none of them about (1 - 1/C)^J of the time (e^-1 at 1
+/// per claimer); such a claimer takes turns at the others' jobs, so no job waits for a busy
+/// claimer that ranks first for it.
+pub const SPLIT_PER_CLAIMER: usize = 1;
+
 /// How recent a claim must be (by its `status.claimedTime`) for its holder to count as a
 /// claimer competing now, in seconds.
 pub const RECENT_CLAIM_SECONDS: i64 = 10;

@@ -609,11 +609,12 @@ impl Worker {
 
     /// The job to try to claim next, if any.
     ///
-    /// With enough claimable jobs for a window of [`claim::WINDOW_PER_CLAIMER`] per claimer
-    /// seen ([`claim::recent_claimers`]; [`claim::COLD_CLAIMERS`] when no claim was seen
-    /// lately): one at random among the oldest (the adaptive window, at least that wide), among
-    /// those this claimer ranks first for ([`claim::rendezvous_first`]) once claims are seen. With
-    /// fewer (a short queue, its end, or one job for many idle
+    /// With [`claim::SPLIT_PER_CLAIMER`] claimable jobs or more per claimer seen
+    /// ([`claim::recent_claimers`]; [`claim::COLD_CLAIMERS`] when no claim was seen lately):
+    /// one at random among the oldest (the adaptive window, at least
+    /// [`claim::WINDOW_PER_CLAIMER`] per claimer), among those this claimer ranks first for
+    /// ([`claim::rendezvous_first`]) once claims are seen, and a turn at the others' when it
+    /// ranks first for none. With fewer (a short queue, its end, or one job for many idle
     /// claimers): one whose rendezvous turn this claimer has now ([`claim::rendezvous_turn`]),
     /// else [`Pick::Defer`] until its next turn.
     ///
@@ -632,8 +633,9 @@ impl Worker {
         };
         let max_window = config.spread * MAX_WINDOW_FACTOR;
         if config.spread > 1 && claimers.len() > 1 {
-            // Too few jobs for a window with room for every claimer: take turns instead.
-            let room = claim::window_for(0, config.spread, claimers.len(), max_window);
+            // Too few jobs for every claimer to rank first for some: take turns instead.
+            let room = claim::window_for(0, config.spread, claimers.len(), max_window)
+                .min(claim::SPLIT_PER_CLAIMER * claimers.len());
             let names = index.candidates(now, room, |_, _| false);
             if names.len() < room {
                 let jobs = self.cached(&names);
@@ -679,6 +681,15 @@ impl Worker {
             if let Some(job) = claim::pick(&jobs, &config.queue, now, window, skip, rng) {
                 return Pick::Job(job);
             }
+            // None of its own (left): turns at the others' keep it off the claimer whose job
+            // it is, as far as the API server's speed allows.
+            let jobs = self.cached(&names);
+            let candidates: Vec<&Arc<LeasedJob>> =
+                claim::top_candidates(&jobs, &config.queue, now, window)
+                    .into_iter()
+                    .filter(|j| !skip(j))
+                    .collect();
+            return self.rendezvous(&candidates, &claimers);
         }
         let jobs = self.cached(&names);
         claim::pick(&jobs, &config.queue, now, window, skip, rng).map_or(Pick::Nothing, Pick::Job)
