@@ -88,8 +88,12 @@ def test_a_job_is_claimed_checkpointed_released_and_resumed_from_its_checkpoint(
 
 
 def lease_annotations(job_name):
-    lease = json.loads(kubectl("get", "lease", "ljob-" + job_name, "-o", "json"))
-    return lease["metadata"].get("annotations") or {}
+    """The annotations of the job's Lease; none while the Lease is not written yet (the
+    attempt's first renewal writes it)."""
+    listed = json.loads(kubectl("get", "lease", "--field-selector", "metadata.name=ljob-" + job_name, "-o", "json"))
+    if not listed["items"]:
+        return {}
+    return listed["items"][0]["metadata"].get("annotations") or {}
 
 
 def test_progress_rides_on_the_heartbeats_and_bad_progress_is_refused(procs, queue, recorder):
