@@ -7,7 +7,6 @@
 //! anyone wrote the job since, the API server answers 409 Conflict and the claimer moves on.
 
 use std::collections::HashSet;
-use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -125,19 +124,6 @@ pub const WINDOW_PER_CLAIMER: usize = 32;
 /// follows the claimers actually seen.
 pub const COLD_CLAIMERS: usize = 16;
 
-/// Claimable jobs per claimer seen from which claimers split the queue between them by
-/// rendezvous hashing ([`rendezvous_first`]) instead of taking turns at every job
-/// ([`rendezvous_turn`]). The split keeps two claimers off the same job however slow the API
-/// server is; turns need a claim's write and its watch event to land within the rest of a
-/// 400 ms turn, and a loaded API server took longer (benchmark row 2 at 32 claimers on a
-/// 1,000-job queue, all of it in turns before: 1 to 25 % of claim writes answered 409, the
-/// winner's event still unseen by the next claimer 300 ms after its write; 1.5 to 4.9 % in
-/// three runs with the split from 1 per claimer, 1.1 to 16 % from 4). With J jobs and C
-/// claimers a claimer ranks first for none of them about (1 - 1/C)^J of the time (e^-1 at 1
-/// per claimer); such a claimer takes turns at the others' jobs, so no job waits for a busy
-/// claimer that ranks first for it.
-pub const SPLIT_PER_CLAIMER: usize = 1;
-
 /// How recent a claim must be (by its `status.claimedTime`) for its holder to count as a
 /// claimer competing now, in seconds.
 pub const RECENT_CLAIM_SECONDS: i64 = 10;
@@ -180,121 +166,6 @@ pub fn window_for(window: usize, spread: usize, claimers: usize, max: usize) -> 
         .max(claimers.saturating_mul(WINDOW_PER_CLAIMER))
         .min(max)
         .max(spread)
-}
-
-/// Where `me` stands among `claimers` for `job` (0 = first), by rendezvous hashing (Thaler and
-/// Ravishankar's highest random weight): every claimer ranks the same claimers the same way for
-/// a given job, without talking to the others, and each job puts a different claimer first.
-///
-/// Used when a queue has fewer claimable jobs than claimers (its end, or one job arriving for
-/// many idle claimers): a random pick would then make most claimers race for the same few jobs
-/// and all but one get a 409. Instead the claimers take turns at each job
-/// ([`rendezvous_turn`]).
-pub fn rendezvous_rank(job: &str, me: &str, claimers: &HashSet<&str>) -> usize {
-    let mine = rendezvous_weight(job, me);
-    claimers
-        .iter()
-        .filter(|c| rendezvous_weight(job, c) > mine)
-        .count()
-}
-
-/// True when `me` ranks first among `claimers` for `job` ([`rendezvous_rank`] 0). Stops at
-/// the first claimer that outranks `me`: about two hashes for a job that is not `me`'s, where
-/// the rank costs one per claimer.
-///
-/// Used in a long queue: each claimer picks among the jobs of the window it ranks first for
-/// ([`crate::worker`]), so that claimers who agree on who is claiming never pick the same job;
-/// they disagree only while a claimer's first claims are reaching the others' watches.
-pub fn rendezvous_first(job: &str, me: &str, claimers: &HashSet<&str>) -> bool {
-    let mine = rendezvous_weight(job, me);
-    claimers.iter().all(|c| rendezvous_weight(job, c) <= mine)
-}
-
-/// The highest-random-weight score of `claimer` for `job`: a hash of both, the claimer's name
-/// breaking the (unlikely) ties so that the order is total.
-fn rendezvous_weight<'a>(job: &str, claimer: &'a str) -> (u64, &'a str) {
-    let mut h = std::hash::DefaultHasher::new();
-    (job, claimer).hash(&mut h);
-    (h.finish(), claimer)
-}
-
-/// Length of one turn at a job ([`rendezvous_turn`]), in milliseconds.
-pub const RENDEZVOUS_SLOT_MS: u64 = 400;
-
-/// The least and the most of a turn a claimer leaves unused at its end
-/// ([`rendezvous_guard_ms`]), in milliseconds.
-pub const RENDEZVOUS_GUARD_MS: (u64, u64) = (40, RENDEZVOUS_SLOT_MS * 3 / 4);
-
-/// How much of its turn a claimer leaves unused at its end, in milliseconds, given how long
-/// its claim writes have been taking (`claim_write_ms`, a moving average): three times that
-/// plus 20 ms, within [`RENDEZVOUS_GUARD_MS`] (the watch event that shows the claim to the
-/// others comes after the write's answer, and a loaded API server's slow writes run well past
-/// its average). A try started later could still be on its way, or
-/// its watch event not yet delivered, when the next claimer's turn begins, and that claimer's
-/// write would meet it (409). A busy API server (100 ms writes) thus closes most of each
-/// turn; an idle one (10 ms) little.
-pub fn rendezvous_guard_ms(claim_write_ms: u64) -> u64 {
-    let (least, most) = RENDEZVOUS_GUARD_MS;
-    claim_write_ms
-        .saturating_mul(3)
-        .saturating_add(20)
-        .clamp(least, most)
-}
-
-/// What [`rendezvous_turn`] says about one job.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Turn {
-    /// This claimer's turn: it may try the job now; `left` of the turn remains.
-    Now {
-        /// Time left in the turn.
-        left: std::time::Duration,
-    },
-    /// Another claimer's turn; this claimer's next one starts after this long.
-    In(std::time::Duration),
-}
-
-/// Whose turn it is at `job` at wall-clock time `now_ms` (milliseconds since the Unix epoch),
-/// for the claimer ranked `rank` ([`rendezvous_rank`]) among `claimers`, which leaves the last
-/// `guard_ms` of its turns unused ([`rendezvous_guard_ms`]).
-///
-/// Turns are slots of [`RENDEZVOUS_SLOT_MS`] on the wall clock, shifted for each job by a
-/// phase taken from its name; slot m of a job belongs to the claimer ranked m mod `claimers`
-/// for it. Every claimer computes the same owner from the same clock, so at any instant
-/// exactly one claimer may try a job, and a claimer that comes back late from its previous job
-/// does not race the one whose turn it is now. A claimer starts a try only while more than
-/// `guard_ms` of its turn is left, so that the try has landed and been seen when the turn passes
-/// on; the guard also absorbs clock skew between nodes (NTP keeps it to milliseconds). The
-/// phases keep the jobs' turns from all closing at the same instant, which would leave every
-/// claimer waiting at once.
-///
-/// Turns are counted from the clock, not from when a job appeared: claimers see a job appear
-/// at different moments (a sidecar started later lists it seconds after the others watched it
-/// arrive), and turns counted from those moments would overlap.
-pub fn rendezvous_turn(
-    job: &str,
-    rank: usize,
-    claimers: usize,
-    now_ms: u64,
-    guard_ms: u64,
-) -> Turn {
-    use std::time::Duration;
-    let slot = RENDEZVOUS_SLOT_MS;
-    let claimers = claimers.max(1) as u64;
-    let rank = rank as u64 % claimers;
-    let phase = {
-        let mut h = std::hash::DefaultHasher::new();
-        job.hash(&mut h);
-        h.finish() % slot
-    };
-    let t = now_ms.saturating_add(phase);
-    let (m, into) = (t / slot, t % slot);
-    if m % claimers == rank && slot - into > guard_ms.min(slot - 1) {
-        return Turn::Now {
-            left: Duration::from_millis(slot - into),
-        };
-    }
-    let next = m + 1 + (rank + claimers - (m + 1) % claimers) % claimers;
-    Turn::In(Duration::from_millis(next * slot - t))
 }
 
 /// The claimable jobs of the highest priority present, at most `limit` of them, the oldest,
@@ -458,103 +329,6 @@ mod tests {
                 "{window} {spread} {claimers} {max}"
             );
         }
-    }
-
-    #[test]
-    fn rendezvous_puts_exactly_one_claimer_first_for_each_job_and_spreads_them() {
-        let claimers: HashSet<&str> = (0..8)
-            .map(|i| &*Box::leak(format!("pod-{i}").into_boxed_str()))
-            .collect();
-        let mut firsts = std::collections::HashMap::new();
-        for n in 0..400 {
-            let job = format!("job-{n}");
-            let mut ranks: Vec<usize> = claimers
-                .iter()
-                .map(|c| rendezvous_rank(&job, c, &claimers))
-                .collect();
-            ranks.sort_unstable();
-            assert_eq!(ranks, (0..8).collect::<Vec<_>>(), "{job}: a permutation");
-            let first = claimers
-                .iter()
-                .find(|c| rendezvous_rank(&job, c, &claimers) == 0)
-                .unwrap();
-            *firsts.entry(*first).or_insert(0) += 1;
-            for c in &claimers {
-                assert_eq!(
-                    rendezvous_first(&job, c, &claimers),
-                    c == first,
-                    "{job}: only {first} is first"
-                );
-            }
-        }
-        // Each of the 8 claimers is first for some jobs (50 each on average).
-        assert_eq!(firsts.len(), 8);
-        assert!(firsts.values().all(|n| (20..=90).contains(n)), "{firsts:?}");
-    }
-
-    #[test]
-    fn rendezvous_turns_are_exclusive_go_round_and_say_when_they_come() {
-        use std::time::Duration;
-        let ms = Duration::from_millis;
-        let base = 1_796_000_000_000u64;
-        for (claimers, guard) in [(1usize, 40), (2, 40), (3, 300), (8, 100), (32, 250)] {
-            for n in 0..12 {
-                let job = format!("job-{n}");
-                let mut had_turn = vec![false; claimers];
-                // Every 11 ms over three rounds of turns.
-                let horizon = (claimers as u64 + 2) * RENDEZVOUS_SLOT_MS * 3;
-                for now in (base..base + horizon).step_by(11) {
-                    let turns: Vec<Turn> = (0..claimers)
-                        .map(|r| rendezvous_turn(&job, r, claimers, now, guard))
-                        .collect();
-                    let open = turns
-                        .iter()
-                        .filter(|t| matches!(t, Turn::Now { .. }))
-                        .count();
-                    assert!(open <= 1, "{job} at {now}: {open} turns at once");
-                    for (r, turn) in turns.iter().enumerate() {
-                        match *turn {
-                            Turn::Now { left } => {
-                                assert!(left > ms(guard), "{job} {now} {left:?}");
-                                assert!(left <= ms(RENDEZVOUS_SLOT_MS));
-                                had_turn[r] = true;
-                            }
-                            Turn::In(wait) => {
-                                assert!(wait > Duration::ZERO);
-                                // The turn announced does come, and not before.
-                                let at = now + u64::try_from(wait.as_millis()).unwrap();
-                                assert!(matches!(
-                                    rendezvous_turn(&job, r, claimers, at, guard),
-                                    Turn::Now { .. }
-                                ));
-                                assert!(matches!(
-                                    rendezvous_turn(&job, r, claimers, at - 1, guard),
-                                    Turn::In(_)
-                                ));
-                                // Every claimer's turn comes within a round.
-                                let round = claimers as u64 * RENDEZVOUS_SLOT_MS;
-                                assert!(wait <= ms(round), "{job} {r}/{claimers}: {wait:?}");
-                            }
-                        }
-                    }
-                }
-                assert!(had_turn.iter().all(|t| *t), "{job}: {had_turn:?}");
-            }
-        }
-        // The jobs' turns do not all change hands at the same instant.
-        let edges: std::collections::HashSet<u64> = (0..20)
-            .map(
-                |n| match rendezvous_turn(&format!("job-{n}"), 0, 1, base, 40) {
-                    Turn::Now { left } => u64::try_from(left.as_millis()).unwrap(),
-                    Turn::In(wait) => u64::try_from(wait.as_millis()).unwrap(),
-                },
-            )
-            .collect();
-        assert!(edges.len() > 10, "{edges:?}");
-        // The guard follows the claim writes' latency, within its bounds.
-        assert_eq!(rendezvous_guard_ms(0), RENDEZVOUS_GUARD_MS.0);
-        assert_eq!(rendezvous_guard_ms(50), 170);
-        assert_eq!(rendezvous_guard_ms(10_000), RENDEZVOUS_GUARD_MS.1);
     }
 
     #[test]

@@ -24,6 +24,7 @@ use kube::runtime::watcher;
 
 use crate::claim;
 use crate::crd::{LeasedJob, Phase};
+use crate::share;
 
 /// Where a job stands among the claimable: highest priority first, then oldest, then by name.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -56,6 +57,10 @@ pub struct ClaimIndex {
     waiting: BTreeSet<(Timestamp, String)>,
     /// holderIdentity -> the latest claimTime seen from it.
     claims: HashMap<String, Timestamp>,
+    /// holderIdentity -> when a claim or an end of attempt of its last arrived in a live watch
+    /// event, on this process's clock (claimTime has whole seconds only; activity needs
+    /// milliseconds).
+    active: HashMap<String, Timestamp>,
     /// During a re-list (between `Init` and `InitDone`): the index being rebuilt.
     relisting: Option<Box<ClaimIndex>>,
 }
@@ -73,7 +78,10 @@ impl ClaimIndex {
     /// replaces the jobs at its `InitDone`, as the reflector's store does; claims seen stay.
     pub fn observe(&mut self, event: &watcher::Event<LeasedJob>) {
         match event {
-            watcher::Event::Apply(job) => self.apply(job),
+            watcher::Event::Apply(job) => {
+                self.note_activity(job, Timestamp::now());
+                self.apply(job);
+            }
             watcher::Event::Delete(job) => {
                 self.note_claim(job);
                 if let Some(name) = job.metadata.name.as_deref() {
@@ -150,6 +158,31 @@ impl ClaimIndex {
         }
     }
 
+    /// Notes that `job`'s holder was seen at work at `at` if `job` arrived claimed or ended
+    /// (Leased, Succeeded or Failed) in a live event: see [`ClaimIndex::active_until_ms`].
+    pub fn note_activity(&mut self, job: &LeasedJob, at: Timestamp) {
+        if job.spec.queue != self.queue
+            || !matches!(
+                job.phase(),
+                Phase::Leased | Phase::Succeeded | Phase::Failed
+            )
+        {
+            return;
+        }
+        if let Some(holder) = job.status.as_ref().and_then(|s| s.holder.as_ref()) {
+            self.active.insert(holder.clone(), at);
+        }
+    }
+
+    /// Until when (milliseconds since the Unix epoch) `holder` counts as an active claimer:
+    /// [`share::ACTIVE_MS`] after a claim or end of attempt of its last arrived live in the
+    /// watch; `None` if none did.
+    pub fn active_until_ms(&self, holder: &str) -> Option<u64> {
+        let at = self.active.get(holder)?;
+        let ms = u64::try_from(at.as_millisecond()).unwrap_or_default();
+        Some(ms.saturating_add(share::ACTIVE_MS))
+    }
+
     fn record_claim(&mut self, holder: String, at: Timestamp) {
         let newest = self.claims.entry(holder).or_insert(at);
         if at > *newest {
@@ -159,6 +192,7 @@ impl ClaimIndex {
         if self.claims.len() > 4096 {
             let since = at - SignedDuration::from_secs(claim::RECENT_CLAIM_SECONDS);
             self.claims.retain(|_, t| *t >= since);
+            self.active.retain(|h, _| self.claims.contains_key(h));
         }
     }
 
@@ -414,5 +448,45 @@ mod tests {
         assert_eq!(index.recent_claimers("me", at(111)).len(), 1);
         assert!(!index.claimed_lately(at(111)));
         assert!(!ClaimIndex::new("q").claimed_lately(at(105)));
+    }
+
+    #[test]
+    fn claimers_are_active_for_a_while_after_a_live_claim_or_end() {
+        let mut index = ClaimIndex::new("q");
+        let held = |name: &str, phase: Phase, holder: &str| {
+            let mut j = job(name, "q", 0, 1, phase);
+            j.status.as_mut().unwrap().holder = Some(holder.into());
+            j
+        };
+        let ms = |t: Timestamp| u64::try_from(t.as_millisecond()).unwrap();
+        // A claim and an end count; a requeue (Queued) and another queue's jobs do not.
+        index.note_activity(&held("a", Phase::Leased, "pod-a"), at(10));
+        index.note_activity(&held("b", Phase::Succeeded, "pod-b"), at(11));
+        index.note_activity(&held("c", Phase::Queued, "pod-c"), at(12));
+        let mut other = held("d", Phase::Leased, "pod-d");
+        other.spec.queue = "other".into();
+        index.note_activity(&other, at(12));
+        assert_eq!(
+            index.active_until_ms("pod-a"),
+            Some(ms(at(10)) + share::ACTIVE_MS)
+        );
+        assert_eq!(
+            index.active_until_ms("pod-b"),
+            Some(ms(at(11)) + share::ACTIVE_MS)
+        );
+        assert_eq!(index.active_until_ms("pod-c"), None);
+        assert_eq!(index.active_until_ms("pod-d"), None);
+        // Only live events count: a (re-)listed claim says nothing about when it was made.
+        index.observe(&watcher::Event::InitApply(held(
+            "e",
+            Phase::Leased,
+            "pod-e",
+        )));
+        index.observe(&watcher::Event::InitDone);
+        assert_eq!(index.active_until_ms("pod-e"), None);
+        let before = ms(Timestamp::now());
+        index.observe(&watcher::Event::Apply(held("f", Phase::Failed, "pod-f")));
+        let until = index.active_until_ms("pod-f").unwrap();
+        assert!(until >= before + share::ACTIVE_MS, "{until} {before}");
     }
 }

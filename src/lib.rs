@@ -6,6 +6,7 @@
 //! - [`crd_check`]: the controller's start-up check that the installed CRD is up to date.
 //! - [`token`]: the fencing token a claim issues.
 //! - [`claim`]: the atomic Queued -> Leased transition.
+//! - [`share`]: which job a claimer tries, so that the claimers of a queue do not race.
 //! - [`lease`]: the per-job `coordination.k8s.io/v1` Lease: acquire, renew (heartbeat), release.
 //! - [`fence`]: the conditional writes that end an attempt; where a stale token is refused.
 //! - [`expiry`]: how the controller judges a lease expired (on its own clock).
@@ -53,6 +54,7 @@ pub mod plugin;
 pub mod progress;
 pub mod queue_stats;
 pub mod queue_watch;
+pub mod share;
 pub mod shutdown;
 pub mod sidecar;
 pub mod telemetry;

@@ -65,6 +65,7 @@ use crate::lease::{self, LeaseError};
 use crate::metrics::{Health, Metrics};
 use crate::progress::Progress;
 use crate::queue_watch::{self, QueueWatch};
+use crate::share;
 use crate::token::{Token, TokenError};
 
 /// Default for [`WorkerConfig::worker_timeout`]: five minutes.
@@ -85,6 +86,9 @@ pub const STALE_LEASE_RETRY: Duration = Duration::from_secs(3);
 enum Pick {
     /// Try to claim this job.
     Job(Arc<LeasedJob>),
+    /// Read this job afresh, and try to claim it if it is still claimable (a turn at a job
+    /// that is not this claimer's own: [`share::Choice::Turn`]).
+    Fresh(Arc<LeasedJob>),
     /// Nothing claimable.
     Nothing,
     /// Fewer jobs than claimers, and other claimers go first: look again at this instant.
@@ -311,7 +315,7 @@ struct Inner {
     /// The claim window now (see [`WorkerConfig::spread`]).
     window: AtomicUsize,
     /// How long claim writes have been taking, in ms: a moving average (1/4 of each new
-    /// answer's time), for the rendezvous guard ([`claim::rendezvous_guard_ms`]).
+    /// answer's time), for the rendezvous guard ([`share::rendezvous_guard_ms`]).
     claim_write_ms: AtomicU64,
     /// The queue's claimable jobs in claim order, and its recent claimers, kept from the same
     /// watch as `store` (which is never older than it).
@@ -568,6 +572,10 @@ impl Worker {
                 Pick::Defer(turn) => Some(turn),
                 _ => None,
             };
+            let picked = match picked {
+                Pick::Fresh(cached) => self.read_afresh(cached).await,
+                picked => picked,
+            };
             if let Pick::Job(snapshot) = picked {
                 if *draining.borrow() {
                     return Err(WorkerError::ShuttingDown);
@@ -609,17 +617,13 @@ impl Worker {
 
     /// The job to try to claim next, if any.
     ///
-    /// With [`claim::SPLIT_PER_CLAIMER`] claimable jobs or more per claimer seen
-    /// ([`claim::recent_claimers`]; [`claim::COLD_CLAIMERS`] when no claim was seen lately):
-    /// one at random among the oldest (the adaptive window, at least
-    /// [`claim::WINDOW_PER_CLAIMER`] per claimer), among those this claimer ranks first for
-    /// ([`claim::rendezvous_first`]) once claims are seen, and a turn at the others' when it
-    /// ranks first for none. With fewer (a short queue, its end, or one job for many idle
-    /// claimers): one whose rendezvous turn this claimer has now ([`claim::rendezvous_turn`]),
-    /// else [`Pick::Defer`] until its next turn.
-    ///
-    /// The candidates come from the queue's [`ClaimIndex`] (the window's worth, in claim
-    /// order), the jobs from the watch cache; the choice among them is [`claim`]'s.
+    /// The candidates are the oldest claimable jobs of the queue's [`ClaimIndex`]: the
+    /// adaptive window, at least [`claim::WINDOW_PER_CLAIMER`] per claimer seen
+    /// ([`claim::recent_claimers`]; [`claim::COLD_CLAIMERS`] when no claim was seen lately),
+    /// less the snapshots already tried. When other claimers are seen, [`share::choose`] says
+    /// which to try: this claimer's own oldest job, a turn at an open one, or
+    /// [`Pick::Defer`] until a turn comes or a reserved job opens. Alone, or at a cold start, or
+    /// with `--spread 1`: [`claim::pick`]'s random (or FIFO) choice in the window.
     fn pick(&self) -> Pick {
         let config = &self.inner.config;
         let now = Timestamp::now();
@@ -627,26 +631,6 @@ impl Worker {
         let claimers = index.recent_claimers(&config.identity, now);
         let claimers: HashSet<&str> = claimers.iter().map(String::as_str).collect();
         let tried = self.inner.tried.lock().unwrap();
-        let skip = |j: &LeasedJob| {
-            let name = j.metadata.name.as_deref().unwrap_or_default();
-            tried.get(name) == j.metadata.resource_version.as_ref()
-        };
-        let max_window = config.spread * MAX_WINDOW_FACTOR;
-        if config.spread > 1 && claimers.len() > 1 {
-            // Too few jobs for every claimer to rank first for some: take turns instead.
-            let room = claim::window_for(0, config.spread, claimers.len(), max_window)
-                .min(claim::SPLIT_PER_CLAIMER * claimers.len());
-            let names = index.candidates(now, room, |_, _| false);
-            if names.len() < room {
-                let jobs = self.cached(&names);
-                let candidates: Vec<&Arc<LeasedJob>> =
-                    claim::top_candidates(&jobs, &config.queue, now, room)
-                        .into_iter()
-                        .filter(|j| !skip(j))
-                        .collect();
-                return self.rendezvous(&candidates, &claimers);
-            }
-        }
         let warm = index.claimed_lately(now);
         let seen = if warm {
             claimers.len()
@@ -657,42 +641,65 @@ impl Worker {
             self.inner.window.load(Ordering::Relaxed),
             config.spread,
             seen,
-            max_window,
+            config.spread * MAX_WINDOW_FACTOR,
         );
         let names = index.candidates(now, window, |name, rv| {
             tried.get(name).is_some_and(|t| t == rv)
         });
-        drop(index);
-        // Claimers that agree on who is claiming split the window between them by rendezvous
-        // hashing: each picks among the jobs it ranks first for (about window / claimers of
-        // them), so two of them never race for a job; a random pick over the whole window
-        // met another claimer's about (claimers - 1) / window of the time (3 % at 32). With
-        // none of its own in the window (the claimer sets disagree, or the others' jobs
-        // fill it), a claimer picks among all of it, as when it has seen no claims at all.
-        let me = config.identity.as_str();
-        let rng = &mut rand::rng();
-        if warm && config.spread > 1 && claimers.len() > 1 {
-            let mine: Vec<String> = names
-                .iter()
-                .filter(|n| claim::rendezvous_first(n, me, &claimers))
-                .cloned()
-                .collect();
-            let jobs = self.cached(&mine);
-            if let Some(job) = claim::pick(&jobs, &config.queue, now, window, skip, rng) {
-                return Pick::Job(job);
-            }
-            // None of its own (left): turns at the others' keep it off the claimer whose job
-            // it is, as far as the API server's speed allows.
-            let jobs = self.cached(&names);
-            let candidates: Vec<&Arc<LeasedJob>> =
-                claim::top_candidates(&jobs, &config.queue, now, window)
-                    .into_iter()
-                    .filter(|j| !skip(j))
-                    .collect();
-            return self.rendezvous(&candidates, &claimers);
+        drop(tried);
+        if config.spread > 1 && claimers.len() > 1 {
+            let now_ms = u64::try_from(now.as_millisecond()).unwrap_or_default();
+            let guard =
+                share::rendezvous_guard_ms(self.inner.claim_write_ms.load(Ordering::Relaxed));
+            let candidates: Vec<&str> = names.iter().map(String::as_str).collect();
+            let choice = share::choose(
+                &candidates,
+                &config.identity,
+                &claimers,
+                |c| index.active_until_ms(c),
+                now_ms,
+                guard,
+            );
+            drop(index);
+            let cached = |i: usize| self.cached(&names[i..=i]).pop();
+            return match choice {
+                share::Choice::Own(i) => cached(i).map_or(Pick::Nothing, Pick::Job),
+                share::Choice::Turn(i) => cached(i).map_or(Pick::Nothing, Pick::Fresh),
+                share::Choice::Defer(wait) => Pick::Defer(Instant::now() + wait),
+                share::Choice::Nothing => Pick::Nothing,
+            };
         }
+        drop(index);
         let jobs = self.cached(&names);
-        claim::pick(&jobs, &config.queue, now, window, skip, rng).map_or(Pick::Nothing, Pick::Job)
+        let tried = self.inner.tried.lock().unwrap();
+        let skip = |j: &LeasedJob| {
+            let name = j.metadata.name.as_deref().unwrap_or_default();
+            tried.get(name) == j.metadata.resource_version.as_ref()
+        };
+        claim::pick(&jobs, &config.queue, now, window, skip, &mut rand::rng())
+            .map_or(Pick::Nothing, Pick::Job)
+    }
+
+    /// [`Pick::Fresh`]: reads `cached` from the API server (a quorum read, one GET) and answers
+    /// the copy read if it is still claimable, so a turn at a job another claimer has just
+    /// claimed costs a read instead of a claim write answered 409 (benchmark row 2: on a loaded
+    /// API server the watch trailed the writes by a second at a queue's end). Otherwise the
+    /// cached snapshot is marked tried, so that it is not picked again before the watch
+    /// brings the change, and nothing is tried.
+    async fn read_afresh(&self, cached: Arc<LeasedJob>) -> Pick {
+        let name = cached.name_any();
+        let read = tokio::time::timeout(MAX_CALL_BOUND, self.inner.jobs.get_opt(&name)).await;
+        if let Ok(Ok(Some(mut fresh))) = read {
+            if claim::claimable(&fresh, &self.inner.config.queue, Timestamp::now()) {
+                // As in the watch cache: the claim's write must not send managedFields back.
+                fresh.metadata.managed_fields = None;
+                return Pick::Job(Arc::new(fresh));
+            }
+        }
+        let job_ref = cached.reference();
+        tracing::debug!(job = %job_ref, "Skipped LeasedJob {job_ref}: read afresh for a turn, it is no longer claimable");
+        self.mark_tried(&cached);
+        Pick::Nothing
     }
 
     /// The watch cache's copies of the jobs `names`, in that order (a job the cache no longer
@@ -703,27 +710,6 @@ impl Worker {
             .iter()
             .filter_map(|n| self.inner.store.get(&ObjectRef::new(n).within(ns)))
             .collect()
-    }
-
-    /// [`Worker::pick`] with too few `candidates` (oldest first) for the `claimers`: the
-    /// oldest job whose turn this claimer has now ([`claim::rendezvous_turn`]); else
-    /// [`Pick::Defer`] until this claimer's next turn at any of them.
-    fn rendezvous(&self, candidates: &[&Arc<LeasedJob>], claimers: &HashSet<&str>) -> Pick {
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        let guard = claim::rendezvous_guard_ms(self.inner.claim_write_ms.load(Ordering::Relaxed));
-        let me = self.inner.config.identity.as_str();
-        let mut next: Option<Duration> = None;
-        for job in candidates {
-            let name = job.name_any();
-            let rank = claim::rendezvous_rank(&name, me, claimers);
-            match claim::rendezvous_turn(&name, rank, claimers.len(), now_ms, guard) {
-                claim::Turn::Now { .. } => return Pick::Job(Arc::clone(job)),
-                claim::Turn::In(wait) => next = Some(next.map_or(wait, |n| n.min(wait))),
-            }
-        }
-        next.map_or(Pick::Nothing, |wait| Pick::Defer(Instant::now() + wait))
     }
 
     /// After a 409: widens the claim window fourfold, if more jobs are claimable than it holds
