@@ -15,7 +15,9 @@
 //!   ([`rendezvous_turn`]), one at a time. A claimer with no job of its own steals the
 //!   newest job of the owner with the most, the far end from where that owner takes its own
 //!   (work stealing, as in Blumofe and Leiserson's scheduler), so the owner and the thief
-//!   meet only when the owner has almost nothing left;
+//!   meet only when the owner has almost nothing left. A turn is answered as
+//!   [`Choice::Turn`], which the worker reads afresh before its claim write: the watch may not
+//!   show yet what the claimer whose turn came before did;
 //! - an owner busy with a long job, or gone, stops being active after [`ACTIVE_MS`], and its
 //!   jobs open to the others' turns.
 //!
