@@ -155,11 +155,24 @@ pub const ACTIVE_MS: u64 = 2_000;
 /// owner reaches a stolen job only four claims later, long after the theft is in its watch.
 pub const RESERVED_PER_CLAIMER: usize = 4;
 
+/// How many of an active owner's jobs are open to thieves at once: its newest, beyond the
+/// [`RESERVED_PER_CLAIMER`]. A thief's watch trails the owner's claims, so the places it counts
+/// are too far back by the jobs the owner claimed meanwhile: a theft from just behind the
+/// reserve met the owner's own claim of the same job 240 ms later (benchmark row 2 at 32
+/// claimers, while 27 other jobs of the queue were claimed). The newest jobs stay the newest
+/// however stale the watch is, and the next ones open as they go.
+pub const STEALABLE_PER_OWNER: usize = 2;
+
 /// What [`choose`] answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Choice {
     /// Try the candidate at this index: this claimer's own, reserved for it.
     Own(usize),
+    /// Try the candidate at this index, this claimer's own, but read it afresh first: the
+    /// owner has so few jobs left that thieves may have taken this one in their turns, and
+    /// its watch may not show that yet (benchmark row 2 at 32 claimers: an owner met a theft
+    /// 150 ms old on its last jobs).
+    Contested(usize),
     /// Try the candidate at this index, in this claimer's turn at it: another's job (stolen),
     /// or one whose owner is not active. The claimer's watch may not show the claim of the
     /// claimer whose turn came before (a loaded API server's watch events trailed its writes
@@ -190,11 +203,22 @@ pub fn choose(
 ) -> Choice {
     let active = |c: &str| active_until_ms(c).is_some_and(|t| t > now_ms);
     if active(me) {
-        if let Some(i) = candidates
+        let mut mine = candidates
             .iter()
-            .position(|job| rendezvous_first(job, me, claimers))
-        {
-            return Choice::Own(i);
+            .enumerate()
+            .filter(|(_, job)| rendezvous_first(job, me, claimers))
+            .map(|(i, _)| i);
+        if let Some(i) = mine.next() {
+            // With few jobs left, the thieves' turns reach this one soon: read it first.
+            let few = mine
+                .take(RESERVED_PER_CLAIMER + STEALABLE_PER_OWNER)
+                .count()
+                < RESERVED_PER_CLAIMER + STEALABLE_PER_OWNER;
+            return if few {
+                Choice::Contested(i)
+            } else {
+                Choice::Own(i)
+            };
         }
     }
     // No job of its own to take: find each candidate's owner, its place among that owner's
@@ -233,7 +257,9 @@ pub fn choose(
     let mut next: Option<Duration> = None;
     let mut open: Vec<usize> = Vec::new();
     for (i, seat) in seats.iter().enumerate() {
-        let reserved_until = (seat.place < RESERVED_PER_CLAIMER)
+        let count = owned[seat.owner];
+        let kept = seat.place < RESERVED_PER_CLAIMER || seat.place + STEALABLE_PER_OWNER < count;
+        let reserved_until = kept
             .then(|| active_until_ms(seat.owner))
             .flatten()
             .filter(|t| *t > now_ms);
@@ -398,9 +424,17 @@ mod tests {
                 .position(|j| owner_of(j, &claimers) == *me);
             let got = choose(&candidates, me, &claimers, all_active, T0, 40);
             match oldest {
-                Some(i) => assert_eq!(got, Choice::Own(i), "{me}"),
+                Some(i) => assert!(
+                    matches!(got, Choice::Own(j) | Choice::Contested(j) if i == j),
+                    "{me}: {got:?}"
+                ),
                 None => assert!(
-                    !matches!(got, Choice::Own(_) | Choice::Turn(0..RESERVED_PER_CLAIMER)),
+                    !matches!(
+                        got,
+                        Choice::Own(_)
+                            | Choice::Contested(_)
+                            | Choice::Turn(0..RESERVED_PER_CLAIMER)
+                    ),
                     "{me}"
                 ),
             }
@@ -456,7 +490,7 @@ mod tests {
                 let mut chosen = HashMap::new();
                 for me in &claimers {
                     let got = choose(&candidates, me, &claimers, active_until, now, guard);
-                    if let Choice::Own(i) | Choice::Turn(i) = got {
+                    if let Choice::Own(i) | Choice::Contested(i) | Choice::Turn(i) = got {
                         taken += 1;
                         if let Some(other) = chosen.insert(i, *me) {
                             panic!("case {case}: {me} and {other} both chose {}", candidates[i]);
@@ -497,9 +531,13 @@ mod tests {
         let all_active = |_: &str| Some(T0 + 10 * ACTIVE_MS);
         let mut stole = 0;
         for now in (T0..T0 + 4 * RENDEZVOUS_SLOT_MS).step_by(5) {
-            // The jobs whose turn the thief has now (and not reserved).
+            // The jobs whose turn the thief has now, open to it: not reserved, and among their
+            // owner's newest.
             let turns: Vec<usize> = (0..candidates.len())
                 .filter(|&i| place(i) >= RESERVED_PER_CLAIMER)
+                .filter(|&i| {
+                    place(i) + STEALABLE_PER_OWNER >= count(owner_of(candidates[i], &claimers))
+                })
                 .filter(|&i| {
                     let rank = rendezvous_rank(candidates[i], thief, &claimers);
                     let turn = rendezvous_turn(candidates[i], rank, 4, now, 40);
@@ -507,7 +545,9 @@ mod tests {
                 })
                 .collect();
             match choose(&candidates, thief, &claimers, all_active, now, 40) {
-                Choice::Own(i) => panic!("it owns nothing, yet took {}", candidates[i]),
+                Choice::Own(i) | Choice::Contested(i) => {
+                    panic!("it owns nothing, yet took {}", candidates[i])
+                }
                 Choice::Turn(i) => {
                     stole += 1;
                     assert!(
@@ -540,7 +580,7 @@ mod tests {
         for me in &claimers {
             let got = choose(&[job], me, &claimers, active_until, T0, 40);
             if *me == owner {
-                assert_eq!(got, Choice::Own(0));
+                assert_eq!(got, Choice::Contested(0), "its only job");
             } else {
                 assert_eq!(got, Choice::Defer(Duration::from_millis(600)), "{me}");
             }

@@ -87,7 +87,8 @@ enum Pick {
     /// Try to claim this job.
     Job(Arc<LeasedJob>),
     /// Read this job afresh, and try to claim it if it is still claimable (a turn at a job
-    /// that is not this claimer's own: [`share::Choice::Turn`]).
+    /// that is not this claimer's own, or one of its last own jobs: [`share::Choice::Turn`],
+    /// [`share::Choice::Contested`]).
     Fresh(Arc<LeasedJob>),
     /// Nothing claimable.
     Nothing,
@@ -664,7 +665,9 @@ impl Worker {
             let cached = |i: usize| self.cached(&names[i..=i]).pop();
             return match choice {
                 share::Choice::Own(i) => cached(i).map_or(Pick::Nothing, Pick::Job),
-                share::Choice::Turn(i) => cached(i).map_or(Pick::Nothing, Pick::Fresh),
+                share::Choice::Contested(i) | share::Choice::Turn(i) => {
+                    cached(i).map_or(Pick::Nothing, Pick::Fresh)
+                }
                 share::Choice::Defer(wait) => Pick::Defer(Instant::now() + wait),
                 share::Choice::Nothing => Pick::Nothing,
             };
