@@ -12,10 +12,12 @@
 //!   [`ACTIVE_MS`]) takes its own jobs oldest first, and its first [`RESERVED_PER_CLAIMER`] are
 //!   left to it: nobody else tries them, however slow the watches are;
 //! - every other job is **open**: the claimers take turns at it on the wall clock
-//!   ([`rendezvous_turn`]), one at a time. A claimer with no job of its own steals the
-//!   newest job of the owner with the most, the far end from where that owner takes its own
-//!   (work stealing, as in Blumofe and Leiserson's scheduler), so the owner and the thief
-//!   meet only when the owner has almost nothing left. A turn is answered as
+//!   ([`rendezvous_turn`]), one at a time. A claimer with no job of its own steals one of
+//!   the [`STEALABLE_PER_OWNER`] newest jobs of the owner with the most, the far end from
+//!   where that owner takes its own (work stealing, as in Blumofe and Leiserson's scheduler),
+//!   so the owner and the thief meet only when the owner has almost nothing left, and an
+//!   owner that has that little left reads its job afresh first ([`Choice::Contested`]). A
+//!   turn is answered as
 //!   [`Choice::Turn`], which the worker reads afresh before its claim write: the watch may not
 //!   show yet what the claimer whose turn came before did;
 //! - an owner busy with a long job, or gone, stops being active after [`ACTIVE_MS`], and its
