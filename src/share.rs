@@ -165,6 +165,12 @@ pub const RESERVED_PER_CLAIMER: usize = 4;
 /// however stale the watch is, and the next ones open as they go.
 pub const STEALABLE_PER_OWNER: usize = 2;
 
+/// An active owner that sees this many jobs of its own or fewer reads each afresh before its
+/// claim write ([`Choice::Contested`]): a thief's watch counts the owner's jobs from a view
+/// that trails the owner's claims, so when the owner is down to its last few, the newest
+/// that a thief took may be the oldest the owner sees.
+pub const READ_OWN_AT_MOST: usize = 3;
+
 /// What [`choose`] answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Choice {
@@ -212,10 +218,7 @@ pub fn choose(
             .map(|(i, _)| i);
         if let Some(i) = mine.next() {
             // With few jobs left, the thieves' turns reach this one soon: read it first.
-            let few = mine
-                .take(RESERVED_PER_CLAIMER + STEALABLE_PER_OWNER)
-                .count()
-                < RESERVED_PER_CLAIMER + STEALABLE_PER_OWNER;
+            let few = mine.take(READ_OWN_AT_MOST).count() < READ_OWN_AT_MOST;
             return if few {
                 Choice::Contested(i)
             } else {
