@@ -694,8 +694,11 @@ impl Worker {
         let read = tokio::time::timeout(MAX_CALL_BOUND, self.inner.jobs.get_opt(&name)).await;
         if let Ok(Ok(Some(mut fresh))) = read {
             if claim::claimable(&fresh, &self.inner.config.queue, Timestamp::now()) {
-                // As in the watch cache: the claim's write must not send managedFields back.
+                // As in the watch cache: the claim's write sends neither managedFields nor the
+                // payload back (the status subresource ignores the spec; the claim's answer
+                // carries the payload).
                 fresh.metadata.managed_fields = None;
+                fresh.drop_payload_and_result();
                 return Pick::Job(Arc::new(fresh));
             }
         }
