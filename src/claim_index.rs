@@ -176,8 +176,17 @@ impl ClaimIndex {
 
     /// Until when (milliseconds since the Unix epoch) `holder` counts as an active claimer:
     /// [`share::ACTIVE_MS`] after a claim or end of attempt of its last arrived live in the
-    /// watch; `None` if none did.
+    /// watch; `None` if none did, or if its latest claim is older than
+    /// [`claim::RECENT_CLAIM_SECONDS`] (then the others no longer count it among the claimers).
     pub fn active_until_ms(&self, holder: &str) -> Option<u64> {
+        // Only a claimer the others count among the claimers seen (a claim within
+        // RECENT_CLAIM_SECONDS) is active: one back from a long job is not, even at its end,
+        // so it takes turns until its next claim is seen instead of claiming as an owner
+        // whom the others do not count.
+        let recent = Timestamp::now() - SignedDuration::from_secs(claim::RECENT_CLAIM_SECONDS);
+        if self.claims.get(holder).is_none_or(|t| *t < recent) {
+            return None;
+        }
         let at = self.active.get(holder)?;
         let ms = u64::try_from(at.as_millisecond()).unwrap_or_default();
         Some(ms.saturating_add(share::ACTIVE_MS))
@@ -453,19 +462,34 @@ mod tests {
     #[test]
     fn claimers_are_active_for_a_while_after_a_live_claim_or_end() {
         let mut index = ClaimIndex::new("q");
-        let held = |name: &str, phase: Phase, holder: &str| {
+        let claimed_ago = |name: &str, phase: Phase, holder: &str, seconds: i64| {
             let mut j = job(name, "q", 0, 1, phase);
-            j.status.as_mut().unwrap().holder = Some(holder.into());
+            let status = j.status.as_mut().unwrap();
+            status.holder = Some(holder.into());
+            status.claimed_time = Some(Time(Timestamp::now() - SignedDuration::from_secs(seconds)));
             j
         };
+        let held = |name: &str, phase: Phase, holder: &str| claimed_ago(name, phase, holder, 1);
         let ms = |t: Timestamp| u64::try_from(t.as_millisecond()).unwrap();
+        let seen = |index: &mut ClaimIndex, job: LeasedJob, at: Timestamp| {
+            index.apply(&job);
+            index.note_activity(&job, at);
+        };
         // A claim and an end count; a requeue (Queued) and another queue's jobs do not.
-        index.note_activity(&held("a", Phase::Leased, "pod-a"), at(10));
-        index.note_activity(&held("b", Phase::Succeeded, "pod-b"), at(11));
-        index.note_activity(&held("c", Phase::Queued, "pod-c"), at(12));
+        seen(&mut index, held("a", Phase::Leased, "pod-a"), at(10));
+        seen(&mut index, held("b", Phase::Succeeded, "pod-b"), at(11));
+        seen(&mut index, held("c", Phase::Queued, "pod-c"), at(12));
         let mut other = held("d", Phase::Leased, "pod-d");
         other.spec.queue = "other".into();
-        index.note_activity(&other, at(12));
+        seen(&mut index, other, at(12));
+        // The end of a long attempt: its holder is no claimer the others count, so not active.
+        let stale = claim::RECENT_CLAIM_SECONDS + 5;
+        seen(
+            &mut index,
+            claimed_ago("g", Phase::Succeeded, "pod-g", stale),
+            at(12),
+        );
+        assert_eq!(index.active_until_ms("pod-g"), None);
         assert_eq!(
             index.active_until_ms("pod-a"),
             Some(ms(at(10)) + share::ACTIVE_MS)

@@ -11,7 +11,9 @@
 //! - an owner that is **active** (a claim or an end of attempt of its was seen within the last
 //!   [`ACTIVE_MS`]) takes its own jobs oldest first, and its first [`RESERVED_PER_CLAIMER`] are
 //!   left to it: nobody else tries them, however slow the watches are;
-//! - every other job is **open**: the claimers take turns at it on the wall clock
+//! - an active owner's other jobs stay its own too, but for its [`STEALABLE_PER_OWNER`]
+//!   newest; those, and every job of an owner that is not active, are **open**: the claimers
+//!   take turns at them on the wall clock
 //!   ([`rendezvous_turn`]), one at a time. A claimer with no job of its own steals one of
 //!   the [`STEALABLE_PER_OWNER`] newest jobs of the owner with the most, the far end from
 //!   where that owner takes its own (work stealing, as in Blumofe and Leiserson's scheduler),
@@ -273,14 +275,13 @@ pub fn choose(
             None => open.push(i),
         }
     }
-    // Steal from the owner with the most jobs, its newest first.
+    // Steal from the owner with the most jobs first: an active owner's newest (the far end
+    // from where it takes its own), an inactive owner's oldest (nobody takes its front).
     open.sort_by_key(|&i| {
         let seat = &seats[i];
-        (
-            std::cmp::Reverse(owned[seat.owner]),
-            std::cmp::Reverse(seat.place),
-            i,
-        )
+        let place = i64::try_from(seat.place).unwrap_or(i64::MAX);
+        let order = if active(seat.owner) { -place } else { place };
+        (std::cmp::Reverse(owned[seat.owner]), order, i)
     });
     for i in open {
         match rendezvous_turn(

@@ -92,7 +92,8 @@ enum Pick {
     Fresh(Arc<LeasedJob>),
     /// Nothing claimable.
     Nothing,
-    /// Fewer jobs than claimers, and other claimers go first: look again at this instant.
+    /// Nothing to try now, but a turn comes or a reserved job opens at this instant
+    /// ([`share::Choice::Defer`]): look again then.
     Defer(Instant),
 }
 
@@ -688,11 +689,16 @@ impl Worker {
     /// claimed costs a read instead of a claim write answered 409 (benchmark row 2: on a loaded
     /// API server the watch trailed the writes by a second at a queue's end). Otherwise the
     /// cached snapshot is marked tried, so that it is not picked again before the watch
-    /// brings the change, and nothing is tried.
+    /// brings the change, and nothing is tried. A read that fails marks nothing.
     async fn read_afresh(&self, cached: Arc<LeasedJob>) -> Pick {
         let name = cached.name_any();
         let read = tokio::time::timeout(MAX_CALL_BOUND, self.inner.jobs.get_opt(&name)).await;
-        if let Ok(Ok(Some(mut fresh))) = read {
+        let Ok(Ok(found)) = read else {
+            // The read failed: nothing is known, so nothing is marked; the next change tries
+            // again.
+            return Pick::Nothing;
+        };
+        if let Some(mut fresh) = found {
             if claim::claimable(&fresh, &self.inner.config.queue, Timestamp::now()) {
                 // As in the watch cache: the claim's write sends neither managedFields nor the
                 // payload back (the status subresource ignores the spec; the claim's answer
@@ -771,7 +777,6 @@ impl Worker {
     }
 
     async fn try_claim(&self, snapshot: &LeasedJob) -> Result<Option<Claimed>, WorkerError> {
-        self.mark_tried(snapshot);
         let lease_duration = Duration::from_secs(
             u64::try_from(snapshot.spec.lease_duration_seconds.max(1)).unwrap_or(1),
         );
@@ -815,11 +820,18 @@ impl Worker {
                 claimed
             }
             Ok(Err(ClaimError::Conflict { .. })) => {
+                // Only a snapshot known to be stale is skipped from now on: one whose write
+                // failed or timed out is tried again, or its owner would pass it by while the
+                // others leave it to that owner (share::RESERVED_PER_CLAIMER).
+                self.mark_tried(snapshot);
                 self.inner.metrics.claim_conflicts.inc();
                 self.widen_window();
                 return Ok(None);
             }
-            Ok(Err(ClaimError::NotQueued { .. } | ClaimError::Gone { .. })) => return Ok(None),
+            Ok(Err(ClaimError::NotQueued { .. } | ClaimError::Gone { .. })) => {
+                self.mark_tried(snapshot);
+                return Ok(None);
+            }
             Ok(Err(e @ ClaimError::Api { .. })) => {
                 return Err(WorkerError::unavailable(
                     format!("claim of LeasedJob {}", snapshot.reference()),
