@@ -169,7 +169,9 @@ pub fn window_for(window: usize, spread: usize, claimers: usize, max: usize) -> 
 }
 
 /// The claimable jobs of the highest priority present, at most `limit` of them, the oldest,
-/// in FIFO order.
+/// in FIFO order: the linear scan that [`crate::claim_index::ClaimIndex::candidates`] answers
+/// without reading the whole queue, kept as the reference its tests compare with.
+#[cfg(test)]
 pub fn top_candidates<'a>(
     jobs: &'a [Arc<LeasedJob>],
     queue: &str,

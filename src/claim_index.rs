@@ -217,7 +217,8 @@ impl ClaimIndex {
 
     /// The names of at most `limit` jobs claimable at `now` that `skip` (name, resourceVersion)
     /// lets through, all of the highest priority among those, oldest first: the candidates of
-    /// [`claim::top_candidates`] and [`claim::pick`], found without reading the whole queue.
+    /// [`claim::pick`] (what a linear scan of the queue would find), without reading the whole
+    /// queue.
     /// Costs the jobs walked: the window, plus those not claimable yet or skipped ahead of it.
     pub fn candidates(
         &self,

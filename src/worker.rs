@@ -574,15 +574,24 @@ impl Worker {
                 Pick::Defer(turn) => Some(turn),
                 _ => None,
             };
-            let picked = match picked {
-                Pick::Fresh(cached) => self.read_afresh(cached).await,
-                picked => picked,
+            // A job read afresh keeps its cached snapshot: that is the one picked again if
+            // the claim of the fresh copy finds it stale.
+            let (picked, cached) = match picked {
+                Pick::Fresh(cached) => (self.read_afresh(Arc::clone(&cached)).await, Some(cached)),
+                picked => (picked, None),
             };
             if let Pick::Job(snapshot) = picked {
                 if *draining.borrow() {
                     return Err(WorkerError::ShuttingDown);
                 }
-                if let Some(claimed) = self.try_claim(&snapshot).await? {
+                let claimed = self.try_claim(&snapshot).await?;
+                // try_claim marked the fresh copy stale (claimed, 409, or no longer
+                // claimable); the cache still holds the older snapshot, so that is the one to
+                // skip until the watch brings a newer one.
+                if let Some(cached) = cached {
+                    self.mark_tried(&cached);
+                }
+                if let Some(claimed) = claimed {
                     return Ok(Some(claimed));
                 }
                 // Lost the race (or the job went away): the cache was stale. The write that
@@ -674,14 +683,17 @@ impl Worker {
             };
         }
         drop(index);
+        // The snapshots tried are already left out of `names`.
         let jobs = self.cached(&names);
-        let tried = self.inner.tried.lock().unwrap();
-        let skip = |j: &LeasedJob| {
-            let name = j.metadata.name.as_deref().unwrap_or_default();
-            tried.get(name) == j.metadata.resource_version.as_ref()
-        };
-        claim::pick(&jobs, &config.queue, now, window, skip, &mut rand::rng())
-            .map_or(Pick::Nothing, Pick::Job)
+        claim::pick(
+            &jobs,
+            &config.queue,
+            now,
+            window,
+            |_| false,
+            &mut rand::rng(),
+        )
+        .map_or(Pick::Nothing, Pick::Job)
     }
 
     /// [`Pick::Fresh`]: reads `cached` from the API server (a quorum read, one GET) and answers
@@ -776,6 +788,9 @@ impl Worker {
         tried.insert(job.name_any(), job.resource_version().unwrap_or_default());
     }
 
+    /// Claims `snapshot`. `Ok(None)` when it was stale (409) or is no longer claimable. In
+    /// both cases, and when the claim succeeds, `snapshot` is marked tried: it is known stale.
+    /// A write that failed or timed out is an error and marks nothing.
     async fn try_claim(&self, snapshot: &LeasedJob) -> Result<Option<Claimed>, WorkerError> {
         let lease_duration = Duration::from_secs(
             u64::try_from(snapshot.spec.lease_duration_seconds.max(1)).unwrap_or(1),
@@ -816,6 +831,11 @@ impl Worker {
         };
         let (job, token) = match claimed {
             Ok(Ok(claimed)) => {
+                // The snapshot is stale now too: this claim changed the job. Until the watch
+                // brings the claim, the cache still shows the job claimable, and a claimer
+                // quick to come back would pick it again, its oldest own job, and meet its
+                // own write (409).
+                self.mark_tried(snapshot);
                 self.narrow_window();
                 claimed
             }
