@@ -6,7 +6,7 @@
 //! Consistency"). The "is it still Queued?" check and the write therefore use one snapshot: if
 //! anyone wrote the job since, the API server answers 409 Conflict and the claimer moves on.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -168,6 +168,51 @@ pub fn window_for(window: usize, spread: usize, claimers: usize, max: usize) -> 
         .max(spread)
 }
 
+/// The snapshots (a job's name and resourceVersion) a claimer knows to be stale though its
+/// watch cache may still hold them: one it claimed itself, lost with a 409, or found no
+/// longer claimable. A cache trails the writes (by hundreds of milliseconds on a loaded API
+/// server), so without this a claimer back from a job would pick the same snapshot again and
+/// meet a write already made, often its own.
+///
+/// Keeps the last [`Stale::PER_JOB`] resourceVersions marked per job: a job read afresh
+/// before its claim has two known-stale snapshots, the cached one and the fresh copy, and the
+/// cache still passes through the second on its way to the claim. Forgets everything past
+/// [`Stale::MAX_JOBS`] jobs (a stale snapshot is then at worst tried once more).
+/// resourceVersions are compared for equality only, never ordered (the API's rule).
+#[derive(Debug, Default)]
+pub struct Stale {
+    by_job: HashMap<String, Vec<String>>,
+}
+
+impl Stale {
+    /// resourceVersions kept per job.
+    pub const PER_JOB: usize = 2;
+    /// Jobs kept before everything is forgotten.
+    pub const MAX_JOBS: usize = 10_000;
+
+    /// Marks the snapshot `rv` of job `name` stale.
+    pub fn mark(&mut self, name: &str, rv: &str) {
+        if self.by_job.len() >= Self::MAX_JOBS && !self.by_job.contains_key(name) {
+            self.by_job.clear();
+        }
+        let rvs = self.by_job.entry(name.to_owned()).or_default();
+        if rvs.iter().any(|r| r == rv) {
+            return;
+        }
+        if rvs.len() >= Self::PER_JOB {
+            rvs.remove(0);
+        }
+        rvs.push(rv.to_owned());
+    }
+
+    /// True when the snapshot `rv` of job `name` was marked stale.
+    pub fn contains(&self, name: &str, rv: &str) -> bool {
+        self.by_job
+            .get(name)
+            .is_some_and(|rvs| rvs.iter().any(|r| r == rv))
+    }
+}
+
 /// The claimable jobs of the highest priority present, at most `limit` of them, the oldest,
 /// in FIFO order: the linear scan that [`crate::claim_index::ClaimIndex::candidates`] answers
 /// without reading the whole queue, kept as the reference its tests compare with.
@@ -262,6 +307,41 @@ pub async fn claim(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stale_keeps_the_last_two_snapshots_of_a_job() {
+        let mut stale = Stale::default();
+        assert!(!stale.contains("a", "1"));
+        // A job read afresh: the cached snapshot and the fresh copy are both stale after the
+        // claim, in either order of marking.
+        stale.mark("a", "2");
+        stale.mark("a", "1");
+        assert!(stale.contains("a", "1") && stale.contains("a", "2"));
+        assert!(!stale.contains("a", "3") && !stale.contains("b", "1"));
+        // Marking one twice keeps the other.
+        stale.mark("a", "1");
+        assert!(stale.contains("a", "2"));
+        // A third forgets the oldest marked.
+        stale.mark("a", "3");
+        assert!(!stale.contains("a", "2"));
+        assert!(stale.contains("a", "1") && stale.contains("a", "3"));
+    }
+
+    #[test]
+    fn stale_forgets_everything_past_its_bound() {
+        let mut stale = Stale::default();
+        for n in 0..Stale::MAX_JOBS {
+            stale.mark(&format!("j{n}"), "1");
+        }
+        assert!(stale.contains("j0", "1"));
+        // A job already kept does not clear.
+        stale.mark("j0", "2");
+        assert!(stale.contains("j1", "1"));
+        // A new one does.
+        stale.mark("new", "1");
+        assert!(!stale.contains("j1", "1"));
+        assert!(stale.contains("new", "1"));
+    }
     use crate::crd::LeasedJobSpec;
     use rand::SeedableRng;
 

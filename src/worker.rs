@@ -301,9 +301,9 @@ struct Inner {
     /// Bumped after every event of the queue watch.
     changes: watch::Receiver<u64>,
     held: Mutex<HashMap<String, Arc<Held>>>,
-    /// Snapshots (name -> resourceVersion) already tried, so a stale cache entry is not
-    /// claimed twice.
-    tried: Mutex<HashMap<String, String>>,
+    /// Snapshots known stale (claimed here, lost with a 409, or no longer claimable), so a
+    /// cache entry the watch has not replaced yet is not tried again.
+    tried: Mutex<claim::Stale>,
     /// The latest attempt this process ended per job name, with the refusal its token now
     /// earns: its Lease still names it (see the module doc), so a heartbeat with it must be
     /// refused here.
@@ -574,8 +574,8 @@ impl Worker {
                 Pick::Defer(turn) => Some(turn),
                 _ => None,
             };
-            // A job read afresh keeps its cached snapshot: that is the one picked again if
-            // the claim of the fresh copy finds it stale.
+            // A job read afresh keeps its cached snapshot: after the claim of the fresh copy,
+            // whatever its answer, both are stale, and the cache still holds the older.
             let (picked, cached) = match picked {
                 Pick::Fresh(cached) => (self.read_afresh(Arc::clone(&cached)).await, Some(cached)),
                 picked => (picked, None),
@@ -586,8 +586,8 @@ impl Worker {
                 }
                 let claimed = self.try_claim(&snapshot).await?;
                 // try_claim marked the fresh copy stale (claimed, 409, or no longer
-                // claimable); the cache still holds the older snapshot, so that is the one to
-                // skip until the watch brings a newer one.
+                // claimable); the cache holds the older snapshot until the watch brings the
+                // fresh one and then the change, so both are skipped (claim::Stale keeps two).
                 if let Some(cached) = cached {
                     self.mark_tried(&cached);
                 }
@@ -654,9 +654,7 @@ impl Worker {
             seen,
             config.spread * MAX_WINDOW_FACTOR,
         );
-        let names = index.candidates(now, window, |name, rv| {
-            tried.get(name).is_some_and(|t| t == rv)
-        });
+        let names = index.candidates(now, window, |name, rv| tried.contains(name, rv));
         drop(tried);
         if config.spread > 1 && claimers.len() > 1 {
             let now_ms = u64::try_from(now.as_millisecond()).unwrap_or_default();
@@ -781,11 +779,8 @@ impl Worker {
     }
 
     fn mark_tried(&self, job: &LeasedJob) {
-        let mut tried = self.inner.tried.lock().unwrap();
-        if tried.len() > 10_000 {
-            tried.clear();
-        }
-        tried.insert(job.name_any(), job.resource_version().unwrap_or_default());
+        let rv = job.resource_version().unwrap_or_default();
+        self.inner.tried.lock().unwrap().mark(&job.name_any(), &rv);
     }
 
     /// Claims `snapshot`. `Ok(None)` when it was stale (409) or is no longer claimable. In
