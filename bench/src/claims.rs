@@ -29,6 +29,8 @@ pub struct Claims {
     /// The same over the first quarter of the jobs (claimers start cold, their claim windows
     /// at spread), the middle half, the last quarter but the last N jobs (the queue draining
     /// below what the windows had grown to) and the last N jobs (claimers outnumber the jobs).
+    /// NaN when the run ended before the metrics were scraped at those marks (a fast run with
+    /// few claimers: they are scraped between jobs).
     pub conflict_split: [f64; 4],
     /// Claim writes (PUT leasedjobs/status) counted by the API server.
     pub claim_writes: f64,

@@ -621,20 +621,20 @@ fn claim_rows(
         }
         let _ = writeln!(
             detail,
-            "- N = {}: {} jobs in {:.1} s; {} worker errors; 409 share {:.1}% in all, {:.1}% \
-             over the first quarter of the jobs, {:.1}% over the middle half, {:.1}% over the \
-             last quarter but the last {} jobs, {:.1}% over the last {}; the API server \
+            "- N = {}: {} jobs in {:.1} s; {} worker errors; 409 share {:.1}% in all, {} \
+             over the first quarter of the jobs, {} over the middle half, {} over the \
+             last quarter but the last {} jobs, {} over the last {}; the API server \
              handled {:.0} writes/s ({}) and {:.0} reads/s; CPU in cores: {}",
             c.claimers,
             c.jobs,
             c.elapsed.as_secs_f64(),
             c.errors,
             c.conflict_share * 100.0,
-            c.conflict_split[0] * 100.0,
-            c.conflict_split[1] * 100.0,
-            c.conflict_split[2] * 100.0,
+            split_share(c.conflict_split[0]),
+            split_share(c.conflict_split[1]),
+            split_share(c.conflict_split[2]),
             c.claimers.min(c.jobs),
-            c.conflict_split[3] * 100.0,
+            split_share(c.conflict_split[3]),
             c.claimers.min(c.jobs),
             writes,
             ceiling.map_or("no ceiling measured".into(), |x| format!(
@@ -1228,4 +1228,26 @@ fn queuelen_charts(q: &[queuelen::Stage]) -> Vec<plots::Chart> {
             ],
         },
     ]
+}
+
+/// A 409 share over part of a claim run, as a percentage; "not measured" when the run ended
+/// before the benchmark scraped the API server's metrics at that part's marks (NaN).
+fn split_share(share: f64) -> String {
+    if share.is_nan() {
+        "not measured".into()
+    } else {
+        format!("{:.1}%", share * 100.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_share;
+
+    #[test]
+    fn a_share_not_measured_says_so() {
+        assert_eq!(split_share(f64::NAN), "not measured");
+        assert_eq!(split_share(0.0), "0.0%");
+        assert_eq!(split_share(0.0125), "1.2%");
+    }
 }
