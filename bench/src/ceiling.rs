@@ -17,11 +17,14 @@ use crate::cluster::Bench;
 use crate::metrics;
 use crate::procs::CpuWindow;
 
-/// The ceiling at one N.
+/// The ceiling at one N, in one round.
 #[derive(Clone, Debug)]
 pub struct Ceiling {
     /// Concurrent writers.
     pub writers: usize,
+    /// The round it was measured in (0-based; each round measures the ceiling at N just
+    /// before the claim run at N that is compared with it).
+    pub round: usize,
     /// Successful writes per second.
     pub per_second: f64,
     /// Writes counted by the API server per second (all resources), as a cross-check.
@@ -32,19 +35,29 @@ pub struct Ceiling {
     pub cpu: Vec<(String, f64)>,
 }
 
-/// Measures the ceiling for each N in `writers`, `seconds` each after a 1 s warm-up.
-pub async fn run(bench: &Bench, writers: &[usize], seconds: f64) -> anyhow::Result<Vec<Ceiling>> {
-    let ns = bench.namespace("bench-ceiling").await?;
-    let most = writers.iter().copied().max().unwrap_or(1);
-    bench.create_jobs(&ns, "ceiling", "c", most, 60, 16).await?;
-    let mut out = Vec::new();
-    for &n in writers {
-        out.push(measure(bench, &ns, n, seconds).await?);
-    }
-    Ok(out)
+/// The writers' jobs, one per writer, in a namespace of their own.
+pub struct Jobs {
+    ns: String,
+    count: usize,
 }
 
-async fn measure(bench: &Bench, ns: &str, n: usize, seconds: f64) -> anyhow::Result<Ceiling> {
+/// Creates the namespace `bench-ceiling` with `most` jobs, enough for the largest N.
+pub async fn prepare(bench: &Bench, most: usize) -> anyhow::Result<Jobs> {
+    let ns = bench.namespace("bench-ceiling").await?;
+    bench.create_jobs(&ns, "ceiling", "c", most, 60, 16).await?;
+    Ok(Jobs { ns, count: most })
+}
+
+/// Measures the ceiling at N = `n` (at most the jobs prepared), `seconds` after a 1 s warm-up.
+pub async fn measure(
+    bench: &Bench,
+    jobs: &Jobs,
+    n: usize,
+    round: usize,
+    seconds: f64,
+) -> anyhow::Result<Ceiling> {
+    anyhow::ensure!(n <= jobs.count, "{n} writers but only {} jobs", jobs.count);
+    let ns = jobs.ns.as_str();
     let done = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -101,6 +114,7 @@ async fn measure(bench: &Bench, ns: &str, n: usize, seconds: f64) -> anyhow::Res
     let secs = elapsed.as_secs_f64();
     Ok(Ceiling {
         writers: n,
+        round,
         per_second: (c1 - c0) as f64 / secs,
         server_writes_per_second: server / secs,
         errors: errors.load(Ordering::Relaxed),

@@ -20,6 +20,8 @@ use crate::procs::{self, CpuWindow};
 pub struct Claims {
     /// Concurrent claimers.
     pub claimers: usize,
+    /// The round (0-based): each round has a namespace and queue of its own.
+    pub round: usize,
     /// Jobs claimed and completed.
     pub jobs: usize,
     /// Jobs claimed (and completed) per second.
@@ -32,8 +34,6 @@ pub struct Claims {
     /// NaN when the run ended before the metrics were scraped at those marks (a fast run with
     /// few claimers: they are scraped between jobs).
     pub conflict_split: [f64; 4],
-    /// Claim writes (PUT leasedjobs/status) counted by the API server.
-    pub claim_writes: f64,
     /// All requests counted by the API server during the run.
     pub requests: Requests,
     /// Worker calls that failed (should be 0).
@@ -49,9 +49,17 @@ pub fn is_claim_write(k: &Key) -> bool {
     k.resource == "leasedjobs" && k.subresource == "status" && k.verb == "PUT"
 }
 
-/// Runs M = `jobs` jobs through N = `claimers` claimers.
-pub async fn run(bench: &Bench, claimers: usize, jobs: usize) -> anyhow::Result<Claims> {
-    let ns = bench.namespace(&format!("bench-claim{claimers}")).await?;
+/// Runs M = `jobs` jobs through N = `claimers` claimers, in the namespace
+/// `bench-claim<N>-<round>`.
+pub async fn run(
+    bench: &Bench,
+    claimers: usize,
+    jobs: usize,
+    round: usize,
+) -> anyhow::Result<Claims> {
+    let ns = bench
+        .namespace(&format!("bench-claim{claimers}-{round}"))
+        .await?;
     let queue = "claim";
     let mut controller = procs::controller(&bench.leasehold, &bench.kubeconfig, &bench.logs, &ns)?;
     bench.create_jobs(&ns, queue, "j", jobs, 60, 16).await?;
@@ -177,6 +185,7 @@ pub async fn run(bench: &Bench, claimers: usize, jobs: usize) -> anyhow::Result<
     }
     Ok(Claims {
         claimers,
+        round,
         jobs,
         per_second: jobs as f64 / elapsed.as_secs_f64(),
         conflict_split,
@@ -185,7 +194,6 @@ pub async fn run(bench: &Bench, claimers: usize, jobs: usize) -> anyhow::Result<
         } else {
             0.0
         },
-        claim_writes,
         requests,
         errors: errors.load(Ordering::Relaxed),
         cpu,

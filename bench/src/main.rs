@@ -17,6 +17,7 @@ mod expiry;
 mod fanout;
 mod footprint;
 mod metrics;
+mod paired;
 mod payload;
 mod plots;
 mod procs;
@@ -72,6 +73,10 @@ struct Cli {
     /// Row 1: seconds measured per N (after a 1 s warm-up). Default 10.
     #[arg(long)]
     ceiling_seconds: Option<f64>,
+    /// Rows 1 and 2: rounds. Each round measures, at each N, the ceiling and then the claim
+    /// run compared with it; the verdicts read the median over the rounds. Default 3 (smoke 1).
+    #[arg(long)]
+    rounds: Option<usize>,
     /// Rows 1 and 2: numbers of concurrent writers/claimers. Default 1,8,32.
     #[arg(long, value_delimiter = ',')]
     claimers: Option<Vec<usize>>,
@@ -132,6 +137,7 @@ struct Cli {
 #[derive(Debug)]
 struct Sizes {
     ceiling_seconds: f64,
+    rounds: usize,
     claimers: Vec<usize>,
     claim_jobs: usize,
     dispatch_jobs: usize,
@@ -161,6 +167,7 @@ impl Sizes {
         };
         Sizes {
             ceiling_seconds: cli.ceiling_seconds.unwrap_or(if s { 2.0 } else { 10.0 }),
+            rounds: pick(cli.rounds, 1, 3),
             claimers: cli.claimers.clone().unwrap_or_else(|| {
                 if s {
                     vec![1, 4]
@@ -210,10 +217,11 @@ impl Sizes {
 
     fn describe(&self) -> String {
         format!(
-            "ceiling {} s per N; N = {}; claim M = {} jobs; dispatch {} jobs to {} workers; \
+            "{} rounds of: ceiling {} s at N, then claims at N; N = {}; claim M = {} jobs; dispatch {} jobs to {} workers; \
              expiry {} jobs on {} killed sidecars, lease {} s; footprint {} jobs, {} held by {} \
              sidecars, lease {} s, {} renew intervals; vs Jobs {} items, {} workers; payloads \
              {} jobs per queue, {} bytes; fan-out {} jobs at {} sidecars; queue lengths {}",
+            self.rounds,
             self.ceiling_seconds,
             self.claimers
                 .iter()
@@ -301,26 +309,14 @@ async fn main() -> anyhow::Result<()> {
     let mut report = Report::default();
     let mut charts = Vec::new();
     let mut failures = Vec::new();
-    let mut ceilings = Vec::new();
     if want(1) || want(2) {
-        eprintln!("row 1: ceiling");
-        match ceiling::run(&bench, &sizes.claimers, sizes.ceiling_seconds).await {
-            Ok(c) => ceilings = c,
-            Err(e) => failures.push(("1", e)),
+        let (ceilings, results) = rows_1_and_2(&bench, &sizes, want(2), &mut failures).await;
+        ceiling_rows(&mut report, &ceilings, &sizes);
+        if want(2) {
+            let at = paired::at_each_n(&ceilings, &results);
+            claim_rows(&mut report, &at, &ceilings, &sizes);
+            charts.extend(claim_charts(&at));
         }
-        ceiling_rows(&mut report, &ceilings, sizes.ceiling_seconds);
-    }
-    if want(2) {
-        let mut results = Vec::new();
-        for &n in &sizes.claimers {
-            eprintln!("row 2: claim throughput, N = {n}");
-            match claims::run(&bench, n, sizes.claim_jobs).await {
-                Ok(c) => results.push(c),
-                Err(e) => failures.push(("2", e)),
-            }
-        }
-        claim_rows(&mut report, &results, &ceilings, &sizes);
-        charts.extend(claim_charts(&results));
     }
     if want(3) {
         eprintln!("row 3: dispatch latency");
@@ -539,121 +535,180 @@ fn requests_table(columns: &[(&str, &metrics::Requests, f64)]) -> String {
     s
 }
 
-fn ceiling_rows(report: &mut Report, ceilings: &[ceiling::Ceiling], seconds: f64) {
+/// Rows 1 and 2, round by round: at each N, the ceiling, then (with `claims`) the claim run
+/// compared with it. A failed measurement is recorded and the rest goes on.
+async fn rows_1_and_2(
+    bench: &cluster::Bench,
+    sizes: &Sizes,
+    claims: bool,
+    failures: &mut Vec<(&'static str, anyhow::Error)>,
+) -> (Vec<ceiling::Ceiling>, Vec<claims::Claims>) {
+    let (mut ceilings, mut results) = (Vec::new(), Vec::new());
+    let most = sizes.claimers.iter().copied().max().unwrap_or(1);
+    let jobs = match ceiling::prepare(bench, most).await {
+        Ok(j) => j,
+        Err(e) => {
+            failures.push(("1", e));
+            return (ceilings, results);
+        }
+    };
+    for round in 0..sizes.rounds {
+        for &n in &sizes.claimers {
+            eprintln!("row 1: ceiling, N = {n}, round {}", round + 1);
+            match ceiling::measure(bench, &jobs, n, round, sizes.ceiling_seconds).await {
+                Ok(c) => ceilings.push(c),
+                Err(e) => failures.push(("1", e)),
+            }
+            if claims {
+                eprintln!("row 2: claim throughput, N = {n}, round {}", round + 1);
+                match claims::run(bench, n, sizes.claim_jobs, round).await {
+                    Ok(c) => results.push(c),
+                    Err(e) => failures.push(("2", e)),
+                }
+            }
+        }
+    }
+    (ceilings, results)
+}
+
+fn ceiling_rows(report: &mut Report, ceilings: &[ceiling::Ceiling], sizes: &Sizes) {
     let mut detail = String::from(
-        "| N | writes/s (writers' count) | writes/s (apiserver_request_total) | errors | CPU, cores |\n|---|---|---|---|---|\n",
+        "| N | round | writes/s (writers' count) | writes/s (apiserver_request_total) | errors | CPU, cores |\n|---|---|---|---|---|---|\n",
     );
-    for c in ceilings {
+    for &n in &sizes.claimers {
+        let (rounds, median) = paired::ceiling_at(ceilings, n);
+        if rounds.is_empty() {
+            continue;
+        }
+        let figure = if rounds.len() == 1 {
+            format!("{median:.0} writes/s")
+        } else {
+            let each: Vec<String> = rounds
+                .iter()
+                .map(|c| format!("{:.0}", c.per_second))
+                .collect();
+            format!("{median:.0} writes/s (median; rounds {})", each.join(", "))
+        };
         report.rows.push(Row {
-            id: format!("1 (N={})", c.writers),
+            id: format!("1 (N={n})"),
             what: "Ceiling: conditional LeasedJob status updates".into(),
-            figure: format!("{:.0} writes/s", c.per_second),
+            figure,
             goal: "- (reference)".into(),
             verdict: Verdict::NoGoal,
             method: format!(
-                "{} writers, each with its own kube-rs client and its own LeasedJob, replace the \
+                "{n} writers, each with its own kube-rs client and its own LeasedJob, replace the \
                  status (the same write a claim makes) under the resourceVersion last returned; \
-                 {seconds} s after a 1 s warm-up",
-                c.writers
+                 {} s after a 1 s warm-up, in each of {} rounds, just before the claim run at \
+                 the same N",
+                sizes.ceiling_seconds,
+                rounds.len()
             ),
         });
-        let _ = writeln!(
-            detail,
-            "| {} | {:.0} | {:.0} | {} | {} |",
-            c.writers,
-            c.per_second,
-            c.server_writes_per_second,
-            c.errors,
-            cpu_line(&c.cpu)
-        );
+        for c in rounds {
+            let _ = writeln!(
+                detail,
+                "| {} | {} | {:.0} | {:.0} | {} | {} |",
+                c.writers,
+                c.round + 1,
+                c.per_second,
+                c.server_writes_per_second,
+                c.errors,
+                cpu_line(&c.cpu)
+            );
+        }
     }
     if !ceilings.is_empty() {
         report.details.push(("Row 1: ceiling".into(), detail));
     }
 }
 
+/// The issue "Scale"'s throughput goal: claims/s at least this share of the ceiling, at
+/// N = 8 and N = 32 (the median of the rounds).
+const SCALE_RATIO_GOAL: f64 = 0.28;
+
 fn claim_rows(
     report: &mut Report,
-    results: &[claims::Claims],
+    at: &[paired::AtN],
     ceilings: &[ceiling::Ceiling],
     sizes: &Sizes,
 ) {
     let most = sizes.claimers.iter().copied().max().unwrap_or(1);
     let mut detail = String::new();
-    for c in results {
-        let ceiling = ceilings.iter().find(|x| x.writers == c.claimers);
-        let ratio = ceiling.map(|x| c.per_second / x.per_second);
-        let writes = c.requests.sum(metrics::Key::is_write) / c.elapsed.as_secs_f64();
+    for a in at {
         report.rows.push(Row {
-            id: format!("2 (N={})", c.claimers),
+            id: format!("2 (N={})", a.claimers),
             what: "Claim throughput (claim + complete)".into(),
             figure: format!(
                 "{:.1} claims/s = {} of the ceiling; 409 on {:.1}% of claim writes",
-                c.per_second,
-                ratio.map_or("?".into(), |r| format!("{r:.2}")),
-                c.conflict_share * 100.0
+                a.per_second,
+                paired::ratio_text(a),
+                a.conflict_share * 100.0
             ),
             goal: ">= 0.40 of the ceiling".into(),
-            verdict: ratio.map_or(Verdict::Missed, |r| Verdict::of(r >= 0.4)),
+            verdict: a.ratio.map_or(Verdict::Missed, |r| Verdict::of(r >= 0.4)),
             method: format!(
                 "{} queued jobs; {} Worker instances (the sidecar's library, each with its own \
                  client and watch) claim then complete in a loop, controller running; claims/s = \
-                 jobs / time until all completed; ratio = claims/s / ceiling at the same N; 409 \
-                 share from apiserver_request_total (PUT leasedjobs/status)",
-                c.jobs, c.claimers
+                 jobs / time until all completed; ratio = claims/s / the ceiling at the same N \
+                 measured just before, per round, and the median of the {} rounds; 409 share \
+                 from apiserver_request_total (PUT leasedjobs/status), all rounds together",
+                sizes.claim_jobs,
+                a.claimers,
+                a.runs.len()
             ),
         });
-        if c.claimers == most {
+        if a.claimers == most {
             report.rows.push(Row {
-                id: format!("2 (N={})", c.claimers),
+                id: format!("2 (N={})", a.claimers),
                 what: "Claim conflicts".into(),
                 figure: format!(
                     "{:.1}% of {:.0} claim writes answered 409",
-                    c.conflict_share * 100.0,
-                    c.claim_writes
+                    a.conflict_share * 100.0,
+                    a.claim_writes
                 ),
                 goal: format!("< 10% at {most} claimers"),
-                verdict: Verdict::of(c.conflict_share < 0.10),
+                verdict: Verdict::of(a.conflict_share < 0.10),
                 method: "apiserver_request_total: PUT leasedjobs/status with code 409 / all PUT \
-                         leasedjobs/status, during the run above"
+                         leasedjobs/status, during the runs above"
                     .into(),
             });
         }
-        let _ = writeln!(
-            detail,
-            "- N = {}: {} jobs in {:.1} s; {} worker errors; 409 share {:.1}% in all, {} \
-             over the first quarter of the jobs, {} over the middle half, {} over the \
-             last quarter but the last {} jobs, {} over the last {}; the API server \
-             handled {:.0} writes/s ({}) and {:.0} reads/s; CPU in cores: {}",
-            c.claimers,
-            c.jobs,
-            c.elapsed.as_secs_f64(),
-            c.errors,
-            c.conflict_share * 100.0,
-            split_share(c.conflict_split[0]),
-            split_share(c.conflict_split[1]),
-            split_share(c.conflict_split[2]),
-            c.claimers.min(c.jobs),
-            split_share(c.conflict_split[3]),
-            c.claimers.min(c.jobs),
-            writes,
-            ceiling.map_or("no ceiling measured".into(), |x| format!(
-                "{:.2}x the ceiling's write rate",
-                writes / x.server_writes_per_second
-            )),
-            c.requests
-                .sum(|k| matches!(k.verb.as_str(), "GET" | "LIST"))
-                / c.elapsed.as_secs_f64(),
-            cpu_line(&c.cpu)
-        );
+        for (c, ratio) in a.runs.iter().zip(&a.ratios) {
+            claim_detail(&mut detail, c, *ratio, ceilings);
+        }
     }
-    if results.is_empty() {
+    if at.is_empty() {
         return;
     }
-    report.rows.push(writes_per_job_row(results));
-    let columns: Vec<(String, &metrics::Requests, f64)> = results
+    let scale: Vec<&paired::AtN> = at.iter().filter(|a| a.claimers >= 8).collect();
+    if !scale.is_empty() {
+        let figure: Vec<String> = scale
+            .iter()
+            .map(|a| {
+                format!(
+                    "{} at N={}",
+                    a.ratio.map_or("?".into(), |r| format!("{r:.2}")),
+                    a.claimers
+                )
+            })
+            .collect();
+        report.rows.push(Row {
+            id: "2 (N>=8)".into(),
+            what: "Claim throughput / ceiling, the goal of the issue \"Scale\"".into(),
+            figure: figure.join("; "),
+            goal: format!(">= {SCALE_RATIO_GOAL} at every N >= 8"),
+            verdict: Verdict::of(
+                scale
+                    .iter()
+                    .all(|a| a.ratio.is_some_and(|r| r >= SCALE_RATIO_GOAL)),
+            ),
+            method: "the medians of the rows above".into(),
+        });
+    }
+    report.rows.push(writes_per_job_row(at));
+    let columns: Vec<(String, &metrics::Requests, f64)> = at
         .iter()
-        .map(|c| (format!("N={}", c.claimers), &c.requests, c.jobs as f64))
+        .map(|a| (format!("N={}", a.claimers), &a.requests, a.jobs as f64))
         .collect();
     let columns: Vec<(&str, &metrics::Requests, f64)> = columns
         .iter()
@@ -661,8 +716,8 @@ fn claim_rows(
         .collect();
     let _ = write!(
         detail,
-        "\nRequests per job, counted by the API server (all clients: claimers, controller, \
-         and the controller's Events):\n\n{}",
+        "\nRequests per job, counted by the API server over every round (all clients: \
+         claimers, controller, and the controller's Events):\n\n{}",
         requests_table(&columns)
     );
     report
@@ -670,8 +725,52 @@ fn claim_rows(
         .push(("Row 2: claim throughput".into(), detail));
 }
 
-/// Largest number of API writes a claimed-and-completed job may cost (issue 9's goal: the
-/// claim, the Lease create and the completion, plus a little for claim conflicts).
+/// One line of row 2's detail: one claim run.
+fn claim_detail(
+    detail: &mut String,
+    c: &claims::Claims,
+    ratio: Option<f64>,
+    ceilings: &[ceiling::Ceiling],
+) {
+    let ceiling = ceilings
+        .iter()
+        .find(|x| x.writers == c.claimers && x.round == c.round);
+    let writes = c.requests.sum(metrics::Key::is_write) / c.elapsed.as_secs_f64();
+    let _ = writeln!(
+        detail,
+        "- N = {}, round {}: {} jobs in {:.1} s, {:.1} claims/s = {} of that round's \
+         ceiling; {} worker errors; 409 share {:.1}% in all, {} over the first quarter of the \
+         jobs, {} over the middle half, {} over the last quarter but the last {} jobs, {} over \
+         the last {}; the API server handled {:.0} writes/s ({}) and {:.0} reads/s; CPU in \
+         cores: {}",
+        c.claimers,
+        c.round + 1,
+        c.jobs,
+        c.elapsed.as_secs_f64(),
+        c.per_second,
+        ratio.map_or("?".into(), |r| format!("{r:.2}")),
+        c.errors,
+        c.conflict_share * 100.0,
+        split_share(c.conflict_split[0]),
+        split_share(c.conflict_split[1]),
+        split_share(c.conflict_split[2]),
+        c.claimers.min(c.jobs),
+        split_share(c.conflict_split[3]),
+        c.claimers.min(c.jobs),
+        writes,
+        ceiling.map_or("no ceiling measured".into(), |x| format!(
+            "{:.2}x the ceiling's write rate",
+            writes / x.server_writes_per_second
+        )),
+        c.requests
+            .sum(|k| matches!(k.verb.as_str(), "GET" | "LIST"))
+            / c.elapsed.as_secs_f64(),
+        cpu_line(&c.cpu)
+    );
+}
+
+/// Largest number of API writes a claimed-and-completed job may cost (the issue "Scale"'s
+/// goal: the claim, the Lease create and the completion, plus a little for claim conflicts).
 const WRITES_PER_JOB_GOAL: f64 = 3.2;
 
 /// True for a write leasehold makes on a job's behalf: to LeasedJobs (and their status),
@@ -681,19 +780,20 @@ fn is_job_write(k: &metrics::Key) -> bool {
 }
 
 /// The row "API writes per happy-path job": every write to LeasedJobs, Leases and Events during
-/// each claim run of row 2 (default settings: the controller records Events for problems only),
-/// per job claimed and completed; the goal must hold at every N, conflicts (409) included.
-fn writes_per_job_row(results: &[claims::Claims]) -> Row {
-    let per_job: Vec<(usize, f64, f64)> = results
+/// the claim runs of row 2 (default settings: the controller records Events for problems only),
+/// per job claimed and completed, every round together; the goal must hold at every N,
+/// conflicts (409) included.
+fn writes_per_job_row(at: &[paired::AtN]) -> Row {
+    let per_job: Vec<(usize, f64, f64)> = at
         .iter()
-        .map(|c| {
-            let jobs = c.jobs.max(1) as f64;
-            let all = c.requests.sum(is_job_write) / jobs;
-            let refused = c
+        .map(|a| {
+            let jobs = a.jobs.max(1) as f64;
+            let all = a.requests.sum(is_job_write) / jobs;
+            let refused = a
                 .requests
                 .sum(|k| is_job_write(k) && !k.code.starts_with('2'))
                 / jobs;
-            (c.claimers, all, refused)
+            (a.claimers, all, refused)
         })
         .collect();
     let figure = per_job
@@ -899,12 +999,12 @@ fn payload_chart(p: &payload::Payload) -> plots::Chart {
     }
 }
 
-/// Row 2's curves: claims per second, and the share of claim writes answered 409, against N.
-fn claim_charts(results: &[claims::Claims]) -> Vec<plots::Chart> {
-    let points = |f: fn(&claims::Claims) -> f64| {
-        results
-            .iter()
-            .map(|c| (c.claimers as f64, f(c)))
+/// Row 2's curves: claims per second (the median over the rounds), and the share of claim
+/// writes answered 409 (all rounds together), against N.
+fn claim_charts(at: &[paired::AtN]) -> Vec<plots::Chart> {
+    let points = |f: fn(&paired::AtN) -> f64| {
+        at.iter()
+            .map(|a| (a.claimers as f64, f(a)))
             .collect::<Vec<_>>()
     };
     vec![
@@ -915,7 +1015,7 @@ fn claim_charts(results: &[claims::Claims]) -> Vec<plots::Chart> {
             y: "jobs claimed and completed per second",
             lines: vec![plots::Line {
                 name: "claims/s".into(),
-                points: points(|c| c.per_second),
+                points: points(|a| a.per_second),
             }],
         },
         plots::Chart {
@@ -925,7 +1025,7 @@ fn claim_charts(results: &[claims::Claims]) -> Vec<plots::Chart> {
             y: "% of claim writes answered 409",
             lines: vec![plots::Line {
                 name: "409 share".into(),
-                points: points(|c| c.conflict_share * 100.0),
+                points: points(|a| a.conflict_share * 100.0),
             }],
         },
     ]

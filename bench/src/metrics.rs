@@ -79,6 +79,15 @@ impl Requests {
         )
     }
 
+    /// These counts and `other`'s, added key by key (requests of several runs taken together).
+    pub fn plus(&self, other: &Requests) -> Requests {
+        let mut out = self.0.clone();
+        for (k, v) in &other.0 {
+            *out.entry(k.clone()).or_insert(0.0) += v;
+        }
+        Requests(out)
+    }
+
     /// The sum of the counts whose key matches.
     pub fn sum(&self, matches: impl Fn(&Key) -> bool) -> f64 {
         self.0
@@ -253,6 +262,9 @@ apiserver_request_duration_seconds_bucket{le="0.1",verb="PUT"} 99
         let delta = after.since(&before);
         assert_eq!(delta.sum(|k| k.resource == "leases" && k.is_write()), 12.0);
         assert_eq!(delta.0.len(), 1);
+        let both = delta.plus(&before);
+        assert_eq!(both.sum(|k| k.resource == "leases" && k.is_write()), 19.0);
+        assert_eq!(both.sum(puts), 12.0);
         let top = &before.by_resource_verb()[0];
         assert_eq!(
             (top.resource.as_str(), top.verb.as_str()),

@@ -14,6 +14,19 @@ pub fn percentile(samples: &[f64], p: f64) -> Option<f64> {
     Some(sorted[rank.min(sorted.len()) - 1])
 }
 
+/// The median of `samples`: the middle sample of an odd count, the mean of the two middle
+/// samples of an even one. None when empty.
+pub fn median(samples: &[f64]) -> Option<f64> {
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(sorted[n / 2]),
+        _ => Some((sorted[n / 2 - 1] + sorted[n / 2]) / 2.0),
+    }
+}
+
 /// Milliseconds of a duration, as f64.
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
@@ -40,5 +53,13 @@ mod tests {
         // 10 samples: p99 is the largest.
         let s: Vec<f64> = (1..=10).map(f64::from).collect();
         assert_eq!(percentile(&s, 99.0), Some(10.0));
+    }
+
+    #[test]
+    fn medians_of_odd_and_even_counts() {
+        assert_eq!(median(&[0.31, 0.22, 0.40]), Some(0.31));
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), Some(2.5));
+        assert_eq!(median(&[7.0]), Some(7.0));
+        assert_eq!(median(&[]), None);
     }
 }
