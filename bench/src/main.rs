@@ -1252,8 +1252,8 @@ fn queuelen_rows(report: &mut Report, q: &[queuelen::Stage]) {
         verdict: Verdict::of(claim_ratio <= 2.0 && worst_expiry <= lease + 1.0),
         method: format!(
             "one namespace grown stage by stage, {:.0}% of it held by {} sidecars renewing in \
-             the background (lease {} s); claims: {} at each stage, each then completed, \
-             through those sidecars (their caches hold the whole queue); expiry: {} jobs \
+             the background (lease {} s); claims: {} at each stage (at most a quarter of \
+             its queued jobs), each then completed, through those sidecars (their caches hold the whole queue); expiry: {} jobs \
              of their own queue (lease {} s) held by a sidecar SIGKILLed half a lease later, \
              from the Lease's last renewTime to a watch seeing the job Queued",
             queuelen::HELD_SHARE * 100.0,
