@@ -84,19 +84,17 @@ pub fn next_claimable_at(
 /// Chooses which job to try to claim. Candidates are the claimable jobs of the highest priority
 /// present, in FIFO order (creationTimestamp, then name); the choice is random among the first
 /// `spread` of them, so that many idle claimers woken by the same event do not all race for the
-/// same job. `spread` 1 gives strict FIFO. `skip` filters out snapshots already tried.
+/// same job. `spread` 1 gives strict FIFO. Snapshots already tried are left out by the
+/// caller (the [`crate::claim_index::ClaimIndex`] leaves them out of its candidates).
 pub fn pick<R: Rng>(
     jobs: &[Arc<LeasedJob>],
     queue: &str,
     now: Timestamp,
     spread: usize,
-    skip: impl Fn(&LeasedJob) -> bool,
     rng: &mut R,
 ) -> Option<Arc<LeasedJob>> {
-    let mut candidates: Vec<&Arc<LeasedJob>> = jobs
-        .iter()
-        .filter(|j| claimable(j, queue, now) && !skip(j))
-        .collect();
+    let mut candidates: Vec<&Arc<LeasedJob>> =
+        jobs.iter().filter(|j| claimable(j, queue, now)).collect();
     let top = candidates.iter().map(|j| j.spec.priority).max()?;
     candidates.retain(|j| j.spec.priority == top);
     let window = candidates.len().min(spread.max(1));
@@ -307,6 +305,8 @@ pub async fn claim(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::crd::LeasedJobSpec;
+    use rand::SeedableRng;
 
     #[test]
     fn stale_keeps_the_last_two_snapshots_of_a_job() {
@@ -342,8 +342,6 @@ mod tests {
         assert!(!stale.contains("j1", "1"));
         assert!(stale.contains("new", "1"));
     }
-    use crate::crd::LeasedJobSpec;
-    use rand::SeedableRng;
 
     fn job(
         name: &str,
@@ -441,19 +439,17 @@ mod tests {
             job("other-queue", "r", 9, 1, None),
         ];
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-        let got = pick(&jobs, "q", Timestamp::now(), 1, |_| false, &mut rng).unwrap();
+        let got = pick(&jobs, "q", Timestamp::now(), 1, &mut rng).unwrap();
         assert_eq!(got.name_any(), "old-high");
-        let got = pick(
-            &jobs,
-            "q",
-            Timestamp::now(),
-            1,
-            |j| j.name_any() == "old-high",
-            &mut rng,
-        )
-        .unwrap();
+        // With the oldest already tried (left out by the caller), the next oldest.
+        let untried: Vec<Arc<LeasedJob>> = jobs
+            .iter()
+            .filter(|j| j.name_any() != "old-high")
+            .cloned()
+            .collect();
+        let got = pick(&untried, "q", Timestamp::now(), 1, &mut rng).unwrap();
         assert_eq!(got.name_any(), "new-high");
-        assert!(pick(&jobs, "none", Timestamp::now(), 1, |_| false, &mut rng).is_none());
+        assert!(pick(&jobs, "none", Timestamp::now(), 1, &mut rng).is_none());
     }
 
     #[test]
@@ -465,7 +461,7 @@ mod tests {
         let mut seen = std::collections::BTreeSet::new();
         for _ in 0..200 {
             seen.insert(
-                pick(&jobs, "q", Timestamp::now(), 4, |_| false, &mut rng)
+                pick(&jobs, "q", Timestamp::now(), 4, &mut rng)
                     .unwrap()
                     .name_any(),
             );

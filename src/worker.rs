@@ -660,38 +660,36 @@ impl Worker {
             let now_ms = u64::try_from(now.as_millisecond()).unwrap_or_default();
             let guard =
                 share::rendezvous_guard_ms(self.inner.claim_write_ms.load(Ordering::Relaxed));
-            let candidates: Vec<&str> = names.iter().map(String::as_str).collect();
             let choice = share::choose(
-                &candidates,
+                &names,
                 &config.identity,
                 &claimers,
                 |c| index.active_until_ms(c),
                 now_ms,
                 guard,
             );
+            let name = match choice {
+                share::Choice::Own(i) | share::Choice::Contested(i) | share::Choice::Turn(i) => {
+                    Some(names[i].to_string())
+                }
+                share::Choice::Defer(_) | share::Choice::Nothing => None,
+            };
             drop(index);
-            let cached = |i: usize| self.cached(&names[i..=i]).pop();
+            let cached = || name.as_deref().and_then(|n| self.cached(&[n]).pop());
             return match choice {
-                share::Choice::Own(i) => cached(i).map_or(Pick::Nothing, Pick::Job),
-                share::Choice::Contested(i) | share::Choice::Turn(i) => {
-                    cached(i).map_or(Pick::Nothing, Pick::Fresh)
+                share::Choice::Own(_) => cached().map_or(Pick::Nothing, Pick::Job),
+                share::Choice::Contested(_) | share::Choice::Turn(_) => {
+                    cached().map_or(Pick::Nothing, Pick::Fresh)
                 }
                 share::Choice::Defer(wait) => Pick::Defer(Instant::now() + wait),
                 share::Choice::Nothing => Pick::Nothing,
             };
         }
-        drop(index);
         // The snapshots tried are already left out of `names`.
         let jobs = self.cached(&names);
-        claim::pick(
-            &jobs,
-            &config.queue,
-            now,
-            window,
-            |_| false,
-            &mut rand::rng(),
-        )
-        .map_or(Pick::Nothing, Pick::Job)
+        drop(index);
+        claim::pick(&jobs, &config.queue, now, window, &mut rand::rng())
+            .map_or(Pick::Nothing, Pick::Job)
     }
 
     /// [`Pick::Fresh`]: reads `cached` from the API server (a quorum read, one GET) and answers
@@ -726,7 +724,7 @@ impl Worker {
 
     /// The watch cache's copies of the jobs `names`, in that order (a job the cache no longer
     /// has is left out).
-    fn cached(&self, names: &[String]) -> Vec<Arc<LeasedJob>> {
+    fn cached(&self, names: &[&str]) -> Vec<Arc<LeasedJob>> {
         let ns = &self.inner.config.namespace;
         names
             .iter()
