@@ -685,7 +685,9 @@ impl Worker {
                 share::Choice::Nothing => Pick::Nothing,
             };
         }
-        // The snapshots tried are already left out of `names`.
+        // The snapshots tried are already left out of `names`. The index stays locked while
+        // the store is read (its names are borrowed): at most the window's lookups, 512 at a
+        // cold start, and no path takes the index lock while holding the store's.
         let jobs = self.cached(&names);
         drop(index);
         claim::pick(&jobs, &config.queue, now, window, &mut rand::rng())

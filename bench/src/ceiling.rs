@@ -12,6 +12,7 @@ use kube::{Api, ResourceExt};
 use leasehold::claim;
 use leasehold::crd::LeasedJob;
 use leasehold::token::Token;
+use tokio::task::JoinSet;
 
 use crate::cluster::Bench;
 use crate::metrics;
@@ -61,11 +62,13 @@ pub async fn measure(
     let done = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let mut tasks = Vec::new();
+    // A JoinSet aborts its tasks when dropped: a measurement that fails half-way leaves no
+    // writer running into the next one.
+    let mut tasks = JoinSet::new();
     for i in 0..n {
         let api: Api<LeasedJob> = Api::namespaced(bench.new_client()?, ns);
         let (done, errors, stop) = (Arc::clone(&done), Arc::clone(&errors), Arc::clone(&stop));
-        tasks.push(tokio::spawn(async move {
+        tasks.spawn(async move {
             let name = format!("c-{i}");
             let mut current = api.get(&name).await.context("read ceiling job")?;
             while !stop.load(Ordering::Relaxed) {
@@ -94,7 +97,7 @@ pub async fn measure(
                 }
             }
             anyhow::Ok(())
-        }));
+        });
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let m0 = metrics::scrape(&bench.client).await?;
@@ -107,8 +110,8 @@ pub async fn measure(
     let cpu = cpu.finish();
     let m1 = metrics::scrape(&bench.client).await?;
     stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await??;
+    while let Some(t) = tasks.join_next().await {
+        t??;
     }
     let server = m1.since(&m0).sum(|k| k.is_write());
     let secs = elapsed.as_secs_f64();

@@ -11,6 +11,7 @@ use anyhow::bail;
 use leasehold::crd::Phase;
 use leasehold::worker::{Worker, WorkerConfig, DEFAULT_SPREAD, DEFAULT_WORKER_TIMEOUT};
 use serde_json::json;
+use tokio::task::JoinSet;
 
 use crate::cluster::{wait_until, Bench, JobWatch};
 use crate::metrics::{self, Key, Requests};
@@ -69,7 +70,9 @@ pub async fn run(
         controller.while_running(queued).await?;
     }
     let mut workers = Vec::new();
-    let mut watches = Vec::new();
+    // Aborted when dropped, as the claim loops' JoinSet is: a run that fails half-way leaves
+    // no claimer or watch running into the next measurement.
+    let mut watches = procs::AbortOnDrop::default();
     for i in 0..claimers {
         let (w, task) = Worker::start(
             bench.new_client()?,
@@ -82,7 +85,7 @@ pub async fn run(
             },
         );
         workers.push(w);
-        watches.push(task);
+        watches.0.push(task);
     }
     wait_until(
         "the claimers' watches",
@@ -103,10 +106,10 @@ pub async fn run(
     let errors = Arc::new(AtomicU64::new(0));
     let t0 = Instant::now();
     let total = jobs as u64;
-    let mut tasks = Vec::new();
+    let mut tasks = JoinSet::new();
     for w in &workers {
         let (w, completed, errors) = (w.clone(), Arc::clone(&completed), Arc::clone(&errors));
-        tasks.push(tokio::spawn(async move {
+        tasks.spawn(async move {
             while completed.load(Ordering::Relaxed) < total {
                 match w.claim(Duration::from_secs(1)).await {
                     Ok(Some(c)) => {
@@ -131,7 +134,7 @@ pub async fn run(
                     }
                 }
             }
-        }));
+        });
     }
     let deadline = Duration::from_secs(600);
     let marks = [
@@ -158,12 +161,10 @@ pub async fn run(
     let cpu = cpu.finish();
     let m1 = metrics::scrape(&bench.client).await?;
     let requests = m1.since(&m0);
-    for t in tasks {
-        t.await?;
+    while let Some(t) = tasks.join_next().await {
+        t?;
     }
-    for w in watches {
-        w.abort();
-    }
+    drop(watches);
     drop(workers);
     controller.kill().await;
     let claim_writes = requests.sum(is_claim_write);

@@ -192,6 +192,61 @@ pub async fn scrape_text(client: &Client) -> anyhow::Result<String> {
         .context("GET /metrics from the API server")
 }
 
+/// Time the API server spent answering one kind of request, from the `_sum` and `_count` of
+/// `apiserver_request_duration_seconds` (from the request's arrival to its answer, etcd
+/// included), summed over the labels not matched. Its buckets are too coarse (25, 50, 100 ms)
+/// for percentiles of fast writes; the mean is exact.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ServerTime {
+    /// Seconds, all matching requests together.
+    pub seconds: f64,
+    /// Requests.
+    pub count: f64,
+}
+
+impl ServerTime {
+    /// Parses the requests with this `resource`, `subresource` and `verb` out of `text`.
+    pub fn parse(text: &str, resource: &str, subresource: &str, verb: &str) -> ServerTime {
+        let mut out = ServerTime::default();
+        for line in text.lines() {
+            let (slot, rest) = if let Some(r) =
+                line.strip_prefix("apiserver_request_duration_seconds_sum{")
+            {
+                (&mut out.seconds, r)
+            } else if let Some(r) = line.strip_prefix("apiserver_request_duration_seconds_count{") {
+                (&mut out.count, r)
+            } else {
+                continue;
+            };
+            let Some((labels, value)) = rest.rsplit_once('}') else {
+                continue;
+            };
+            let labels = parse_labels(labels);
+            let is = |k: &str, v: &str| labels.get(k).map_or(v.is_empty(), |x| x == v);
+            if !(is("resource", resource) && is("subresource", subresource) && is("verb", verb)) {
+                continue;
+            }
+            if let Ok(v) = value.trim().parse::<f64>() {
+                *slot += v;
+            }
+        }
+        out
+    }
+
+    /// The difference from an earlier reading.
+    pub fn since(&self, before: &ServerTime) -> ServerTime {
+        ServerTime {
+            seconds: (self.seconds - before.seconds).max(0.0),
+            count: (self.count - before.count).max(0.0),
+        }
+    }
+
+    /// Mean milliseconds per request; None without requests.
+    pub fn mean_ms(&self) -> Option<f64> {
+        (self.count > 0.0).then(|| self.seconds / self.count * 1000.0)
+    }
+}
+
 /// What the API server sent to watchers of one resource: `apiserver_watch_events_total` and
 /// `apiserver_watch_events_sizes_sum` (bytes of the encoded events), summed over versions.
 /// Initial LISTs are not watch events and are not counted.
@@ -250,6 +305,30 @@ apiserver_request_total{code="200",component="apiserver",dry_run="",group="coord
 apiserver_request_total{code="200",component="apiserver",dry_run="",group="coordination.k8s.io",resource="leases",scope="namespace",subresource="",verb="WATCH",version="v1"} 3
 apiserver_request_duration_seconds_bucket{le="0.1",verb="PUT"} 99
 "#;
+
+    #[test]
+    fn server_time_is_the_mean_of_the_matching_requests() {
+        let text = r#"
+apiserver_request_duration_seconds_bucket{component="apiserver",dry_run="",group="leasehold.dev",resource="leasedjobs",scope="resource",subresource="status",verb="PUT",version="v1alpha1",le="0.005"} 3
+apiserver_request_duration_seconds_sum{component="apiserver",dry_run="",group="leasehold.dev",resource="leasedjobs",scope="resource",subresource="status",verb="PUT",version="v1alpha1"} 0.5
+apiserver_request_duration_seconds_count{component="apiserver",dry_run="",group="leasehold.dev",resource="leasedjobs",scope="resource",subresource="status",verb="PUT",version="v1alpha1"} 20
+apiserver_request_duration_seconds_sum{component="apiserver",dry_run="",group="leasehold.dev",resource="leasedjobs",scope="resource",subresource="status",verb="PATCH",version="v1alpha1"} 9
+apiserver_request_duration_seconds_count{component="apiserver",dry_run="",group="leasehold.dev",resource="leasedjobs",scope="resource",subresource="status",verb="PATCH",version="v1alpha1"} 10
+apiserver_request_duration_seconds_sum{component="apiserver",dry_run="",group="leasehold.dev",resource="leasedjobs",scope="resource",subresource="",verb="PUT",version="v1alpha1"} 7
+apiserver_request_duration_seconds_count{component="apiserver",dry_run="",group="leasehold.dev",resource="leasedjobs",scope="resource",subresource="",verb="PUT",version="v1alpha1"} 1
+"#;
+        let before = ServerTime::parse(text, "leasedjobs", "status", "PUT");
+        assert_eq!((before.seconds, before.count), (0.5, 20.0));
+        assert_eq!(before.mean_ms(), Some(25.0));
+        let after = ServerTime::parse(
+            &text.replace("} 0.5", "} 1.5").replace("} 20", "} 30"),
+            "leasedjobs",
+            "status",
+            "PUT",
+        );
+        assert_eq!(after.since(&before).mean_ms(), Some(100.0));
+        assert_eq!(ServerTime::default().mean_ms(), None);
+    }
 
     #[test]
     fn parses_and_subtracts() {

@@ -92,7 +92,7 @@ pub fn ceiling_at(ceilings: &[Ceiling], n: usize) -> (Vec<&Ceiling>, f64) {
     (at, median(&rates).unwrap_or(0.0))
 }
 
-/// `0.31 (rounds: 0.27, 0.31, 0.35)`, or the one ratio when there is one round; `?` for a
+/// `0.31 (median of paired rounds 0.27, 0.31, 0.35)`, or the one ratio when there is one round; `?` for a
 /// round without a ceiling.
 pub fn ratio_text(at: &AtN) -> String {
     let one = |r: &Option<f64>| r.map_or("?".to_string(), |r| format!("{r:.2}"));
@@ -101,7 +101,7 @@ pub fn ratio_text(at: &AtN) -> String {
         return median;
     }
     let each: Vec<String> = at.ratios.iter().map(one).collect();
-    format!("{median} (median; rounds {})", each.join(", "))
+    format!("{median} (median of paired rounds {})", each.join(", "))
 }
 
 #[cfg(test)]
@@ -176,7 +176,10 @@ mod tests {
         // The 409 share is over every claim write of every round, not a median of shares.
         assert_eq!(at.claim_writes, 310.0);
         assert!((at.conflict_share - 11.0 / 310.0).abs() < 1e-12);
-        assert_eq!(ratio_text(at), "0.30 (median; rounds 0.30, 0.27, 0.30)");
+        assert_eq!(
+            ratio_text(at),
+            "0.30 (median of paired rounds 0.30, 0.27, 0.30)"
+        );
     }
 
     #[test]
@@ -186,7 +189,7 @@ mod tests {
         let at = &at_each_n(&ceilings, &results)[0];
         assert_eq!(at.ratios, [Some(0.25), None]);
         assert_eq!(at.ratio, Some(0.25));
-        assert_eq!(ratio_text(at), "0.25 (median; rounds 0.25, ?)");
+        assert_eq!(ratio_text(at), "0.25 (median of paired rounds 0.25, ?)");
         let none = at_each_n(&[], &results);
         assert_eq!(none[0].ratio, None);
     }

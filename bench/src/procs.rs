@@ -97,6 +97,19 @@ fn ticks(pids: &[u32]) -> u64 {
         .sum()
 }
 
+/// Tasks aborted when this is dropped (a `JoinHandle` alone detaches its task): the watches of
+/// in-process claimers, so that a run that fails half-way leaves none running.
+#[derive(Default)]
+pub struct AbortOnDrop(pub Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
 /// The machine: CPU model, cores, memory.
 pub fn machine() -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();

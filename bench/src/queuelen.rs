@@ -20,6 +20,7 @@ use leasehold::lease;
 use serde_json::Value;
 
 use crate::cluster::{self, status_phase, Bench, JobWatch};
+use crate::metrics::{self, ServerTime};
 use crate::procs::{self, Sample};
 
 /// Share of the queue held (leased and renewed) at every stage: 5,000 of 100,000.
@@ -29,9 +30,10 @@ pub const HOLDERS: usize = 10;
 /// leaseDurationSeconds of the queue's jobs: renewals every 200 s keep 5,000 held jobs at 25
 /// Lease writes/s, well under the API server's ceiling.
 pub const QUEUE_LEASE: i32 = 600;
-/// Claims timed at each stage (fewer when the queue is shorter than four times this). A p99
-/// over 100 claims was the second slowest claim, and moved by x2 between runs; over 500 it
-/// is the fifth slowest.
+/// Claims timed at each stage (fewer when the queue holds fewer than twice this many queued
+/// jobs: at most half of them, 475 at 1,000 jobs). A p99 over 100 claims was the second
+/// slowest claim, and moved by x2 between runs; over 500 it is the sixth slowest (nearest
+/// rank).
 pub const LATENCY_CLAIMS: usize = 500;
 /// Jobs killed with their holder at each stage.
 pub const EXPIRY_JOBS: usize = 20;
@@ -50,6 +52,9 @@ pub struct Stage {
     pub fill: Duration,
     /// Latency of each timed claim at this stage, ms.
     pub claim_ms: Vec<f64>,
+    /// The API server's own time for the claim writes (PUT leasedjobs/status) during the
+    /// timed claims, to tell its share of a claim's latency from the sidecar's.
+    pub claim_writes: ServerTime,
     /// The restarted controller: start to `/readyz` answering 200.
     pub controller_ready: Duration,
     /// The restarted controller after [`SETTLE`].
@@ -123,9 +128,13 @@ async fn stages_into(
         procs::claim_loops(&http, &holders, more, procs::AfterClaim::Hold).await?;
         held += more;
         // The timed claims, each completed, so the held share stays.
-        let timed = LATENCY_CLAIMS.min((created - held - completed) / 4).max(1);
+        let timed = LATENCY_CLAIMS.min((created - held - completed) / 2).max(1);
+        let before = metrics::scrape_text(&bench.client).await?;
         let claim_ms =
             procs::claim_loops(&http, &holders, timed, procs::AfterClaim::Complete).await?;
+        let after = metrics::scrape_text(&bench.client).await?;
+        let claim_writes = ServerTime::parse(&after, "leasedjobs", "status", "PUT")
+            .since(&ServerTime::parse(&before, "leasedjobs", "status", "PUT"));
         completed += timed;
         // The controller, started again with the whole namespace to list.
         controller.kill().await;
@@ -162,6 +171,7 @@ async fn stages_into(
             held,
             fill,
             claim_ms,
+            claim_writes,
             controller_ready,
             controller: controller_sample,
             sidecar,
