@@ -35,6 +35,11 @@ pub const QUEUE_LEASE: i32 = 600;
 /// slowest claim, and moved by x2 between runs; over 500 it is the sixth slowest (nearest
 /// rank).
 pub const LATENCY_CLAIMS: usize = 500;
+/// Rounds of timed claims at each stage, the queue topped up to its length before each: the
+/// verdict reads the median of the rounds' p99s. One round of 475 claims at 1,000 jobs had a
+/// p99 of 35 ms in one run and 60 ms in the next (the same code), so one round decided the
+/// x2 goal by the baseline's luck.
+pub const LATENCY_ROUNDS: usize = 3;
 /// Jobs killed with their holder at each stage.
 pub const EXPIRY_JOBS: usize = 20;
 /// Their leaseDurationSeconds.
@@ -50,8 +55,10 @@ pub struct Stage {
     pub held: usize,
     /// Time to create this stage's new jobs and see them Queued.
     pub fill: Duration,
-    /// Latency of each timed claim at this stage, ms.
+    /// Latency of each timed claim at this stage, ms, every round together.
     pub claim_ms: Vec<f64>,
+    /// The p99 of each round's timed claims, ms.
+    pub round_p99_ms: Vec<f64>,
     /// The API server's own time for the claim writes (PUT leasedjobs/status) during the
     /// timed claims, to tell its share of a claim's latency from the sidecar's.
     pub claim_writes: ServerTime,
@@ -127,15 +134,46 @@ async fn stages_into(
         let more = target.saturating_sub(held);
         procs::claim_loops(&http, &holders, more, procs::AfterClaim::Hold).await?;
         held += more;
-        // The timed claims, each completed, so the held share stays.
-        let timed = LATENCY_CLAIMS.min((created - held - completed) / 2).max(1);
-        let before = metrics::scrape_text(&bench.client).await?;
-        let claim_ms =
-            procs::claim_loops(&http, &holders, timed, procs::AfterClaim::Complete).await?;
-        let after = metrics::scrape_text(&bench.client).await?;
-        let claim_writes = ServerTime::parse(&after, "leasedjobs", "status", "PUT")
-            .since(&ServerTime::parse(&before, "leasedjobs", "status", "PUT"));
-        completed += timed;
+        // The timed claims, each completed, so the held share stays; in rounds, the queue
+        // topped up to its length before each.
+        let (mut claim_ms, mut round_p99_ms) = (Vec::new(), Vec::new());
+        let mut claim_writes = ServerTime::default();
+        for round in 0..LATENCY_ROUNDS {
+            let queued = created - held - completed;
+            let top_up = length.saturating_sub(held).saturating_sub(queued);
+            if round > 0 && top_up > 0 {
+                cluster::create_range(&api, queue, "q", created..created + top_up, QUEUE_LEASE, 32)
+                    .await?;
+                created += top_up;
+                let want_queued = created - held - completed;
+                watch
+                    .wait(
+                        &format!("{want_queued} jobs of queue {queue} Queued"),
+                        Duration::from_secs(600),
+                        |jobs| {
+                            jobs.iter()
+                                .filter(|j| {
+                                    j.spec.queue == queue && status_phase(j) == Some(Phase::Queued)
+                                })
+                                .count()
+                                >= want_queued
+                        },
+                    )
+                    .await?;
+            }
+            let timed = LATENCY_CLAIMS.min((created - held - completed) / 2).max(1);
+            let before = metrics::scrape_text(&bench.client).await?;
+            let took =
+                procs::claim_loops(&http, &holders, timed, procs::AfterClaim::Complete).await?;
+            let after = metrics::scrape_text(&bench.client).await?;
+            completed += timed;
+            let writes = ServerTime::parse(&after, "leasedjobs", "status", "PUT")
+                .since(&ServerTime::parse(&before, "leasedjobs", "status", "PUT"));
+            claim_writes.seconds += writes.seconds;
+            claim_writes.count += writes.count;
+            round_p99_ms.push(crate::stats::percentile(&took, 99.0).unwrap_or(f64::NAN));
+            claim_ms.extend(took);
+        }
         // The controller, started again with the whole namespace to list.
         controller.kill().await;
         let started = Instant::now();
@@ -171,6 +209,7 @@ async fn stages_into(
             held,
             fill,
             claim_ms,
+            round_p99_ms,
             claim_writes,
             controller_ready,
             controller: controller_sample,
