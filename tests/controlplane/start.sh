@@ -41,6 +41,21 @@ is_running() {
   [ "$(basename -- "${argv0:-none}")" = "$1" ]
 }
 
+# has_exited NAME: true once the process launched as NAME is gone or a zombie. Unlike
+# is_running it does not read the command line: between fork and exec a child still shows its
+# parent's (bash), and a check made in that window took a starting etcd for one that had
+# exited, with an empty log (a CI run failed so).
+has_exited() {
+  local pid stat
+  pid=$(cat "$state/$1.pid" 2>/dev/null) || return 0
+  kill -0 "$pid" 2>/dev/null || return 0
+  stat=$(ps -p "$pid" -o stat= 2>/dev/null) || return 0
+  case $stat in
+  Z*) return 0 ;;
+  esac
+  return 1
+}
+
 for c in $components; do
   if is_running "$c"; then
     echo "start.sh: $c is already running from $state (pid $(cat "$state/$c.pid")); run stop.sh first" >&2
@@ -192,6 +207,7 @@ launch() {
 }
 
 deadline=$((SECONDS + timeout))
+early_exits=0
 # wait_until NAME DESCRIPTION COMMAND...: polls COMMAND until it succeeds. Sets
 # port_clash and returns if NAME exited because its port was taken meanwhile (the
 # caller picks new ports); fails if NAME or an earlier component exited, or on timeout.
@@ -201,8 +217,17 @@ wait_until() {
   until "$@" >/dev/null 2>&1; do
     for c in $components; do
       [ -f "$state/$c.pid" ] || continue
-      is_running "$c" && continue
+      has_exited "$c" || continue
       if [ "$c" = "$name" ] && grep -q "address already in use" "$state/$c.log"; then
+        port_clash=1
+        return 0
+      fi
+      if [ "$c" = "$name" ] && [ "$early_exits" -lt 2 ]; then
+        # The component just started exited: show why, and start it again (at most twice
+        # more). A CI run once lost a fresh etcd with an empty log and no data directory.
+        early_exits=$((early_exits + 1))
+        echo "start.sh: $c exited while waiting for $what; starting it again. Its log:" >&2
+        tail -n 20 "$state/$c.log" >&2 || true
         port_clash=1
         return 0
       fi
@@ -221,7 +246,7 @@ start_with_retry() {
     port_clash=
     "start_$1"
     [ -n "$port_clash" ] || return 0
-    echo "start.sh: $1: port already in use, retrying with other ports" >&2
+    echo "start.sh: $1: retrying with other ports" >&2
     rm -f "$state/$1.pid"
   done
   fail "$1: no free port after 5 attempts" "$1"
