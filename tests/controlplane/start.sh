@@ -9,8 +9,9 @@
 # and STATE_DIR/env (KEY=VALUE lines: KUBECONFIG, LEASEHOLD_CONTROLPLANE_BIN, ports,
 # pids; load it with `set -a; . STATE_DIR/env; set +a`). Waits for the API server's
 # /readyz and for the `default` ServiceAccount (created by kube-controller-manager),
-# then prints a one-line summary. On failure prints the tail of the failing log,
-# stops what it started and exits non-zero. Each run starts an empty cluster.
+# then prints a one-line summary. A component that exits while it starts (its port
+# taken meanwhile, or otherwise) is started again on other ports, a few times. On
+# failure prints the tail of the failing log, stops what it started and exits non-zero. Each run starts an empty cluster.
 # Stop it with stop.sh STATE_DIR.
 #
 # Environment: LEASEHOLD_CONTROLPLANE_BIN (bin dir; default: built by build.sh),
