@@ -668,21 +668,20 @@ impl Worker {
                 now_ms,
                 guard,
             );
-            let name = match choice {
-                share::Choice::Own(i) | share::Choice::Contested(i) | share::Choice::Turn(i) => {
-                    Some(names[i].to_string())
+            // Only the chosen name is copied, so that the index can be unlocked first.
+            let (name, afresh) = match choice {
+                share::Choice::Own(i) => (names[i].to_string(), false),
+                share::Choice::Contested(i) | share::Choice::Turn(i) => {
+                    (names[i].to_string(), true)
                 }
-                share::Choice::Defer(_) | share::Choice::Nothing => None,
+                share::Choice::Defer(wait) => return Pick::Defer(Instant::now() + wait),
+                share::Choice::Nothing => return Pick::Nothing,
             };
             drop(index);
-            let cached = || name.as_deref().and_then(|n| self.cached(&[n]).pop());
-            return match choice {
-                share::Choice::Own(_) => cached().map_or(Pick::Nothing, Pick::Job),
-                share::Choice::Contested(_) | share::Choice::Turn(_) => {
-                    cached().map_or(Pick::Nothing, Pick::Fresh)
-                }
-                share::Choice::Defer(wait) => Pick::Defer(Instant::now() + wait),
-                share::Choice::Nothing => Pick::Nothing,
+            return match self.cached(&[&name]).pop() {
+                Some(job) if afresh => Pick::Fresh(job),
+                Some(job) => Pick::Job(job),
+                None => Pick::Nothing,
             };
         }
         // The snapshots tried are already left out of `names`. The index stays locked while

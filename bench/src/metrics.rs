@@ -192,6 +192,35 @@ pub async fn scrape_text(client: &Client) -> anyhow::Result<String> {
         .context("GET /metrics from the API server")
 }
 
+/// The sums of the series of two metrics, `names`, in the text exposition format, over the
+/// series whose labels `keep` accepts: `[sum of names[0], sum of names[1]]`.
+fn sum_series(
+    text: &str,
+    names: [&str; 2],
+    keep: impl Fn(&BTreeMap<String, String>) -> bool,
+) -> [f64; 2] {
+    let mut out = [0.0; 2];
+    for line in text.lines() {
+        let Some((i, rest)) = names.iter().enumerate().find_map(|(i, name)| {
+            line.strip_prefix(name)
+                .and_then(|r| r.strip_prefix('{'))
+                .map(|r| (i, r))
+        }) else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once('}') else {
+            continue;
+        };
+        if !keep(&parse_labels(labels)) {
+            continue;
+        }
+        if let Ok(v) = value.trim().parse::<f64>() {
+            out[i] += v;
+        }
+    }
+    out
+}
+
 /// Time the API server spent answering one kind of request, from the `_sum` and `_count` of
 /// `apiserver_request_duration_seconds` (from the request's arrival to its answer, etcd
 /// included), summed over the labels not matched. Its buckets are too coarse (25, 50, 100 ms)
@@ -207,30 +236,18 @@ pub struct ServerTime {
 impl ServerTime {
     /// Parses the requests with this `resource`, `subresource` and `verb` out of `text`.
     pub fn parse(text: &str, resource: &str, subresource: &str, verb: &str) -> ServerTime {
-        let mut out = ServerTime::default();
-        for line in text.lines() {
-            let (slot, rest) = if let Some(r) =
-                line.strip_prefix("apiserver_request_duration_seconds_sum{")
-            {
-                (&mut out.seconds, r)
-            } else if let Some(r) = line.strip_prefix("apiserver_request_duration_seconds_count{") {
-                (&mut out.count, r)
-            } else {
-                continue;
-            };
-            let Some((labels, value)) = rest.rsplit_once('}') else {
-                continue;
-            };
-            let labels = parse_labels(labels);
-            let is = |k: &str, v: &str| labels.get(k).map_or(v.is_empty(), |x| x == v);
-            if !(is("resource", resource) && is("subresource", subresource) && is("verb", verb)) {
-                continue;
-            }
-            if let Ok(v) = value.trim().parse::<f64>() {
-                *slot += v;
-            }
-        }
-        out
+        let [seconds, count] = sum_series(
+            text,
+            [
+                "apiserver_request_duration_seconds_sum",
+                "apiserver_request_duration_seconds_count",
+            ],
+            |labels| {
+                let is = |k: &str, v: &str| labels.get(k).map_or(v.is_empty(), |x| x == v);
+                is("resource", resource) && is("subresource", subresource) && is("verb", verb)
+            },
+        );
+        ServerTime { seconds, count }
     }
 
     /// The difference from an earlier reading.
@@ -261,26 +278,15 @@ pub struct WatchSent {
 impl WatchSent {
     /// Parses the two metrics for `resource` (plural, e.g. `leasedjobs`) out of `text`.
     pub fn parse(text: &str, resource: &str) -> WatchSent {
-        let mut out = WatchSent::default();
-        for line in text.lines() {
-            let (slot, rest) = if let Some(r) = line.strip_prefix("apiserver_watch_events_total{") {
-                (&mut out.events, r)
-            } else if let Some(r) = line.strip_prefix("apiserver_watch_events_sizes_sum{") {
-                (&mut out.bytes, r)
-            } else {
-                continue;
-            };
-            let Some((labels, value)) = rest.rsplit_once('}') else {
-                continue;
-            };
-            if parse_labels(labels).get("resource").map(String::as_str) != Some(resource) {
-                continue;
-            }
-            if let Ok(v) = value.trim().parse::<f64>() {
-                *slot += v;
-            }
-        }
-        out
+        let [events, bytes] = sum_series(
+            text,
+            [
+                "apiserver_watch_events_total",
+                "apiserver_watch_events_sizes_sum",
+            ],
+            |labels| labels.get("resource").map(String::as_str) == Some(resource),
+        );
+        WatchSent { events, bytes }
     }
 
     /// The difference from an earlier reading.

@@ -77,6 +77,30 @@ fn micros(t: SystemTime) -> i64 {
         .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
+/// Creates the jobs `q-<range>` of `queue` (32 requests at a time) and waits until the watch
+/// sees `queued` jobs of the queue Queued.
+async fn add_queued(
+    api: &Api<leasehold::crd::LeasedJob>,
+    watch: &JobWatch,
+    queue: &str,
+    range: std::ops::Range<usize>,
+    queued: usize,
+) -> anyhow::Result<()> {
+    cluster::create_range(api, queue, "q", range, QUEUE_LEASE, 32).await?;
+    watch
+        .wait(
+            &format!("{queued} jobs of queue {queue} Queued"),
+            Duration::from_secs(3600),
+            |jobs| {
+                jobs.iter()
+                    .filter(|j| j.spec.queue == queue && status_phase(j) == Some(Phase::Queued))
+                    .count()
+                    >= queued
+            },
+        )
+        .await
+}
+
 /// Runs the stages, `lengths` ascending (jobs in the queue at each). Returns the stages
 /// measured, and the error that ended the run early, if one did.
 pub async fn run(bench: &Bench, lengths: &[usize]) -> (Vec<Stage>, Option<anyhow::Error>) {
@@ -113,21 +137,11 @@ async fn stages_into(
         let fill_start = Instant::now();
         let new = length.saturating_sub(created);
         let api: Api<leasehold::crd::LeasedJob> = Api::namespaced(bench.client.clone(), &ns);
-        cluster::create_range(&api, queue, "q", created..created + new, QUEUE_LEASE, 32).await?;
+        let add = |from: usize, n: usize, queued: usize| {
+            add_queued(&api, &watch, queue, from..from + n, queued)
+        };
+        add(created, new, created + new - held - completed).await?;
         created += new;
-        let want_queued = created - held - completed;
-        watch
-            .wait(
-                &format!("{want_queued} jobs of queue {queue} Queued"),
-                Duration::from_secs(3600),
-                |jobs| {
-                    jobs.iter()
-                        .filter(|j| j.spec.queue == queue && status_phase(j) == Some(Phase::Queued))
-                        .count()
-                        >= want_queued
-                },
-            )
-            .await?;
         let fill = fill_start.elapsed();
         // Claims up to the held share, spread over the holders; they keep them.
         let target = ((length as f64 * HELD_SHARE).round() as usize).max(HOLDERS);
@@ -142,24 +156,8 @@ async fn stages_into(
             let queued = created - held - completed;
             let top_up = length.saturating_sub(held).saturating_sub(queued);
             if round > 0 && top_up > 0 {
-                cluster::create_range(&api, queue, "q", created..created + top_up, QUEUE_LEASE, 32)
-                    .await?;
+                add(created, top_up, queued + top_up).await?;
                 created += top_up;
-                let want_queued = created - held - completed;
-                watch
-                    .wait(
-                        &format!("{want_queued} jobs of queue {queue} Queued"),
-                        Duration::from_secs(600),
-                        |jobs| {
-                            jobs.iter()
-                                .filter(|j| {
-                                    j.spec.queue == queue && status_phase(j) == Some(Phase::Queued)
-                                })
-                                .count()
-                                >= want_queued
-                        },
-                    )
-                    .await?;
             }
             let timed = LATENCY_CLAIMS.min((created - held - completed) / 2).max(1);
             let before = metrics::scrape_text(&bench.client).await?;
