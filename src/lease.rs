@@ -91,6 +91,9 @@ pub enum LeaseError {
     Ended {
         /// The job's refusal of the token.
         why: String,
+        /// The code a worker's call gets back: `cancelled` for a cancelled job (as when the
+        /// held-jobs cache shows it), `lease_lost` otherwise.
+        code: &'static str,
     },
     /// No answer from the API server within `after`: the write may or may not have been
     /// applied. Retry.

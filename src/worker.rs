@@ -1327,9 +1327,9 @@ impl Worker {
                 let message = self.undo_for_conflict(job, &held.token, e).await;
                 self.lose(held, LEASE_LOST, message);
             }
-            Err(LeaseError::Ended { why }) => {
+            Err(LeaseError::Ended { why, code }) => {
                 let message = lost_message(&job_ref, why);
-                self.lose(held, LEASE_LOST, message);
+                self.lose(held, code, message);
             }
             Err(_) => {}
         }
@@ -1361,8 +1361,15 @@ impl Worker {
         if let Err(e) = lease::release(&self.inner.leases, &lease_name, token.as_str()).await {
             warn!(job = %self.job_ref(name), error = %error_chain(&e), "Clearing the Lease a first renewal wrote for an ended attempt failed; the job's status still fences it");
         }
+        // The same code the held-jobs cache would give (cached_job_moved_on): a cancel seen
+        // first by this fresh read is still `cancelled`, not a lost lease.
+        let code = match refusal {
+            Refusal::Cancelled { .. } => "cancelled",
+            _ => LEASE_LOST,
+        };
         Err(LeaseError::Ended {
             why: refusal.to_string(),
+            code,
         })
     }
 
@@ -1509,8 +1516,8 @@ impl Worker {
                     lease_duration_seconds: duration_s,
                 })
             }
-            Err(LeaseError::Ended { why }) => Err(WorkerError::LeaseLost {
-                code: LEASE_LOST,
+            Err(LeaseError::Ended { why, code }) => Err(WorkerError::LeaseLost {
+                code,
                 message: lost_message(&self.job_ref(name), &why),
             }),
             Err(e @ (LeaseError::Lost { .. } | LeaseError::NotOurs { .. })) => {
