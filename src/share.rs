@@ -29,7 +29,6 @@
 //! epoch): [`crate::worker`] feeds it from the watch cache and acts on the answer.
 
 use std::collections::{HashMap, HashSet};
-use std::hash::{Hash, Hasher};
 use std::time::Duration;
 
 /// Where `me` stands among `claimers` for `job` (0 = first), by rendezvous hashing (Thaler and
@@ -38,31 +37,77 @@ use std::time::Duration;
 /// Rank 0 is the job's owner ([`choose`]); the ranks order the turns at an open job
 /// ([`rendezvous_turn`]).
 pub fn rendezvous_rank(job: &str, me: &str, claimers: &HashSet<&str>) -> usize {
-    let mine = rendezvous_weight(job, me);
+    let job = name_hash(job);
+    let mine = rendezvous_weight(job, Named::new(me));
     claimers
         .iter()
-        .filter(|c| rendezvous_weight(job, c) > mine)
+        .filter(|c| rendezvous_weight(job, Named::new(c)) > mine)
         .count()
 }
 
 /// True when `me` ranks first among `claimers` for `job` ([`rendezvous_rank`] 0). Stops at
-/// the first claimer that outranks `me`: about two hashes for a job that is not `me`'s, where
+/// the first claimer that outranks `me`: about two weights for a job that is not `me`'s, where
 /// the rank costs one per claimer.
 ///
 /// An active claimer takes the oldest job it ranks first for ([`choose`]), so that claimers who
 /// agree on who is claiming never pick the same job; they disagree only while a claimer's first
 /// claims are reaching the others' watches.
 pub fn rendezvous_first(job: &str, me: &str, claimers: &HashSet<&str>) -> bool {
-    let mine = rendezvous_weight(job, me);
-    claimers.iter().all(|c| rendezvous_weight(job, c) <= mine)
+    let claimers: Vec<Named> = claimers.iter().map(|c| Named::new(c)).collect();
+    first_for(name_hash(job), Named::new(me), &claimers)
 }
 
-/// The highest-random-weight score of `claimer` for `job`: a hash of both, the claimer's name
-/// breaking the (unlikely) ties so that the order is total.
-fn rendezvous_weight<'a>(job: &str, claimer: &'a str) -> (u64, &'a str) {
-    let mut h = std::hash::DefaultHasher::new();
-    (job, claimer).hash(&mut h);
-    (h.finish(), claimer)
+/// [`rendezvous_first`] over names already hashed.
+fn first_for(job: u64, me: Named, claimers: &[Named]) -> bool {
+    let mine = rendezvous_weight(job, me);
+    claimers.iter().all(|&c| rendezvous_weight(job, c) <= mine)
+}
+
+/// A claimer's name with its [`name_hash`], computed once per [`choose`] rather than once per
+/// job and claimer (at 32 claimers a window holds 1,024 jobs: 32,768 weights for a claimer
+/// with no job of its own).
+#[derive(Clone, Copy)]
+struct Named<'a> {
+    hash: u64,
+    name: &'a str,
+}
+
+impl<'a> Named<'a> {
+    fn new(name: &'a str) -> Self {
+        Named {
+            hash: name_hash(name),
+            name,
+        }
+    }
+}
+
+/// The 64-bit hash of a job's or claimer's name that ranks and turns are computed from:
+/// FNV-1a (Fowler, Noll and Vo) over its UTF-8 bytes, finished with [`mix`].
+///
+/// Fixed here, not `std`'s `DefaultHasher`, whose algorithm may change between Rust releases:
+/// sidecars built apart (a rolling upgrade) must still agree on every job's owner and turns.
+pub fn name_hash(name: &str) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let fnv = name
+        .bytes()
+        .fold(OFFSET, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME));
+    mix(fnv)
+}
+
+/// splitmix64's finalizer (Steele, Lea and Flood, "Fast splittable pseudorandom number
+/// generators", OOPSLA 2014): a bijection of 64-bit values in which every input bit moves
+/// about half the output bits.
+fn mix(z: u64) -> u64 {
+    let z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    let z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The highest-random-weight score of `claimer` for `job` (both [`name_hash`]ed): the mix of
+/// the two, the claimer's name breaking the (unlikely) ties so that the order is total.
+fn rendezvous_weight<'a>(job: u64, claimer: Named<'a>) -> (u64, &'a str) {
+    (mix(job ^ claimer.hash), claimer.name)
 }
 
 /// Length of one turn at a job ([`rendezvous_turn`]), in milliseconds.
@@ -128,11 +173,7 @@ pub fn rendezvous_turn(
     let slot = RENDEZVOUS_SLOT_MS;
     let claimers = claimers.max(1) as u64;
     let rank = rank as u64 % claimers;
-    let phase = {
-        let mut h = std::hash::DefaultHasher::new();
-        job.hash(&mut h);
-        h.finish() % slot
-    };
+    let phase = name_hash(job) % slot;
     let t = now_ms.saturating_add(phase);
     let (m, into) = (t / slot, t % slot);
     if m % claimers == rank && slot - into > guard_ms.min(slot - 1) {
@@ -201,8 +242,9 @@ pub enum Choice {
 /// last claim or end seen; `None` if never seen) and `guard_ms` is the unused end of each turn
 /// ([`rendezvous_guard_ms`]). The rules are the module's.
 ///
-/// Costs about two hashes per candidate for an active claimer with jobs of its own, and one
-/// per candidate and claimer otherwise.
+/// Costs one name hash per candidate and per claimer, and about two weights (a multiply-xor
+/// mix each) per candidate for an active claimer with jobs of its own, one per candidate and
+/// claimer otherwise.
 pub fn choose(
     candidates: &[&str],
     me: &str,
@@ -212,11 +254,13 @@ pub fn choose(
     guard_ms: u64,
 ) -> Choice {
     let active = |c: &str| active_until_ms(c).is_some_and(|t| t > now_ms);
-    if active(me) {
+    let me = Named::new(me);
+    let others: Vec<Named> = claimers.iter().map(|c| Named::new(c)).collect();
+    if active(me.name) {
         let mut mine = candidates
             .iter()
             .enumerate()
-            .filter(|(_, job)| rendezvous_first(job, me, claimers))
+            .filter(|(_, job)| first_for(name_hash(job), me, &others))
             .map(|(i, _)| i);
         if let Some(i) = mine.next() {
             // With few jobs left, the thieves' turns reach this one soon: read it first.
@@ -239,10 +283,11 @@ pub fn choose(
     let seats: Vec<Seat> = candidates
         .iter()
         .map(|job| {
+            let job = name_hash(job);
             let mine = rendezvous_weight(job, me);
             let mut owner = mine;
             let mut rank = 0;
-            for c in claimers {
+            for &c in &others {
                 let w = rendezvous_weight(job, c);
                 if w > mine {
                     rank += 1;
@@ -305,6 +350,15 @@ fn soonest(next: Option<Duration>, wait: Duration) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_hash_to_published_values_whatever_the_build() {
+        // Published test vectors: FNV-1a 64 of "" and "a", and splitmix64's first output from
+        // seed 0 (its state after one step is the golden gamma 0x9e3779b97f4a7c15).
+        assert_eq!(name_hash(""), mix(0xcbf2_9ce4_8422_2325));
+        assert_eq!(name_hash("a"), mix(0xaf63_dc4c_8601_ec8c));
+        assert_eq!(mix(0x9e37_79b9_7f4a_7c15), 0xe220_a839_7b1d_cdaf);
+    }
 
     #[test]
     fn rendezvous_puts_exactly_one_claimer_first_for_each_job_and_spreads_them() {
