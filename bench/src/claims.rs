@@ -35,6 +35,9 @@ pub struct Claims {
     /// NaN when the run ended before the metrics were scraped at those marks (a fast run with
     /// few claimers: they are scraped between jobs).
     pub conflict_split: [f64; 4],
+    /// How long each of those four parts of the run took (the scrape at a mark falls between
+    /// jobs, so a part's time includes the scrape's); NaN where its marks were not reached.
+    pub split_seconds: [f64; 4],
     /// All requests counted by the API server during the run.
     pub requests: Requests,
     /// Worker calls that failed (should be 0).
@@ -143,9 +146,11 @@ pub async fn run(
         total.saturating_sub(claimers as u64).max(total * 3 / 4),
     ];
     let mut at_marks: Vec<Requests> = Vec::new();
+    let mut mark_times: Vec<Duration> = Vec::new();
     while completed.load(Ordering::Relaxed) < total {
         let done = completed.load(Ordering::Relaxed);
         while at_marks.len() < marks.len() && done >= marks[at_marks.len()] {
+            mark_times.push(t0.elapsed());
             at_marks.push(metrics::scrape(&bench.client).await?);
         }
         controller.check_running()?;
@@ -178,6 +183,19 @@ pub async fn run(
         }
     };
     let mut conflict_split = [f64::NAN; 4];
+    let mut split_seconds = [f64::NAN; 4];
+    if mark_times.len() == 3 {
+        let points = [
+            Duration::ZERO,
+            mark_times[0],
+            mark_times[1],
+            mark_times[2],
+            elapsed,
+        ];
+        for (i, split) in split_seconds.iter_mut().enumerate() {
+            *split = (points[i + 1] - points[i]).as_secs_f64();
+        }
+    }
     if at_marks.len() == 3 {
         let points = [&m0, &at_marks[0], &at_marks[1], &at_marks[2], &m1];
         for (i, split) in conflict_split.iter_mut().enumerate() {
@@ -190,6 +208,7 @@ pub async fn run(
         jobs,
         per_second: jobs as f64 / elapsed.as_secs_f64(),
         conflict_split,
+        split_seconds,
         conflict_share: if claim_writes > 0.0 {
             conflicts / claim_writes
         } else {

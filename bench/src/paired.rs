@@ -140,6 +140,7 @@ mod tests {
             per_second,
             conflict_share: conflicts / puts,
             conflict_split: [0.0; 4],
+            split_seconds: [0.0; 4],
             requests,
             errors: 0,
             cpu: vec![],
