@@ -754,8 +754,8 @@ fn claim_detail(
         "- N = {}, round {}: {} jobs in {:.1} s, {:.1} claims/s = {} of that round's \
          ceiling; {} worker errors; 409 share {:.1}% in all, {} over the first quarter of the \
          jobs, {} over the middle half, {} over the last quarter but the last {} jobs, {} over \
-         the last {}; the four parts took {} s; the API server handled {:.0} writes/s ({}) and {:.0} reads/s; CPU in \
-         cores: {}",
+         the last {}; the four parts took {} s; the API server handled {:.0} writes/s ({}) \
+         and {:.0} reads/s; CPU in cores: {}",
         c.claimers,
         c.round + 1,
         c.jobs,
@@ -772,7 +772,11 @@ fn claim_detail(
         c.claimers.min(c.jobs),
         c.split_seconds
             .iter()
-            .map(|s| if s.is_nan() { "?".into() } else { format!("{s:.2}") })
+            .map(|s| if s.is_nan() {
+                "?".into()
+            } else {
+                format!("{s:.2}")
+            })
             .collect::<Vec<_>>()
             .join(", "),
         writes,
