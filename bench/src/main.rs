@@ -1306,7 +1306,7 @@ fn queuelen_rows(report: &mut Report, q: &[queuelen::Stage]) {
         let _ = writeln!(
             detail,
             "- {} jobs ({} held): filled in {:.1} s; {} claims p50 {:.1} ms, p99 {:.1} ms (by \
-             round {}), mean {:.1} ms, of which the API server's own time for the claim write (PUT \
+             round {}; the rounds took {}), mean {:.1} ms, of which the API server's own time for the claim write (PUT \
              leasedjobs/status, apiserver_request_duration_seconds, {:.0} writes) {}; \
              controller ready in {:.1} s, {:.0} MiB (peak {:.0}); holder sidecar {:.0} MiB (peak \
              {:.0}); expiry p50 {:.2} s, p99 {:.2} s",
@@ -1317,6 +1317,11 @@ fn queuelen_rows(report: &mut Report, q: &[queuelen::Stage]) {
             percentile(&s.claim_ms, 50.0).unwrap_or(f64::NAN),
             p99(&s.claim_ms),
             rounds(s),
+            s.round_load
+                .iter()
+                .map(|(secs, renewals)| format!("{secs:.1} s with {renewals:.0} Lease renewals"))
+                .collect::<Vec<_>>()
+                .join(", "),
             s.claim_ms.iter().sum::<f64>() / s.claim_ms.len().max(1) as f64,
             s.claim_writes.count,
             s.claim_writes

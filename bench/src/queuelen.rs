@@ -59,6 +59,9 @@ pub struct Stage {
     pub claim_ms: Vec<f64>,
     /// The p99 of each round's timed claims, ms.
     pub round_p99_ms: Vec<f64>,
+    /// Each round's wall time, s, and the Lease renewals (PATCH leases, any answer) the API
+    /// server served during it: the held jobs' background load, which grows with the stage.
+    pub round_load: Vec<(f64, f64)>,
     /// The API server's own time for the claim writes (PUT leasedjobs/status) during the
     /// timed claims, to tell its share of a claim's latency from the sidecar's.
     pub claim_writes: ServerTime,
@@ -150,7 +153,7 @@ async fn stages_into(
         held += more;
         // The timed claims, each completed, so the held share stays; in rounds, the queue
         // topped up to its length before each.
-        let (mut claim_ms, mut round_p99_ms) = (Vec::new(), Vec::new());
+        let (mut claim_ms, mut round_p99_ms, mut round_load) = (Vec::new(), Vec::new(), Vec::new());
         let mut claim_writes = ServerTime::default();
         for round in 0..LATENCY_ROUNDS {
             let queued = created - held - completed;
@@ -161,9 +164,14 @@ async fn stages_into(
             }
             let timed = LATENCY_CLAIMS.min((created - held - completed) / 2).max(1);
             let before = metrics::scrape_text(&bench.client).await?;
+            let round_start = Instant::now();
             let took =
                 procs::claim_loops(&http, &holders, timed, procs::AfterClaim::Complete).await?;
+            let round_seconds = round_start.elapsed().as_secs_f64();
             let after = metrics::scrape_text(&bench.client).await?;
+            let renewals = ServerTime::parse(&after, "leases", "", "PATCH")
+                .since(&ServerTime::parse(&before, "leases", "", "PATCH"));
+            round_load.push((round_seconds, renewals.count));
             completed += timed;
             let writes = ServerTime::parse(&after, "leasedjobs", "status", "PUT")
                 .since(&ServerTime::parse(&before, "leasedjobs", "status", "PUT"));
@@ -208,6 +216,7 @@ async fn stages_into(
             fill,
             claim_ms,
             round_p99_ms,
+            round_load,
             claim_writes,
             controller_ready,
             controller: controller_sample,
