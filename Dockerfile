@@ -28,13 +28,16 @@ RUN apt-get update \
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
+COPY crates ./crates
+# The benchmark is a workspace member, so its manifest must be there; it is not built.
+COPY bench ./bench
 # The target matches the build machine (x86_64 or aarch64), so no cross toolchain is
 # needed: build each platform natively (docker buildx build --platform ...).
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     target="$(uname -m)-unknown-linux-musl" \
     && rustup target add "$target" \
-    && cargo build --release --locked --target "$target" \
+    && cargo build --release --locked --target "$target" -p leasehold \
     && install -D -m 0755 "target/$target/release/leasehold" out/leasehold
 
 # The stage the binary comes from: `build` above unless BINARY_STAGE names another image.

@@ -33,7 +33,7 @@ use serde_json::{json, Value};
 use thiserror::Error;
 use tokio::sync::Semaphore;
 
-pub use crate::crd::MAX_JOB_BYTES;
+pub use leasehold_core::crd::MAX_JOB_BYTES;
 
 /// The path the webhook serves (POST, `Content-Type: application/json`).
 pub const PATH: &str = "/validate/leasedjobs";
@@ -225,7 +225,7 @@ pub fn review(body: &[u8], limit: usize) -> Result<Reviewed, ReviewError> {
 }
 
 fn decide(request: &AdmissionRequest<'_>, limit: usize) -> Decision {
-    let ours = request.resource.group == crate::crd::GROUP
+    let ours = request.resource.group == leasehold_core::crd::GROUP
         && request.resource.resource == "leasedjobs"
         && matches!(request.operation.as_str(), "CREATE" | "UPDATE");
     let Some(object) = request.object.filter(|_| ours) else {
@@ -380,7 +380,7 @@ async fn answer(State(turns): State<Arc<Semaphore>>, request: Request) -> Respon
             axum::Json(reviewed.response).into_response()
         }
         Err(e) => {
-            tracing::warn!(category = e.category(), error = %crate::kubeapi::error_chain(&e), "Answered an unreadable AdmissionReview with 400");
+            tracing::warn!(category = e.category(), error = %leasehold_kube::api::error_chain(&e), "Answered an unreadable AdmissionReview with 400");
             (StatusCode::BAD_REQUEST, e.to_string()).into_response()
         }
     }

@@ -1,11 +1,11 @@
-//! The sidecar: the worker client ([`crate::worker`]) served as JSON over local HTTP, so that a
+//! The sidecar: the worker client ([`leasehold_worker`]) served as JSON over local HTTP, so that a
 //! worker in any language can lease jobs.
 //!
 //! Routes (all JSON; see docs/protocol.md):
 //! - `POST /v1/claim?wait=SECONDS` -> 200 claimed job, or 204 when nothing was claimable in time
 //! - `POST /v1/jobs/{name}/heartbeat` `{token, checkpoint?, progress?, message?}` -> 200
 //!   renewal (`progress` a number from 0 to 1, `message` at most
-//!   [`crate::progress::MAX_MESSAGE_BYTES`] bytes: [`crate::progress`])
+//!   [`leasehold_core::progress::MAX_MESSAGE_BYTES`] bytes: [`leasehold_core::progress`])
 //! - `POST /v1/jobs/{name}/complete` `{token, result}` -> 200
 //! - `POST /v1/jobs/{name}/fail` `{token, reason, message, retryable}` -> 200
 //! - `POST /v1/jobs/{name}/release` `{token}` -> 200
@@ -22,7 +22,7 @@
 //!
 //! Bounds: a body must arrive within the server's body timeout ([`crate::http::Limits`]); a
 //! `Content-Length` over [`MAX_BODY_BYTES`] is refused before any of the body is read; every
-//! call about a held job answers within [`crate::worker::call_bound`] (503 `unavailable` with
+//! call about a held job answers within [`leasehold_worker::call_bound`] (503 `unavailable` with
 //! `expiresAt` past it); a claim answers within its `wait` plus that bound.
 
 use std::time::Duration;
@@ -39,14 +39,17 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::crd::LeasedJob;
-use crate::progress::Progress;
-use crate::worker::{Worker, WorkerError};
+use std::sync::Arc;
+
+use leasehold_core::crd::LeasedJob;
+use leasehold_core::progress::Progress;
+use leasehold_metrics::Metrics;
+use leasehold_worker::{Worker, WorkerError};
 
 /// Largest request body accepted, in bytes: a whole LeasedJob's limit
-/// ([`crate::crd::MAX_JOB_BYTES`], 1 MiB), since a result or checkpoint larger than that can
+/// ([`leasehold_core::crd::MAX_JOB_BYTES`], 1 MiB), since a result or checkpoint larger than that can
 /// never be stored in one.
-pub const MAX_BODY_BYTES: usize = crate::crd::MAX_JOB_BYTES;
+pub const MAX_BODY_BYTES: usize = leasehold_core::crd::MAX_JOB_BYTES;
 /// Where the sidecar serves [`OPENAPI`] (GET).
 pub const OPENAPI_PATH: &str = "/openapi.json";
 /// The OpenAPI 3.1 document of this API (`docs/sidecar-openapi.json`, built in): every route,
@@ -194,28 +197,18 @@ impl From<LeasedJob> for Ended {
 }
 
 /// The sidecar's router over `worker`. Every call about a held job is answered within the
-/// worker's own bound ([`crate::worker::call_bound`]: min(5 s, leaseDurationSeconds / 3)),
+/// worker's own bound ([`leasehold_worker::call_bound`]: min(5 s, leaseDurationSeconds / 3)),
 /// with 503 `unavailable` and the lease's known `expiresAt` when the API server has not
-/// answered by then.
-pub fn router(worker: Worker) -> Router {
+/// answered by then. `/metrics` serves `metrics` (the registry the worker records into) and
+/// `/healthz` and `/readyz` the worker's health.
+pub fn router(worker: Worker, metrics: Arc<Metrics>) -> Router {
+    let observed = crate::observe::router(metrics, Arc::clone(worker.health()));
     let jobs = Router::new()
         .route("/v1/jobs/{name}/heartbeat", post(heartbeat))
         .route("/v1/jobs/{name}/complete", post(complete))
         .route("/v1/jobs/{name}/fail", post(fail))
         .route("/v1/jobs/{name}/release", post(release));
     Router::new()
-        .route(
-            "/healthz",
-            get(|State(w): State<Worker>| async move { w.health().healthz() }),
-        )
-        .route(
-            "/readyz",
-            get(|State(w): State<Worker>| async move { w.health().readyz() }),
-        )
-        .route(
-            "/metrics",
-            get(|State(w): State<Worker>| async move { w.metrics().render() }),
-        )
         .route(
             OPENAPI_PATH,
             get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
@@ -238,6 +231,7 @@ pub fn router(worker: Worker) -> Router {
         })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(worker)
+        .merge(observed)
 }
 
 /// The job name of a `/v1/jobs/{name}/...` route, percent-decoded and checked: 400
@@ -331,7 +325,7 @@ fn parse<T: DeserializeOwned>(RequestBody(body): RequestBody) -> Result<T, ApiEr
 
 /// Checks a job name taken from the URL: a DNS subdomain (RFC 1123) of at most 253 characters.
 fn checked_name(name: &str) -> Result<&str, ApiError> {
-    let ok = crate::crd::is_dns_subdomain(name);
+    let ok = leasehold_core::crd::is_dns_subdomain(name);
     if ok {
         Ok(name)
     } else {
@@ -494,7 +488,10 @@ mod tests {
             assert!(codes.as_array().unwrap().contains(&json!(code)), "{code}");
         }
         let message = &doc["components"]["schemas"]["HeartbeatRequest"]["properties"]["message"];
-        assert_eq!(message["maxLength"], crate::progress::MAX_MESSAGE_BYTES);
+        assert_eq!(
+            message["maxLength"],
+            leasehold_core::progress::MAX_MESSAGE_BYTES
+        );
     }
 
     #[test]

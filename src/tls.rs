@@ -159,7 +159,7 @@ impl ReloadingCert {
                     tracing::info!(cert = %self.cert.display(), "Loaded the rotated TLS certificate from {}", self.cert.display());
                 }
                 Err(e) => {
-                    tracing::warn!(category = e.category(), error = %crate::kubeapi::error_chain(&e), "Kept the previous TLS certificate: the changed files cannot be used");
+                    tracing::warn!(category = e.category(), error = %leasehold_kube::api::error_chain(&e), "Kept the previous TLS certificate: the changed files cannot be used");
                 }
             }
         }

@@ -18,11 +18,10 @@ use chart_support::*;
 use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, Client, ResourceExt};
-use leasehold::claim;
-use leasehold::crd::{LeasedJob, Phase};
-use leasehold::fence::{self, Outcome, REASON_LEASE_EXPIRED};
-use leasehold::lease;
-use leasehold::token::Token;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::fence::{Outcome, REASON_LEASE_EXPIRED};
+use leasehold_core::lease;
+use leasehold_core::token::Token;
 use serde_json::{json, Value};
 
 const WORKER_SA: &str = "leasehold-worker";
@@ -229,7 +228,7 @@ async fn claims_are_made_only_in_the_requesting_pods_name() {
 
     // A claim keeps the job's history: failures cannot be wiped on the way.
     w.create_job("k").await;
-    let (k, tk) = claim::claim(&w.jobs(&w.a), &w.job("k").await, "pod-a")
+    let (k, tk) = leasehold_kube::claim::claim(&w.jobs(&w.a), &w.job("k").await, "pod-a")
         .await
         .expect("claim through the library, as pod-a");
     let failed = Outcome::Fail {
@@ -238,7 +237,7 @@ async fn claims_are_made_only_in_the_requesting_pods_name() {
         retryable: true,
         checkpoint: None,
     };
-    fence::apply(&w.jobs(&w.a), &w.ns.name, &k.name_any(), &tk, &failed)
+    leasehold_kube::fence::apply(&w.jobs(&w.a), &w.ns.name, &k.name_any(), &tk, &failed)
         .await
         .expect("pod-a fails its attempt");
     let mut status = serde_json::to_value(w.job("k").await.status).unwrap();
@@ -265,7 +264,7 @@ async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
     let w = World::new("adm-holder", &[]).await;
     let (jobs_a, jobs_b) = (w.jobs(&w.a), w.jobs(&w.b));
     w.create_job("j").await;
-    let (_, t1) = claim::claim(&jobs_a, &w.job("j").await, "pod-a")
+    let (_, t1) = leasehold_kube::claim::claim(&jobs_a, &w.job("j").await, "pod-a")
         .await
         .unwrap();
 
@@ -277,7 +276,7 @@ async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
     );
 
     // pod-a gives attempt 1 back; pod-b claims attempt 2.
-    fence::apply(
+    leasehold_kube::fence::apply(
         &jobs_a,
         &w.ns.name,
         "j",
@@ -286,7 +285,7 @@ async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
     )
     .await
     .unwrap();
-    let (_, t2) = claim::claim(&jobs_b, &w.job("j").await, "pod-b")
+    let (_, t2) = leasehold_kube::claim::claim(&jobs_b, &w.job("j").await, "pod-b")
         .await
         .unwrap();
     assert_eq!(t2.attempt(), 2);
@@ -340,7 +339,7 @@ async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
 
     // The holder itself may add to the failures, never rewrite them.
     w.create_job("m").await;
-    let (_, m1) = claim::claim(&jobs_a, &w.job("m").await, "pod-a")
+    let (_, m1) = leasehold_kube::claim::claim(&jobs_a, &w.job("m").await, "pod-a")
         .await
         .unwrap();
     let failed = Outcome::Fail {
@@ -349,10 +348,10 @@ async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
         retryable: true,
         checkpoint: None,
     };
-    fence::apply(&jobs_a, &w.ns.name, "m", &m1, &failed)
+    leasehold_kube::fence::apply(&jobs_a, &w.ns.name, "m", &m1, &failed)
         .await
         .unwrap();
-    claim::claim(&jobs_a, &w.job("m").await, "pod-a")
+    leasehold_kube::claim::claim(&jobs_a, &w.job("m").await, "pod-a")
         .await
         .unwrap();
     let wipe = json!({"status": {"failures": []}});
@@ -369,10 +368,10 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
     let (jobs_a, jobs_b) = (w.jobs(&w.a), w.jobs(&w.b));
     let (leases_a, leases_b) = (w.leases(&w.a), w.leases(&w.b));
     w.create_job("j").await;
-    let (job, t1) = claim::claim(&jobs_a, &w.job("j").await, "pod-a")
+    let (job, t1) = leasehold_kube::claim::claim(&jobs_a, &w.job("j").await, "pod-a")
         .await
         .unwrap();
-    let acquired = lease::acquire(&leases_a, &job, &t1, &Default::default())
+    let acquired = leasehold_kube::lease::acquire(&leases_a, &job, &t1, &Default::default())
         .await
         .expect("pod-a acquires");
     assert_eq!(lease::holder_pod(&acquired), Some("pod-a"));
@@ -380,7 +379,7 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
 
     // Renewing someone else's Lease (pod-b can read the token: it is no secret to workers),
     // with a checkpoint and progress, as a heartbeat carries them.
-    let progress = leasehold::progress::Progress {
+    let progress = leasehold_core::progress::Progress {
         fraction: Some(0.5),
         message: Some("halfway".into()),
     };
@@ -388,7 +387,7 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
         &t1,
         k8s_openapi::jiff::Timestamp::now(),
         Some("{\"stolen\":true}"),
-        &progress,
+        Some(&progress),
     ))
     .unwrap();
     assert_refused(
@@ -452,7 +451,7 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
     assert_eq!(lease::checkpoint(&l), None);
 
     assert_eq!(
-        leasehold::progress::Progress::of_lease(&l),
+        leasehold_core::progress::Progress::of_lease(&l),
         Default::default()
     );
 
@@ -467,11 +466,11 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
     .await
     .expect("pod-a renews its Lease");
     let l = w.leases(&w.admin).get(&name).await.unwrap();
-    assert_eq!(leasehold::progress::Progress::of_lease(&l), progress);
+    assert_eq!(leasehold_core::progress::Progress::of_lease(&l), progress);
 
     // Attempt 1 ends without its Lease being released; pod-b claims attempt 2 and takes the
     // Lease over (a later attempt, naming itself): accepted.
-    fence::apply(
+    leasehold_kube::fence::apply(
         &jobs_a,
         &w.ns.name,
         "j",
@@ -480,10 +479,10 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
     )
     .await
     .unwrap();
-    let (job, t2) = claim::claim(&jobs_b, &w.job("j").await, "pod-b")
+    let (job, t2) = leasehold_kube::claim::claim(&jobs_b, &w.job("j").await, "pod-b")
         .await
         .unwrap();
-    let taken = lease::acquire(&leases_b, &job, &t2, &Default::default())
+    let taken = leasehold_kube::lease::acquire(&leases_b, &job, &t2, &Default::default())
         .await
         .expect("pod-b takes over");
     assert_eq!(lease::holder_pod(&taken), Some("pod-b"));
@@ -498,7 +497,9 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
         "lease-take-over",
     );
     // And the holder releases its own Lease.
-    lease::release(&leases_b, &name, t2.as_str()).await.unwrap();
+    leasehold_kube::lease::release(&leases_b, &name, t2.as_str())
+        .await
+        .unwrap();
     let l = w.leases(&w.admin).get(&name).await.unwrap();
     assert_eq!(lease::holder_identity(&l), None);
 

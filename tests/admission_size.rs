@@ -22,7 +22,7 @@ use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use k8s_openapi::ByteString;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
-use leasehold::crd::{LeasedJob, Phase, MAX_JOB_BYTES};
+use leasehold_core::crd::{LeasedJob, Phase, MAX_JOB_BYTES};
 use serde_json::{json, Value};
 
 const MIB: usize = 1024 * 1024;

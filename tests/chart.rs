@@ -22,7 +22,7 @@ use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::DeleteParams;
 use kube::Api;
-use leasehold::crd_check::{CRD_NAME, FIX_COMMAND};
+use leasehold_controller::crd_check::{CRD_NAME, FIX_COMMAND};
 use serde_json::{json, Value};
 
 static CRD_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());

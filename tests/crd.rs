@@ -8,7 +8,7 @@ use std::process::Command;
 use common::*;
 use kube::api::{ListParams, PostParams};
 use kube::{Api, ResourceExt};
-use leasehold::crd::{LeasedJob, LeasedJobStatus, Phase};
+use leasehold_core::crd::{LeasedJob, LeasedJobStatus, Phase};
 use serde_json::json;
 
 #[test]
@@ -244,9 +244,9 @@ async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
         json!({"metadata": {"name": "f"}, "spec": {"queue": "q"}}),
     )
     .await;
-    let queue = leasehold::queue_watch::queue_selector("q");
+    let queue = leasehold_kube::queue_watch::queue_selector("q");
     assert_eq!(listed(queue).await, ["a", "b", "c", "e", "f"]);
-    let held = leasehold::queue_watch::held_selector("q", "pod-a");
+    let held = leasehold_kube::queue_watch::held_selector("q", "pod-a");
     assert_eq!(
         listed(held).await,
         ["c"],

@@ -9,9 +9,9 @@ use std::time::Duration;
 use common::*;
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
-use leasehold::controller::REPORTER;
-use leasehold::crd::{LeasedJob, Phase};
-use leasehold::events::{NAME_MAX, NOTE_MAX_BYTES, SHORTENED};
+use leasehold_controller::REPORTER;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_kube::events::{NAME_MAX, NOTE_MAX_BYTES, SHORTENED};
 use serde_json::json;
 
 /// The Events the leasehold controller recorded about each job: name -> [(reason, note)].

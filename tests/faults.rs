@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use common::*;
 use kube::Api;
-use leasehold::crd::{LeasedJob, Phase};
-use leasehold::fence::REASON_LEASE_EXPIRED;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::fence::REASON_LEASE_EXPIRED;
 use serde_json::json;
 
 #[tokio::test]

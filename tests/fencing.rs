@@ -11,10 +11,11 @@ use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt};
-use leasehold::claim::{self, ClaimError};
-use leasehold::crd::{LeasedJob, Phase};
-use leasehold::fence::{self, FenceError, Outcome, REASON_LEASE_EXPIRED};
-use leasehold::lease;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::fence::{self, Outcome, REASON_LEASE_EXPIRED};
+use leasehold_core::lease;
+use leasehold_kube::claim::ClaimError;
+use leasehold_kube::fence::FenceError;
 use serde_json::json;
 
 #[tokio::test]
@@ -40,7 +41,7 @@ async fn claim_race_20_claimers_1_job_exactly_one_wins_each_of_50_rounds() {
             tasks.push(tokio::spawn(async move {
                 let snapshot = jobs.get(&name).await.unwrap();
                 barrier.wait().await;
-                claim::claim(&jobs, &snapshot, &format!("claimer-{c}")).await
+                leasehold_kube::claim::claim(&jobs, &snapshot, &format!("claimer-{c}")).await
             }));
         }
         let mut winners = Vec::new();
@@ -82,12 +83,14 @@ async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
         json!({"metadata": {"name": "j"}, "spec": {}}),
     )
     .await;
-    let (job, t1) = claim::claim(&jobs, &job, "a").await.unwrap();
-    lease::acquire(&leases, &job, &t1, &Default::default())
+    let (job, t1) = leasehold_kube::claim::claim(&jobs, &job, "a")
+        .await
+        .unwrap();
+    leasehold_kube::lease::acquire(&leases, &job, &t1, &Default::default())
         .await
         .unwrap();
     // Attempt 1 is given back; attempt 2 is claimed by b.
-    fence::apply(
+    leasehold_kube::fence::apply(
         &jobs,
         &ns.name,
         "j",
@@ -97,8 +100,10 @@ async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
     .await
     .unwrap();
     let job = jobs.get("j").await.unwrap();
-    let (job, t2) = claim::claim(&jobs, &job, "b").await.unwrap();
-    lease::acquire(&leases, &job, &t2, &Default::default())
+    let (job, t2) = leasehold_kube::claim::claim(&jobs, &job, "b")
+        .await
+        .unwrap();
+    leasehold_kube::lease::acquire(&leases, &job, &t2, &Default::default())
         .await
         .unwrap();
 
@@ -119,10 +124,10 @@ async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
         )
         .await
         .expect_err("the API server accepted a stale token");
-    assert!(leasehold::kubeapi::is_status(&err, 422), "{err}");
+    assert!(leasehold_kube::api::is_status(&err, 422), "{err}");
 
     // Through the library: refused with a message naming both attempts and no token.
-    match fence::apply(
+    match leasehold_kube::fence::apply(
         &jobs,
         &ns.name,
         "j",
@@ -147,22 +152,15 @@ async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
     }
     // The stale holder cannot renew the Lease either.
     assert!(matches!(
-        lease::renew(
-            &leases,
-            &lease::lease_name("j"),
-            &t1,
-            None,
-            &Default::default()
-        )
-        .await,
-        Err(lease::LeaseError::Lost { .. })
+        leasehold_kube::lease::renew(&leases, &lease::lease_name("j"), &t1, None, None).await,
+        Err(leasehold_kube::lease::LeaseError::Lost { .. })
     ));
     let l = leases.get(&lease::lease_name("j")).await.unwrap();
     assert_eq!(lease::holder_identity(&l), Some(t2.as_str()));
     assert_eq!(l.spec.as_ref().unwrap().lease_transitions, Some(1));
     assert_eq!(l.owner_references()[0].name, "j");
     // The current holder completes.
-    let done = fence::apply(
+    let done = leasehold_kube::fence::apply(
         &jobs,
         &ns.name,
         "j",
@@ -208,15 +206,17 @@ async fn late_result_against_expiry_exactly_one_side_wins_200_times() {
         tasks.push(tokio::spawn(async move {
             let name = format!("late-{i}");
             let snapshot = jobs.get(&name).await.unwrap();
-            let (job, token) = claim::claim(&jobs, &snapshot, "holder").await.unwrap();
-            lease::acquire(&leases, &job, &token, &Default::default())
+            let (job, token) = leasehold_kube::claim::claim(&jobs, &snapshot, "holder")
+                .await
+                .unwrap();
+            leasehold_kube::lease::acquire(&leases, &job, &token, &Default::default())
                 .await
                 .unwrap();
             let claimed_at = tokio::time::Instant::now();
             // Spread the result over 4.7 s .. 5.5 s after the claim: around the expiry.
             let offset_ms = 4700 + (i as u64 * 800) / n as u64;
             tokio::time::sleep_until(claimed_at + Duration::from_millis(offset_ms)).await;
-            let accepted = fence::apply(
+            let accepted = leasehold_kube::fence::apply(
                 &jobs,
                 &ns,
                 &name,

@@ -10,9 +10,9 @@ use std::time::Duration;
 use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, ResourceExt};
-use leasehold::crd::{LeasedJob, Phase};
-use leasehold::fence::REASON_LEASE_EXPIRED;
-use leasehold::leader::HOLDER_POD_ANNOTATION;
+use leasehold_controller::leader::HOLDER_POD_ANNOTATION;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::fence::REASON_LEASE_EXPIRED;
 use serde_json::json;
 
 const FAST: &[&str] = &[

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::*;
 use kube::Api;
-use leasehold::crd::{LeasedJob, Phase};
+use leasehold_core::crd::{LeasedJob, Phase};
 use serde_json::{json, Value};
 
 /// The image under test (`localhost/leasehold:<appVersion>`), from scripts/test.

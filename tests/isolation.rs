@@ -13,8 +13,8 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
-use leasehold::crd::{LeasedJob, Phase, CONDITION_LEASE_CONFLICT};
-use leasehold::lease;
+use leasehold_core::crd::{LeasedJob, Phase, CONDITION_LEASE_CONFLICT};
+use leasehold_core::lease;
 use serde_json::{json, Value};
 
 async fn job(client: &kube::Client, ns: &str, name: &str) -> LeasedJob {

@@ -9,7 +9,7 @@ use common::*;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::Api;
-use leasehold::crd::{LeasedJob, Phase};
+use leasehold_core::crd::{LeasedJob, Phase};
 use serde_json::json;
 
 #[tokio::test]

@@ -20,7 +20,7 @@ use common::*;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::Api;
-use leasehold::crd::Phase;
+use leasehold_core::crd::Phase;
 use node_support::*;
 use serde_json::{json, Value};
 

@@ -11,9 +11,9 @@ use std::time::Duration;
 use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
-use leasehold::crd::{LeasedJob, Phase};
-use leasehold::fence::REASON_LEASE_EXPIRED;
-use leasehold::lease;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::fence::REASON_LEASE_EXPIRED;
+use leasehold_core::lease;
 use serde_json::{json, Value};
 
 /// `kubectl create` of an object given as JSON text, as an admin would (the typed client

@@ -14,9 +14,9 @@ use std::time::Duration;
 use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
-use leasehold::crd::{LeasedJob, Phase};
-use leasehold::lease;
-use leasehold::progress::{MESSAGE_ANNOTATION, PROGRESS_ANNOTATION};
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::lease;
+use leasehold_core::progress::{MESSAGE_ANNOTATION, PROGRESS_ANNOTATION};
 use serde_json::json;
 
 /// A directory holding only `kubectl-leasehold`, a symlink to the leasehold binary under test.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::*;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::Api;
-use leasehold::crd::{LeasedJob, Phase};
+use leasehold_core::crd::{LeasedJob, Phase};
 use serde_json::json;
 
 /// `leasehold_queue_watch_running` and `leasehold_queue_watch_stops_total` of `sc`.

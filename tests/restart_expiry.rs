@@ -9,9 +9,9 @@ use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;
-use leasehold::crd::LeasedJob;
-use leasehold::fence::REASON_LEASE_EXPIRED;
-use leasehold::lease::lease_name;
+use leasehold_core::crd::LeasedJob;
+use leasehold_core::fence::REASON_LEASE_EXPIRED;
+use leasehold_core::lease::lease_name;
 use serde_json::json;
 
 /// Expiry after kube-apiserver restarts, and after a compaction and restart (issue: "expiry <= LD + 1 s once the API server is

@@ -11,9 +11,9 @@ use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::{Api, ResourceExt};
-use leasehold::crd::{LeasedJob, Phase};
-use leasehold::fence::REASON_LEASE_EXPIRED;
-use leasehold::lease;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::fence::REASON_LEASE_EXPIRED;
+use leasehold_core::lease;
 use serde_json::{json, Value};
 
 #[tokio::test]

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use kube::api::PostParams;
 use kube::{Api, ResourceExt};
-use leasehold::claim;
-use leasehold::crd::LeasedJob;
-use leasehold::token::Token;
+use leasehold_core::claim;
+use leasehold_core::crd::LeasedJob;
+use leasehold_core::token::Token;
 use tokio::task::JoinSet;
 
 use crate::cluster::Bench;

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use leasehold::crd::Phase;
-use leasehold::worker::{Worker, WorkerConfig, DEFAULT_SPREAD, DEFAULT_WORKER_TIMEOUT};
+use leasehold_core::crd::Phase;
+use leasehold_worker::{Worker, WorkerConfig, DEFAULT_SPREAD, DEFAULT_WORKER_TIMEOUT};
 use serde_json::json;
 use tokio::task::JoinSet;
 
@@ -86,6 +86,7 @@ pub async fn run(
                 spread: DEFAULT_SPREAD,
                 worker_timeout: DEFAULT_WORKER_TIMEOUT,
             },
+            std::sync::Arc::new(leasehold_kube::recorder::NoRecorder),
         );
         workers.push(w);
         watches.0.push(task);

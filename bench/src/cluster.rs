@@ -15,7 +15,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, Config, ResourceExt};
-use leasehold::crd::{LeasedJob, LeasedJobSpec, Phase};
+use leasehold_core::crd::{LeasedJob, LeasedJobSpec, Phase};
 use serde_json::Value;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -137,13 +137,13 @@ impl Bench {
         api.patch(
             "leasedjobs.leasehold.dev",
             &PatchParams::apply("leasehold-bench").force(),
-            &Patch::Apply(&leasehold::crd::definition()),
+            &Patch::Apply(&leasehold_core::crd::definition()),
         )
         .await
         .context("apply the LeasedJob CRD")?;
         // Served = a one-item list answers; raw, so that a job no binary can decode (or
         // thousands of jobs) left on a reused control plane does not read as "not served".
-        let jobs: Api<leasehold::watch::Raw<LeasedJob>> = Api::all(self.client.clone());
+        let jobs: Api<leasehold_kube::watch::Raw<LeasedJob>> = Api::all(self.client.clone());
         let one = kube::api::ListParams::default().limit(1);
         wait_until(
             "the LeasedJob API to be served",

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use kube::Api;
-use leasehold::crd::{LeasedJob, Phase};
+use leasehold_core::crd::{LeasedJob, Phase};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 

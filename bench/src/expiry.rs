@@ -8,8 +8,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::Context as _;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
-use leasehold::crd::Phase;
-use leasehold::lease;
+use leasehold_core::crd::Phase;
+use leasehold_core::lease;
 use serde_json::Value;
 
 use crate::cluster::{self, status_phase, Bench, JobWatch};

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use leasehold::crd::Phase;
+use leasehold_core::crd::Phase;
 
 use crate::cluster::{Bench, JobWatch};
 use crate::metrics::{self, Requests};

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use futures::{StreamExt, TryStreamExt};
 use kube::Api;
-use leasehold::crd::{LeasedJob, Phase};
+use leasehold_core::crd::{LeasedJob, Phase};
 
 use crate::cluster::{self, Bench, JobWatch};
 use crate::procs::{self, Sample};

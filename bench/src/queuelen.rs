@@ -15,8 +15,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context as _;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
-use leasehold::crd::Phase;
-use leasehold::lease;
+use leasehold_core::crd::Phase;
+use leasehold_core::lease;
 use serde_json::Value;
 
 use crate::cluster::{self, status_phase, Bench, JobWatch};
@@ -83,7 +83,7 @@ fn micros(t: SystemTime) -> i64 {
 /// Creates the jobs `q-<range>` of `queue` (32 requests at a time) and waits until the watch
 /// sees `queued` jobs of the queue Queued.
 async fn add_queued(
-    api: &Api<leasehold::crd::LeasedJob>,
+    api: &Api<leasehold_core::crd::LeasedJob>,
     watch: &JobWatch,
     queue: &str,
     range: std::ops::Range<usize>,
@@ -139,7 +139,7 @@ async fn stages_into(
         // Fill: the new jobs, created 32 at a time, all seen Queued.
         let fill_start = Instant::now();
         let new = length.saturating_sub(created);
-        let api: Api<leasehold::crd::LeasedJob> = Api::namespaced(bench.client.clone(), &ns);
+        let api: Api<leasehold_core::crd::LeasedJob> = Api::namespaced(bench.client.clone(), &ns);
         let add = |from: usize, n: usize, queued: usize| {
             add_queued(&api, &watch, queue, from..from + n, queued)
         };
@@ -239,7 +239,7 @@ async fn expiry(
     stage: usize,
 ) -> anyhow::Result<Vec<f64>> {
     let queue = format!("expiry-{stage}");
-    let api: Api<leasehold::crd::LeasedJob> = Api::namespaced(bench.client.clone(), ns);
+    let api: Api<leasehold_core::crd::LeasedJob> = Api::namespaced(bench.client.clone(), ns);
     cluster::create_range(&api, &queue, &queue, 0..EXPIRY_JOBS, EXPIRY_LEASE, 8).await?;
     let mut sc = procs::sidecar(
         &bench.leasehold,

@@ -3,7 +3,7 @@
 //!
 //! - `get` lists LeasedJobs with queue, phase, attempt, holder, last heartbeat, time until the
 //!   lease runs out, and the progress the holder sent with its heartbeats (a bar and a message,
-//!   read from the job's Lease: [`crate::progress`]); `-w` keeps watching.
+//!   read from the job's Lease: [`leasehold_core::progress`]); `-w` keeps watching.
 //! - `retry` gives a Failed or Cancelled job a new attempt, keeping its history
 //!   ([`retry`](fn@retry)).
 //! - `cancel` sets spec.cancel; the controller ends the job (docs/protocol.md).
@@ -26,9 +26,9 @@ use kube::{Api, ResourceExt};
 use serde_json::json;
 use thiserror::Error;
 
-use crate::crd::{LeasedJob, Phase, MANAGED_BY, MANAGED_BY_LABEL};
-use crate::kubeapi::{error_chain, is_status, Clients};
-use crate::lease;
+use leasehold_core::crd::{LeasedJob, Phase, MANAGED_BY, MANAGED_BY_LABEL};
+use leasehold_core::lease;
+use leasehold_kube::api::{error_chain, is_status, Clients};
 use view::Row;
 
 /// Errors of the plugin's commands.

@@ -22,7 +22,7 @@ use k8s_openapi::jiff::Timestamp;
 use serde_json::{json, Value};
 use thiserror::Error;
 
-use crate::crd::{LeasedJob, Phase, CONDITION_CANCELLED, CONDITION_FAILED};
+use leasehold_core::crd::{LeasedJob, Phase, CONDITION_CANCELLED, CONDITION_FAILED};
 
 /// Reason of a finished condition that a retry turned False.
 pub const REASON_RETRIED: &str = "Retried";
@@ -162,8 +162,8 @@ fn resource_version_test(job: &LeasedJob) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{AttemptFailure, LeasedJobSpec, LeasedJobStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+    use leasehold_core::crd::{AttemptFailure, LeasedJobSpec, LeasedJobStatus};
 
     fn finished(phase: Phase, failures: usize, max_attempts: i32, cancel: bool) -> LeasedJob {
         let mut j = LeasedJob::new(

@@ -5,9 +5,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
-use crate::crd::{LeasedJob, Phase};
-use crate::lease;
-use crate::progress::{self, Progress};
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::lease;
+use leasehold_core::progress::{self, Progress};
 
 /// Cells of the progress bar (the percentage follows it).
 pub const BAR_WIDTH: usize = 10;
@@ -219,10 +219,10 @@ fn shown_message(m: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{LeasedJobSpec, LeasedJobStatus};
-    use crate::progress::{MESSAGE_ANNOTATION, PROGRESS_ANNOTATION};
     use k8s_openapi::api::coordination::v1::LeaseSpec;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+    use leasehold_core::crd::{LeasedJobSpec, LeasedJobStatus};
+    use leasehold_core::progress::{MESSAGE_ANNOTATION, PROGRESS_ANNOTATION};
 
     fn job(phase: Phase, token: &str) -> LeasedJob {
         let mut j = LeasedJob::new(

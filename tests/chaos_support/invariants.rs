@@ -240,14 +240,15 @@ impl Chaos {
         };
         let by_lease: HashMap<String, &LeasedJob> = jobs
             .iter()
-            .map(|j| (leasehold::lease::lease_name(&j.name_any()), j))
+            .map(|j| (leasehold_core::lease::lease_name(&j.name_any()), j))
             .collect();
         let (mut stale, mut orphans) = (0, 0);
         for l in leases
             .iter()
             .filter(|l| l.name_any() != "leasehold-controller")
         {
-            let Some(held) = leasehold::lease::holder_identity(l).filter(|h| !h.is_empty()) else {
+            let Some(held) = leasehold_core::lease::holder_identity(l).filter(|h| !h.is_empty())
+            else {
                 continue;
             };
             let Some(job) = by_lease.get(&l.name_any()) else {
@@ -255,7 +256,7 @@ impl Chaos {
                 continue;
             };
             let name = job.name_any();
-            match leasehold::token::Token::parse(held) {
+            match leasehold_core::token::Token::parse(held) {
                 Err(_) => self.violations.push(format!(
                     "Lease of {name} names {held:?}, which is not a leasehold token"
                 )),

@@ -21,7 +21,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
-use leasehold::crd::LeasedJob;
+use leasehold_core::crd::LeasedJob;
 use serde_json::{json, Value};
 
 /// Path of the test control plane's kubeconfig.
@@ -78,7 +78,7 @@ pub async fn install_crd(client: &Client) {
     // Discovery can lag Established by a moment. Served = a one-item list answers; raw, so
     // that another test's job that no binary can decode (tests/poison.rs) does not read as
     // "not served".
-    let jobs: Api<leasehold::watch::Raw<LeasedJob>> = Api::all(client.clone());
+    let jobs: Api<leasehold_kube::watch::Raw<LeasedJob>> = Api::all(client.clone());
     let one = kube::api::ListParams::default().limit(1);
     wait_for("LeasedJob API served", Duration::from_secs(30), || async {
         jobs.list(&one).await.ok().map(|_| ())

@@ -325,7 +325,7 @@ pub async fn hold_leadership(
     stop: Arc<AtomicBool>,
 ) -> tokio::task::JoinHandle<()> {
     let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
-    let now = || leasehold::lease::micro_time(k8s_openapi::jiff::Timestamp::now());
+    let now = || leasehold_core::lease::micro_time(k8s_openapi::jiff::Timestamp::now());
     let lease: Lease = serde_json::from_value(json!({
         "metadata": {"name": "leasehold-controller", "namespace": ns},
         "spec": {

@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::ListParams;
 use kube::{Api, Client};
-use leasehold::crd::{LeasedJob, Phase};
+use leasehold_core::crd::{LeasedJob, Phase};
 use serde_json::json;
 
 use crate::chart_support::Release;

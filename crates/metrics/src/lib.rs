@@ -3,21 +3,18 @@
 //! Names follow `leasehold_<what>_<unit>`. The controller moves `leasehold_jobs` (by queue and
 //! phase, counted from its watch cache every second) and `leasehold_lease_expiries_total`, and
 //! registers the metrics of [`ControllerMetrics`] (leadership, readiness, and per-queue gauges
-//! computed from its caches by [`crate::queue_stats`]) that only a controller has; the sidecar
+//! computed from its caches by [`leasehold_core::queue_stats`]) that only a controller has; the sidecar
 //! moves the claim, heartbeat, refusal and duration metrics; both count the objects their
-//! watches skip as undecodable (`leasehold_undecodable_objects_total`, see [`crate::watch`]).
+//! watches skip as undecodable (`leasehold_undecodable_objects_total`, see [`leasehold_kube::watch`]).
 //! Both serve them at `/metrics` in the Prometheus text format, beside `/healthz` and
 //! `/readyz`. The chart's alerts (docs/alerts.md) are written on these names.
 //!
 //! Health tells the truth: `/readyz` is OK only once the watches have synced and before
 //! shutdown begins; `/healthz` fails once a background task has died.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::AtomicU64;
 
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
-use futures::FutureExt;
+use leasehold_kube::recorder::Recorder;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -60,7 +57,7 @@ pub struct QueueLabel {
 pub struct OutcomeLabels {
     /// spec.queue.
     pub queue: String,
-    /// How the attempt ended: one of [`crate::queue_stats::Outcome`]'s names (`succeeded`,
+    /// How the attempt ended: one of [`leasehold_core::queue_stats::Outcome`]'s names (`succeeded`,
     /// `failed`, `expired`, `released`, `cancelled`).
     pub outcome: &'static str,
 }
@@ -72,7 +69,7 @@ pub type SecondsGauge = Gauge<f64, AtomicU64>;
 /// never leads, never gets ready and sees no queue.
 pub struct ControllerMetrics {
     /// `leasehold_leader`: 1 while this replica leads (its term is valid on its monotonic
-    /// clock, [`crate::leader::Leadership::is_leader`]), else 0. Always 1 with
+    /// clock, [`leasehold_controller::leader::Leadership::is_leader`]), else 0. Always 1 with
     /// `--leader-elect false`. Across the replicas of one installation the sum is 1, or 0
     /// while no replica leads, when nothing expires, requeues or cancels jobs.
     pub leader: Gauge,
@@ -88,13 +85,13 @@ pub struct ControllerMetrics {
     pub oldest_attempt_seconds: Family<QueueLabel, SecondsGauge>,
     /// `leasehold_lease_overdue_seconds{queue}`: how far past its lease the most overdue Leased
     /// job of the queue is, in seconds, on this replica's monotonic clock: the time its Lease
-    /// record has gone unchanged ([`crate::expiry`]) beyond its leaseDurationSeconds; 0 when
+    /// record has gone unchanged ([`leasehold_core::expiry`]) beyond its leaseDurationSeconds; 0 when
     /// none is. The leader requeues an expired job within milliseconds of its expiry, so a
     /// value that keeps growing means the controller is not taking jobs back (no leader, or
     /// its writes fail).
     pub lease_overdue_seconds: Family<QueueLabel, SecondsGauge>,
     /// `leasehold_attempts_ended_total{queue,outcome}`: attempts this replica saw end, by how
-    /// they ended ([`crate::queue_stats::ended_attempts`]). Every replica counts what its watch
+    /// they ended ([`leasehold_core::queue_stats::ended_attempts`]). Every replica counts what its watch
     /// shows (standbys too), so aggregate replicas with `max`, not `sum`; an attempt that began
     /// and ended while no replica watched is not counted.
     pub attempts_ended: Family<OutcomeLabels, Counter>,
@@ -156,14 +153,14 @@ pub struct Metrics {
     /// Lease renewals by result, background and worker-initiated (sidecar).
     pub heartbeats: Family<ResultLabel, Counter>,
     /// Objects a watch skipped because they could not be decoded, by kind (both roles; counted
-    /// again at every re-list while the object stays unreadable). See [`crate::watch`].
+    /// again at every re-list while the object stays unreadable). See [`leasehold_kube::watch`].
     pub undecodable_objects: Family<KindLabel, Counter>,
     /// Seconds from a job's creation to its claim (sidecar).
     pub queue_wait_seconds: Histogram,
     /// Seconds from a claim to the end of that attempt by its holder (sidecar).
     pub run_seconds: Histogram,
     /// `leasehold_queue_watch_running`: 1 while the sidecar's watch of its queue runs, 0 while
-    /// it is stopped for want of claims ([`crate::queue_watch`]) (sidecar).
+    /// it is stopped for want of claims ([`leasehold_kube::queue_watch`]) (sidecar).
     pub queue_watch_running: Gauge,
     /// `leasehold_queue_watch_stops_total`: times that watch stopped because no claim came
     /// while the queue's changes outnumbered a fresh list (sidecar).
@@ -278,105 +275,46 @@ impl Metrics {
             .inc();
     }
 
-    /// The registry in the Prometheus text format, as an HTTP response.
-    pub fn render(&self) -> Response {
+    /// The registry in the OpenMetrics text format ([`CONTENT_TYPE`]).
+    pub fn render(&self) -> String {
         let mut text = String::new();
-        match prometheus_client::encoding::text::encode(&mut text, &self.registry) {
-            Ok(()) => (
-                [(
-                    header::CONTENT_TYPE,
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                )],
-                text,
-            )
-                .into_response(),
-            Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
-        }
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)
+            .expect("writing to a String cannot fail");
+        text
     }
 }
 
-/// Liveness and readiness of one process.
-#[derive(Default)]
-pub struct Health {
-    synced: AtomicBool,
-    shutting_down: AtomicBool,
-    dead: Mutex<Vec<String>>,
-}
+/// The HTTP content type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-impl Health {
-    /// A fresh, not yet ready, health.
-    pub fn new() -> Arc<Health> {
-        Arc::default()
-    }
-
-    /// Marks the watches synced.
-    pub fn set_synced(&self) {
-        self.synced.store(true, Ordering::SeqCst);
-    }
-
-    /// Marks the start of shutdown: not ready from now on.
-    pub fn set_shutting_down(&self) {
-        self.shutting_down.store(true, Ordering::SeqCst);
-    }
-
-    /// True once shutdown began.
-    pub fn is_shutting_down(&self) -> bool {
-        self.shutting_down.load(Ordering::SeqCst)
-    }
-
-    /// Records that background task `name` died.
-    pub fn task_died(&self, name: &str) {
-        self.dead.lock().unwrap().push(name.to_string());
-    }
-
-    /// True once synced and before shutdown: what `/readyz` answers 200 for.
-    pub fn is_ready(&self) -> bool {
-        self.synced.load(Ordering::SeqCst) && !self.is_shutting_down()
-    }
-
-    /// `/readyz`: 200 once synced and before shutdown, else 503 saying why.
-    pub fn readyz(&self) -> Response {
-        if self.is_shutting_down() {
-            (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n").into_response()
-        } else if !self.synced.load(Ordering::SeqCst) {
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "watches have not synced yet\n",
-            )
-                .into_response()
-        } else {
-            (StatusCode::OK, "ok\n").into_response()
+/// The worker's and the watches' reports, counted.
+impl Recorder for Metrics {
+    fn claimed(&self, queue_wait_seconds: Option<f64>) {
+        self.claims.inc();
+        if let Some(waited) = queue_wait_seconds {
+            self.queue_wait_seconds.observe(waited.max(0.0));
         }
     }
-
-    /// `/healthz`: 200 while every background task lives, else 500 naming the dead ones.
-    pub fn healthz(&self) -> Response {
-        let dead = self.dead.lock().unwrap();
-        if dead.is_empty() {
-            (StatusCode::OK, "ok\n").into_response()
-        } else {
-            let text = format!("background task died: {}\n", dead.join(", "));
-            (StatusCode::INTERNAL_SERVER_ERROR, text).into_response()
-        }
+    fn claim_conflict(&self) {
+        self.claim_conflicts.inc();
     }
-
-    /// Spawns `task` as `name`; a panic in it is recorded (and makes `/healthz` fail) instead
-    /// of vanishing silently.
-    pub fn spawn<F>(self: &Arc<Self>, name: String, task: F) -> tokio::task::JoinHandle<()>
-    where
-        F: std::future::Future<Output = ()> + Send + 'static,
-    {
-        let health = Arc::clone(self);
-        tokio::spawn(async move {
-            if std::panic::AssertUnwindSafe(task)
-                .catch_unwind()
-                .await
-                .is_err()
-            {
-                tracing::error!(task = %name, "background task panicked");
-                health.task_died(&name);
-            }
-        })
+    fn stale_token_refused(&self) {
+        self.stale_token_refusals.inc();
+    }
+    fn heartbeat(&self, ok: bool) {
+        Metrics::heartbeat(self, ok);
+    }
+    fn attempt_ran(&self, seconds: f64) {
+        self.run_seconds.observe(seconds.max(0.0));
+    }
+    fn undecodable(&self, kind: &str) {
+        Metrics::undecodable(self, kind);
+    }
+    fn queue_watch_running(&self, running: bool) {
+        self.queue_watch_running.set(i64::from(running));
+    }
+    fn queue_watch_stopped(&self) {
+        self.queue_watch_stops.inc();
     }
 }
 
@@ -384,36 +322,8 @@ impl Health {
 mod tests {
     use super::*;
 
-    #[test]
-    fn readiness_follows_sync_and_shutdown() {
-        let h = Health::new();
-        assert_eq!(h.readyz().status(), StatusCode::SERVICE_UNAVAILABLE);
-        assert!(!h.is_ready());
-        h.set_synced();
-        assert_eq!(h.readyz().status(), StatusCode::OK);
-        assert!(h.is_ready());
-        h.set_shutting_down();
-        assert_eq!(h.readyz().status(), StatusCode::SERVICE_UNAVAILABLE);
-        assert!(!h.is_ready());
-        assert_eq!(h.healthz().status(), StatusCode::OK);
-        h.task_died("renewer");
-        assert_eq!(h.healthz().status(), StatusCode::INTERNAL_SERVER_ERROR);
-    }
-
-    #[tokio::test]
-    async fn a_panicking_task_makes_healthz_fail() {
-        let h = Health::new();
-        h.spawn("boom".into(), async { panic!("boom") })
-            .await
-            .unwrap();
-        assert_eq!(h.healthz().status(), StatusCode::INTERNAL_SERVER_ERROR);
-    }
-
     fn rendered(m: &Metrics) -> String {
-        let body =
-            futures::executor::block_on(axum::body::to_bytes(m.render().into_body(), usize::MAX))
-                .unwrap();
-        String::from_utf8(body.to_vec()).unwrap()
+        m.render()
     }
 
     #[test]
@@ -477,10 +387,7 @@ mod tests {
                 phase: "Queued".into(),
             })
             .set(3);
-        let body =
-            futures::executor::block_on(axum::body::to_bytes(m.render().into_body(), usize::MAX))
-                .unwrap();
-        let text = String::from_utf8(body.to_vec()).unwrap();
+        let text = m.render();
         assert!(text.contains("leasehold_claims_total 1"), "{text}");
         assert!(
             text.contains("leasehold_heartbeats_total{result=\"ok\"} 1"),

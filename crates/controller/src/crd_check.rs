@@ -17,8 +17,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
 use kube::{Api, Client};
 use thiserror::Error;
 
-use crate::crd::definition;
-use crate::kubeapi::is_status;
+use leasehold_core::crd::definition;
+use leasehold_kube::api::is_status;
 
 /// Name of the LeasedJob CustomResourceDefinition.
 pub const CRD_NAME: &str = "leasedjobs.leasehold.dev";

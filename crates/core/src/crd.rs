@@ -60,7 +60,7 @@ pub const MAX_JOB_BYTES: usize = 1024 * 1024;
     doc = "A job that workers lease: claimed by one worker at a time with a fresh fencing token, kept alive by heartbeats on its Lease, and requeued by the controller when the heartbeats stop.",
     // Field selectors the API server evaluates: `spec.queue` and `status.phase` narrow each
     // sidecar's queue watch to its queue's live jobs, `status.holder` its watch of the jobs it
-    // holds (crate::queue_watch); `status.phase` is for people too (`kubectl get ljob
+    // holds (leasehold_kube::queue_watch); `status.phase` is for people too (`kubectl get ljob
     // --field-selector status.phase=Failed`). Selectable fields need Kubernetes 1.30 or later
     // (KEP-4358).
     selectable = ".spec.queue",
@@ -658,11 +658,13 @@ mod tests {
             wrapped.join("\n")
         );
         // And the committed CRD is this one (tests/crd.rs checks it byte for byte).
-        let committed: CustomResourceDefinition =
-            serde_yaml::from_str(include_str!("../crds/leasedjob.yaml")).unwrap();
+        let committed: CustomResourceDefinition = serde_yaml::from_str(include_str!(
+            "../../../charts/leasehold/crds/leasedjob.yaml"
+        ))
+        .unwrap();
         assert_eq!(
             committed, crd,
-            "regenerate: `cargo run -- crd > crds/leasedjob.yaml`"
+            "regenerate: `cargo run -- crd > charts/leasehold/crds/leasedjob.yaml`"
         );
     }
 

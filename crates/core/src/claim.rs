@@ -11,51 +11,12 @@ use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::PostParams;
-use kube::{Api, ResourceExt};
+use kube::ResourceExt;
 use rand::Rng;
-use thiserror::Error;
 
 use crate::crd::{LeasedJob, LeasedJobStatus, Phase};
-use crate::kubeapi::is_status;
 use crate::lease::lease_name;
 use crate::token::Token;
-
-/// Errors of [`claim`].
-#[derive(Debug, Error)]
-pub enum ClaimError {
-    /// Someone wrote the job since the snapshot (another claimer won, or the controller
-    /// initialised its status): pick again.
-    #[error("LeasedJob {job} changed since it was read (409 Conflict); another claimer won")]
-    Conflict {
-        /// `namespace/name`.
-        job: String,
-    },
-    /// The job was deleted.
-    #[error("LeasedJob {job} no longer exists")]
-    Gone {
-        /// `namespace/name`.
-        job: String,
-    },
-    /// The snapshot is not claimable (not Queued, cancelled, being deleted, or before its
-    /// notBefore or retryAfter).
-    #[error("LeasedJob {job} is not claimable now (phase {phase})")]
-    NotQueued {
-        /// `namespace/name`.
-        job: String,
-        /// Its phase in the snapshot.
-        phase: Phase,
-    },
-    /// Any other API failure; nothing was written.
-    #[error("claim of LeasedJob {job} failed")]
-    Api {
-        /// `namespace/name`.
-        job: String,
-        /// The underlying error.
-        #[source]
-        source: kube::Error,
-    },
-}
 
 /// True when `job` may be claimed from `queue` at `now`: Queued, in that queue, not cancelled,
 /// not being deleted, and past spec.notBefore and status.retryAfter.
@@ -266,40 +227,6 @@ pub fn claimed_status(
         status.queued_time = job.metadata.creation_timestamp.clone();
     }
     status
-}
-
-/// Claims `snapshot` for `holder`: replaces its status with [`claimed_status`] under the
-/// snapshot's resourceVersion. Returns the claimed job (as the API server stored it) and the
-/// token. Does not touch the Lease: see [`crate::lease::acquire`].
-///
-/// # Errors
-/// [`ClaimError::Conflict`] when anyone wrote the job since the snapshot;
-/// [`ClaimError::NotQueued`] when the snapshot is not claimable; [`ClaimError::Gone`];
-/// [`ClaimError::Api`].
-pub async fn claim(
-    api: &Api<LeasedJob>,
-    snapshot: &LeasedJob,
-    holder: &str,
-) -> Result<(LeasedJob, Token), ClaimError> {
-    let job = snapshot.reference();
-    if !claimable(snapshot, &snapshot.spec.queue, Timestamp::now()) {
-        return Err(ClaimError::NotQueued {
-            job,
-            phase: snapshot.phase(),
-        });
-    }
-    let token = Token::issue(snapshot.attempt() + 1);
-    let mut next = snapshot.clone();
-    next.status = Some(claimed_status(snapshot, &token, holder, Timestamp::now()));
-    match api
-        .replace_status(&snapshot.name_any(), &PostParams::default(), &next)
-        .await
-    {
-        Ok(stored) => Ok((stored, token)),
-        Err(e) if is_status(&e, 409) => Err(ClaimError::Conflict { job }),
-        Err(e) if is_status(&e, 404) => Err(ClaimError::Gone { job }),
-        Err(source) => Err(ClaimError::Api { job, source }),
-    }
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait for the answer to one request (not a watch), and for sending one. A request
 /// through a network that holds bytes without resetting the connection fails after this long
 /// instead of after the operating system's TCP timeouts (minutes). Calls a worker makes are
-/// bounded more tightly still, by the sidecar (see [`crate::worker`]).
+/// bounded more tightly still, by the sidecar (see [`leasehold_worker`]).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The two clients every role uses: one for requests, each with a deadline
@@ -85,7 +85,7 @@ pub enum ClientsError {
 }
 
 /// True when the API server refused a write because the object or request would be too large:
-/// 413 (the controller's admission webhook past [`crate::crd::MAX_JOB_BYTES`], or the API
+/// 413 (the controller's admission webhook past [`leasehold_core::crd::MAX_JOB_BYTES`], or the API
 /// server's own request limit), or etcd's "request is too large" behind a 500 where no webhook
 /// answered.
 pub fn is_too_large(err: &kube::Error) -> bool {
@@ -122,7 +122,7 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
         parts.push(err.to_string());
         current = err.source();
     }
-    crate::token::redact(&parts.join(": "))
+    leasehold_core::token::redact(&parts.join(": "))
 }
 
 /// The backoff between a failed watch (or re-list) and the next try, for every watch leasehold

@@ -26,7 +26,7 @@
 //!   jobs open to the others' turns.
 //!
 //! Everything here is a plain function of names, ranks and times (milliseconds since the Unix
-//! epoch): [`crate::worker`] feeds it from the watch cache and acts on the answer.
+//! epoch): [`leasehold_worker`] feeds it from the watch cache and acts on the answer.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;

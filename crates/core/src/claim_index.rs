@@ -20,7 +20,6 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::runtime::watcher;
 
 use crate::claim;
 use crate::crd::{LeasedJob, Phase};
@@ -42,6 +41,22 @@ struct Slot {
     claimable_at: Option<Timestamp>,
     /// metadata.resourceVersion, so a pick can skip a snapshot already tried.
     resource_version: String,
+}
+
+/// One event of a queue's watch, as the index follows it (the watcher's events, without the
+/// watcher: this crate has no IO).
+#[derive(Clone, Copy, Debug)]
+pub enum Change<'a> {
+    /// A job was added or changed in a live watch.
+    Applied(&'a LeasedJob),
+    /// A job was deleted.
+    Deleted(&'a LeasedJob),
+    /// A (re-)list began.
+    RelistBegan,
+    /// A job of the (re-)list.
+    Relisted(&'a LeasedJob),
+    /// The (re-)list ended: its jobs replace the index's.
+    RelistDone,
 }
 
 /// The index of one queue (see the module doc). Feed it every event of the queue's watch with
@@ -75,25 +90,26 @@ impl ClaimIndex {
     }
 
     /// Follows one watch event: a job added, changed or deleted, or a (re-)list. A re-list
-    /// replaces the jobs at its `InitDone`, as the reflector's store does; claims seen stay.
-    pub fn observe(&mut self, event: &watcher::Event<LeasedJob>) {
-        match event {
-            watcher::Event::Apply(job) => {
+    /// replaces the jobs at its end ([`Change::RelistDone`]), as the reflector's store does;
+    /// claims seen stay.
+    pub fn observe(&mut self, change: Change<'_>) {
+        match change {
+            Change::Applied(job) => {
                 self.note_activity(job, Timestamp::now());
                 self.apply(job);
             }
-            watcher::Event::Delete(job) => {
+            Change::Deleted(job) => {
                 self.note_claim(job);
                 if let Some(name) = job.metadata.name.as_deref() {
                     self.remove(name);
                 }
             }
-            watcher::Event::Init => self.relisting = Some(Box::new(ClaimIndex::new(&self.queue))),
-            watcher::Event::InitApply(job) => match self.relisting.as_mut() {
+            Change::RelistBegan => self.relisting = Some(Box::new(ClaimIndex::new(&self.queue))),
+            Change::Relisted(job) => match self.relisting.as_mut() {
                 Some(next) => next.apply(job),
                 None => self.apply(job),
             },
-            watcher::Event::InitDone => {
+            Change::RelistDone => {
                 if let Some(next) = self.relisting.take() {
                     let next = *next;
                     self.entries = next.entries;
@@ -341,7 +357,7 @@ mod tests {
             let r = rand::Rng::random_range(&mut rng, 0..10);
             if r == 0 {
                 if let Some(old) = cache.remove(&name) {
-                    index.observe(&watcher::Event::Delete((*old).clone()));
+                    index.observe(Change::Deleted(&old));
                 }
                 continue;
             }
@@ -366,7 +382,7 @@ mod tests {
                     Some(Time(at(rand::Rng::random_range(&mut rng, 400..600))));
             }
             j.metadata.resource_version = Some(format!("{step}"));
-            index.observe(&watcher::Event::Apply(j.clone()));
+            index.observe(Change::Applied(&j));
             cache.insert(name, Arc::new(j));
             if step % 50 == 0 {
                 let jobs: Vec<Arc<LeasedJob>> = cache.values().cloned().collect();
@@ -436,18 +452,12 @@ mod tests {
         let status = claimed.status.as_mut().unwrap();
         status.holder = Some("pod-a".into());
         status.claimed_time = Some(Time(at(100)));
-        index.observe(&watcher::Event::Apply(claimed));
-        index.observe(&watcher::Event::Init);
-        index.observe(&watcher::Event::InitApply(job(
-            "new",
-            "q",
-            0,
-            3,
-            Phase::Queued,
-        )));
+        index.observe(Change::Applied(&claimed));
+        index.observe(Change::RelistBegan);
+        index.observe(Change::Relisted(&job("new", "q", 0, 3, Phase::Queued)));
         // Until InitDone, picks still see the old jobs.
         assert_eq!(index.candidates(at(105), 5, |_, _| false), ["gone"]);
-        index.observe(&watcher::Event::InitDone);
+        index.observe(Change::RelistDone);
         assert_eq!(index.candidates(at(105), 5, |_, _| false), ["new"]);
         assert_eq!(index.len(), 1);
         let claimers = index.recent_claimers("me", at(105));
@@ -504,15 +514,11 @@ mod tests {
         assert_eq!(index.active_until_ms("pod-c"), None);
         assert_eq!(index.active_until_ms("pod-d"), None);
         // Only live events count: a (re-)listed claim says nothing about when it was made.
-        index.observe(&watcher::Event::InitApply(held(
-            "e",
-            Phase::Leased,
-            "pod-e",
-        )));
-        index.observe(&watcher::Event::InitDone);
+        index.observe(Change::Relisted(&held("e", Phase::Leased, "pod-e")));
+        index.observe(Change::RelistDone);
         assert_eq!(index.active_until_ms("pod-e"), None);
         let before = ms(Timestamp::now());
-        index.observe(&watcher::Event::Apply(held("f", Phase::Failed, "pod-f")));
+        index.observe(Change::Applied(&held("f", Phase::Failed, "pod-f")));
         let until = index.active_until_ms("pod-f").unwrap();
         assert!(until >= before + share::ACTIVE_MS, "{until} {before}");
     }

@@ -2,7 +2,7 @@
 //! lease code and the same rules as a job's lease.
 //!
 //! The shape is client-go's `tools/leaderelection`: a replica takes the Lease when it is free or
-//! when it has not seen it renewed for `leaseDuration` on its own clock ([`crate::expiry`]); the
+//! when it has not seen it renewed for `leaseDuration` on its own clock ([`leasehold_core::expiry`]); the
 //! leader renews every `retryPeriod`; it stops leading at once when a renewal finds another
 //! holder, or when `renewDeadline` (< `leaseDuration`) has passed on its monotonic clock since
 //! the start of its last successful renewal.
@@ -37,11 +37,12 @@ use kube::Api;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use crate::crd::{MANAGED_BY, MANAGED_BY_LABEL};
-use crate::expiry::{self, Observation, Record, Verdict};
-use crate::kubeapi::is_status;
-use crate::lease::{self, LeaseError};
-use crate::token::Token;
+use leasehold_core::crd::{MANAGED_BY, MANAGED_BY_LABEL};
+use leasehold_core::expiry::{self, Observation, Record, Verdict};
+use leasehold_core::lease;
+use leasehold_core::token::Token;
+use leasehold_kube::api::is_status;
+use leasehold_kube::lease::LeaseError;
 
 /// Annotation on the leader Lease naming the leader's pod (its identity).
 pub const HOLDER_POD_ANNOTATION: &str = "leasehold.dev/holder-pod";
@@ -168,7 +169,7 @@ pub async fn run(
         }
     }
     if let Some(token) = leadership.end() {
-        match lease::release(&api, &config.lease_name, token.as_str()).await {
+        match leasehold_kube::lease::release(&api, &config.lease_name, token.as_str()).await {
             Ok(()) => info!(identity = %config.identity, "Released leadership on shutdown"),
             Err(e) => {
                 warn!(identity = %config.identity, error = %e, "Releasing leadership failed; a standby takes over once the lease expires")
@@ -184,15 +185,7 @@ async fn renew(
     token: &Token,
     started: Instant,
 ) {
-    match lease::renew(
-        api,
-        &config.lease_name,
-        token,
-        None,
-        &crate::progress::Progress::default(),
-    )
-    .await
-    {
+    match leasehold_kube::lease::renew(api, &config.lease_name, token, None, None).await {
         Ok(_) => leadership.extend(token, started + config.renew_deadline),
         Err(LeaseError::Lost { .. }) => {
             leadership.end();

@@ -1,7 +1,7 @@
 //! A sidecar's watch of its queue, kept only while it pays for itself.
 //!
 //! To choose a job in milliseconds a sidecar keeps its queue's jobs in a watch cache
-//! ([`crate::claim_index`]). It needs that cache only while its worker claims:
+//! ([`leasehold_core::claim_index`]). It needs that cache only while its worker claims:
 //! a worker busy with one job for minutes or hours has no use for every change of every other
 //! job of the queue, and with S sidecars on one queue each change is sent S times (benchmark
 //! row 9). So this watch follows the rent-or-buy rule of competitive snoopy caching (Karlin,
@@ -31,10 +31,10 @@ use kube::Api;
 use tokio::sync::{watch, Notify};
 use tracing::info;
 
-use crate::claim_index::ClaimIndex;
-use crate::crd::LeasedJob;
-use crate::metrics::Metrics;
+use crate::recorder::Recorder;
 use crate::watch::Synced;
+use leasehold_core::claim_index::{Change, ClaimIndex};
+use leasehold_core::crd::LeasedJob;
 
 /// The fixed part of what listing the queue again costs, counted in watch events: a LIST
 /// request and a new WATCH request, each about as costly for the API server as sending a few
@@ -228,7 +228,7 @@ pub struct Cache {
 pub async fn run(
     api: Api<LeasedJob>,
     queue: String,
-    metrics: Arc<Metrics>,
+    metrics: Arc<dyn Recorder>,
     cache: Cache,
     shared: Arc<QueueWatch>,
 ) {
@@ -241,7 +241,7 @@ pub async fn run(
     let selector = queue_selector(&queue);
     let mut cached = 0;
     loop {
-        metrics.queue_watch_running.set(1);
+        metrics.queue_watch_running(true);
         // Each job is decoded on its own: one this binary cannot read is skipped and reported
         // (log, metric), and the rest of the queue is served. The cache keeps what choosing
         // and claiming a job need, not its payload or result: a sidecar's memory then does not
@@ -265,7 +265,7 @@ pub async fn run(
                 }
             };
             writer.apply_watcher_event(&event);
-            index.lock().unwrap().observe(&event);
+            index.lock().unwrap().observe(change(&event));
             let stop = match &event {
                 watcher::Event::InitDone => {
                     shared.synced.set(true);
@@ -296,14 +296,25 @@ pub async fn run(
         drop(stream);
         for e in [watcher::Event::Init, watcher::Event::InitDone] {
             writer.apply_watcher_event(&e);
-            index.lock().unwrap().observe(&e);
+            index.lock().unwrap().observe(change(&e));
         }
         crate::memory::release_freed();
-        metrics.queue_watch_running.set(0);
-        metrics.queue_watch_stops.inc();
+        metrics.queue_watch_running(false);
+        metrics.queue_watch_stopped();
         info!(queue = %queue, cached, "Stopped watching queue {queue}: no claim while more of its jobs changed than the {cached} a fresh list would bring; the next claim lists it again");
         changes.send_modify(|n| *n = n.wrapping_add(1));
         shared.start.notified().await;
+    }
+}
+
+/// A watcher event as the claim index follows it.
+fn change(event: &watcher::Event<LeasedJob>) -> Change<'_> {
+    match event {
+        watcher::Event::Apply(job) => Change::Applied(job),
+        watcher::Event::Delete(job) => Change::Deleted(job),
+        watcher::Event::Init => Change::RelistBegan,
+        watcher::Event::InitApply(job) => Change::Relisted(job),
+        watcher::Event::InitDone => Change::RelistDone,
     }
 }
 

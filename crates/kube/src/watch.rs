@@ -29,8 +29,8 @@ use serde::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
 use tracing::warn;
 
-use crate::crd::LeasedJob;
-use crate::metrics::Metrics;
+use crate::recorder::Recorder;
+use leasehold_core::crd::LeasedJob;
 
 /// A `K` as the API server sent it, decoded only as far as its metadata: the unit a LIST or
 /// WATCH of `K` can always decode, whatever the spec or status holds.
@@ -262,7 +262,10 @@ impl Undecodable {
         Undecodable {
             kind: K::kind(&()).into_owned(),
             reference: format!("{}/{}", raw.namespace().unwrap_or_default(), raw.name_any()),
-            error: crate::token::redact(error).chars().take(500).collect(),
+            error: leasehold_core::token::redact(error)
+                .chars()
+                .take(500)
+                .collect(),
             object: ObjectReference {
                 api_version: Some(K::api_version(&()).into_owned()),
                 kind: Some(K::kind(&()).into_owned()),
@@ -314,15 +317,15 @@ where
 
 /// Watches `api` (a namespace, or all) with `config`, decoding each object on its own (see the
 /// module documentation): every watch leasehold runs goes through here. Uses
-/// [`crate::kubeapi::WatchBackoff`] and drops `metadata.managedFields` from every object.
+/// [`crate::api::WatchBackoff`] and drops `metadata.managedFields` from every object.
 ///
 /// Each skipped object is logged (warn, with its kind, namespace/name and the decode error),
-/// counted in `metrics.undecodable_objects`, and passed to `on_skip`. It is skipped again, and
+/// reported to `metrics` ([`Recorder::undecodable`]), and passed to `on_skip`. It is skipped again, and
 /// reported again, at every re-list until it is fixed or deleted.
 pub fn watch<K>(
     api: &Api<K>,
     config: watcher::Config,
-    metrics: Arc<Metrics>,
+    metrics: Arc<dyn Recorder>,
     mut on_skip: impl FnMut(Undecodable) + Send + 'static,
 ) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
 where
@@ -341,7 +344,7 @@ where
         None => Api::all(client),
     };
     relisting_watcher(raw, config.page_size(LIST_PAGE_SIZE))
-        .backoff(crate::kubeapi::WatchBackoff::default())
+        .backoff(crate::api::WatchBackoff::default())
         .filter_map(move |event| {
             let out = match event {
                 Ok(event) => {
@@ -437,7 +440,7 @@ pub const LIST_PAGE_SIZE: u32 = 100;
 /// characters): the one way every role reports a watch that failed and is being retried.
 pub fn log_error(what: &str, err: &watcher::Error) {
     // Errors may quote the objects they failed on: never log a token.
-    let shown: String = crate::token::redact(&err.to_string())
+    let shown: String = leasehold_core::token::redact(&err.to_string())
         .chars()
         .take(500)
         .collect();
@@ -450,7 +453,7 @@ pub fn log_error(what: &str, err: &watcher::Error) {
 /// only after two quiet minutes), so an API-server restart, whose outage fails every watch a
 /// few times, left the controller blind to jobs and renewals for 5 s and more after the API
 /// server was back. Each stream from [`watch`] already retries under its own
-/// [`crate::kubeapi::WatchBackoff`].
+/// [`crate::api::WatchBackoff`].
 pub fn errors_logged<T>(
     what: &'static str,
     stream: impl Stream<Item = Result<T, watcher::Error>> + Send + 'static,

@@ -13,21 +13,22 @@ use tracing::warn;
 
 use super::expire::{lease_duration, record_of};
 use super::{Context, NOT_LEADER_REQUEUE};
-use crate::crd::{LeasedJob, Phase};
-use crate::events::{EventType, Note, Publisher};
-use crate::expiry::{self, Observation};
 use crate::leader::Leadership;
-use crate::lease;
-use crate::metrics::{Health, JobLabels, OutcomeLabels, QueueLabel};
-use crate::queue_stats::{self, JobSample};
-use crate::watch::Undecodable;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::expiry::{self, Observation};
+use leasehold_core::lease;
+use leasehold_core::queue_stats::{self, JobSample};
+use leasehold_kube::events::{EventType, Note, Publisher};
+use leasehold_kube::health::Health;
+use leasehold_kube::watch::Undecodable;
+use leasehold_metrics::{JobLabels, OutcomeLabels, QueueLabel};
 
 /// How many skipped objects may wait for this replica to lead before more are dropped (their
 /// log line and metric stand; a later re-list reports them again).
 const UNDECODABLE_BACKLOG: usize = 256;
 
 /// What the controller does with the objects its watches skip as undecodable, besides the log
-/// line and the metric [`watch::watch`](crate::watch::watch) gives them: a Warning Event `Undecodable` on each
+/// line and the metric [`watch::watch`](leasehold_kube::watch::watch) gives them: a Warning Event `Undecodable` on each
 /// (see [`record_undecodable`]), recorded once this replica leads (standbys do not write;
 /// the initial list usually comes before the first election is won). Returns the callback for
 /// the watches and the task that records, to be aborted at shutdown.
@@ -71,7 +72,7 @@ async fn record_undecodable(events: &Publisher, skipped: &Undecodable) {
         ),
     };
     if let Err(e) = events.publish(&skipped.object, &note).await {
-        warn!(object = %skipped.reference, category = e.category(), error = %crate::kubeapi::error_chain(&e), "Recording Event Undecodable failed");
+        warn!(object = %skipped.reference, category = e.category(), error = %leasehold_kube::api::error_chain(&e), "Recording Event Undecodable failed");
     }
 }
 

@@ -1,7 +1,7 @@
 //! The worker client: the library a Rust worker uses, and what the sidecar serves over HTTP.
 //!
 //! A [`Worker`] watches one queue of one namespace, claims jobs from that watch cache
-//! ([`crate::claim`]), keeps every held lease renewed in the background, and forwards the
+//! ([`leasehold_core::claim`]), keeps every held lease renewed in the background, and forwards the
 //! worker's heartbeats, results, failures and releases as conditional writes.
 //!
 //! The claim's own write starts the lease: an attempt's Lease is written by its first renewal
@@ -56,17 +56,21 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use crate::claim::{self, ClaimError};
-use crate::claim_index::ClaimIndex;
-use crate::crd::{LeasedJob, Phase};
-use crate::fence::{self, FenceError, Outcome, Refusal};
-use crate::kubeapi::{error_chain, is_too_large, Clients};
-use crate::lease::{self, LeaseError};
-use crate::metrics::{Health, Metrics};
-use crate::progress::Progress;
-use crate::queue_watch::{self, QueueWatch};
-use crate::share;
-use crate::token::{Token, TokenError};
+use leasehold_core::claim;
+use leasehold_core::claim_index::ClaimIndex;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::fence::{self, Outcome, Refusal};
+use leasehold_core::lease;
+use leasehold_core::progress::Progress;
+use leasehold_core::share;
+use leasehold_core::token::{Token, TokenError};
+use leasehold_kube::api::{error_chain, is_too_large, Clients};
+use leasehold_kube::claim::ClaimError;
+use leasehold_kube::fence::FenceError;
+use leasehold_kube::health::Health;
+use leasehold_kube::lease::LeaseError;
+use leasehold_kube::queue_watch::{self, QueueWatch};
+use leasehold_kube::recorder::Recorder;
 
 /// Default for [`WorkerConfig::worker_timeout`]: five minutes.
 pub const DEFAULT_WORKER_TIMEOUT: Duration = Duration::from_secs(300);
@@ -184,7 +188,7 @@ pub enum WorkerError {
         message: String,
     },
     /// The checkpoint is too large, or the write would make the job larger than a job may be
-    /// ([`crate::crd::MAX_JOB_BYTES`]).
+    /// ([`leasehold_core::crd::MAX_JOB_BYTES`]).
     #[error("{0}")]
     TooLarge(String),
     /// The sidecar is shutting down and claims no more jobs.
@@ -289,7 +293,7 @@ struct Inner {
     jobs: Api<LeasedJob>,
     leases: Api<Lease>,
     /// The queue's jobs, for claiming: empty while the queue watch
-    /// is stopped ([`crate::queue_watch`]).
+    /// is stopped ([`leasehold_kube::queue_watch`]).
     store: Store<LeasedJob>,
     /// Whether the queue watch runs, is complete, and who is claiming.
     queue_watch: Arc<QueueWatch>,
@@ -297,7 +301,7 @@ struct Inner {
     /// ends of attempts check.
     held_store: Store<LeasedJob>,
     /// Set once `held_store` has listed them.
-    held_synced: crate::watch::Synced,
+    held_synced: leasehold_kube::watch::Synced,
     /// Bumped after every event of the queue watch.
     changes: watch::Receiver<u64>,
     held: Mutex<HashMap<String, Arc<Held>>>,
@@ -308,7 +312,8 @@ struct Inner {
     /// earns: its Lease still names it (see the module doc), so a heartbeat with it must be
     /// refused here.
     ended_here: Mutex<HashMap<String, (Token, Refusal)>>,
-    metrics: Arc<Metrics>,
+    /// Where claims, conflicts, refusals, heartbeats and run times are reported.
+    metrics: Arc<dyn Recorder>,
     health: Arc<Health>,
     /// Wakes [`Worker::drained`] when a held attempt ends.
     ended: Notify,
@@ -332,15 +337,21 @@ pub struct Worker {
 
 impl Worker {
     /// Starts watching the queue. Returns the worker and the watch task's handle, which runs
-    /// until aborted; await or select it so that its end is noticed.
-    pub fn start(clients: impl Into<Clients>, config: WorkerConfig) -> (Worker, JoinHandle<()>) {
+    /// until aborted; await or select it so that its end is noticed. Claims, conflicts,
+    /// refusals, heartbeats, run times and skipped objects are reported to `recorder`
+    /// ([`leasehold_kube::recorder::NoRecorder`] for none).
+    pub fn start(
+        clients: impl Into<Clients>,
+        config: WorkerConfig,
+        recorder: Arc<dyn Recorder>,
+    ) -> (Worker, JoinHandle<()>) {
         let clients = clients.into();
         let jobs: Api<LeasedJob> = Api::namespaced(clients.requests.clone(), &config.namespace);
         let leases: Api<Lease> = Api::namespaced(clients.requests, &config.namespace);
         let watched: Api<LeasedJob> = Api::namespaced(clients.watches, &config.namespace);
-        let metrics = Arc::new(Metrics::new());
+        let metrics = recorder;
         // Two watches, both filtered by the API server on selectable fields of the CRD: the
-        // queue's jobs, for claiming, kept only while claims come (crate::queue_watch),
+        // queue's jobs, for claiming, kept only while claims come (leasehold_kube::queue_watch),
         // and the jobs this process holds, always.
         let (store, writer) = reflector::store();
         let (tx, changes) = watch::channel(0u64);
@@ -359,22 +370,22 @@ impl Worker {
             Arc::clone(&queue_watch),
         );
         let (held_store, held_writer) = reflector::store();
-        let held_stream = crate::watch::watch(
+        let held_stream = leasehold_kube::watch::watch(
             &watched,
             watcher::Config::default()
                 .fields(&queue_watch::held_selector(&config.queue, &config.identity)),
             Arc::clone(&metrics),
             |_| {},
         )
-        .modify(crate::crd::LeasedJob::drop_payload_and_result)
+        .modify(leasehold_core::crd::LeasedJob::drop_payload_and_result)
         .reflect(held_writer);
-        let held_synced = crate::watch::Synced::default();
+        let held_synced = leasehold_kube::watch::Synced::default();
         let held_stream = held_synced.track(held_stream);
         let held_task = async move {
             let mut stream = std::pin::pin!(held_stream);
             while let Some(event) = stream.next().await {
                 if let Err(e) = event {
-                    crate::watch::log_error("LeasedJob", &e);
+                    leasehold_kube::watch::log_error("LeasedJob", &e);
                 }
             }
         };
@@ -435,14 +446,9 @@ impl Worker {
     }
 
     /// True once the watch of the jobs this process holds has listed them, and the queue's
-    /// watch has listed the queue once (it may have stopped since: [`crate::queue_watch`]).
+    /// watch has listed the queue once (it may have stopped since: [`leasehold_kube::queue_watch`]).
     pub fn is_ready(&self) -> bool {
         self.inner.held_synced.is_synced() && self.inner.queue_watch.ever_synced()
-    }
-
-    /// This worker's metrics.
-    pub fn metrics(&self) -> &Arc<Metrics> {
-        &self.inner.metrics
     }
 
     /// This worker's health (readiness, dead background tasks).
@@ -498,7 +504,7 @@ impl Worker {
     /// Counts refusals of stale or foreign tokens on the way out.
     fn counted(&self, e: WorkerError) -> WorkerError {
         if e.code() == LEASE_LOST {
-            self.inner.metrics.stale_token_refusals.inc();
+            self.inner.metrics.stale_token_refused();
         }
         e
     }
@@ -798,7 +804,7 @@ impl Worker {
             let (me, snapshot) = (self.clone(), snapshot.clone());
             tokio::spawn(async move {
                 let identity = &me.inner.config.identity;
-                claim::claim(&me.inner.jobs, &snapshot, identity).await
+                leasehold_kube::claim::claim(&me.inner.jobs, &snapshot, identity).await
             })
         };
         let claimed = match tokio::time::timeout(bound, &mut write).await {
@@ -838,7 +844,7 @@ impl Worker {
                 // failed or timed out is tried again, or its owner would pass it by while the
                 // others leave it to that owner (share::RESERVED_PER_CLAIMER).
                 self.mark_tried(snapshot);
-                self.inner.metrics.claim_conflicts.inc();
+                self.inner.metrics.claim_conflict();
                 self.widen_window();
                 return Ok(None);
             }
@@ -868,14 +874,13 @@ impl Worker {
         // doc), so a job done before then costs the claim and its end only.
         let job_ref = job.reference();
         info!(job = %job_ref, attempt = token.attempt(), "Claimed LeasedJob {job_ref} (attempt {})", token.attempt());
-        self.inner.metrics.claims.inc();
-        if let Some(created) = &job.metadata.creation_timestamp {
-            let waited = Timestamp::now().duration_since(created.0).as_secs_f64();
-            self.inner
-                .metrics
-                .queue_wait_seconds
-                .observe(waited.max(0.0));
-        }
+        let waited = job.metadata.creation_timestamp.as_ref().map(|created| {
+            Timestamp::now()
+                .duration_since(created.0)
+                .as_secs_f64()
+                .max(0.0)
+        });
+        self.inner.metrics.claimed(waited);
         let status = job.status.clone().unwrap_or_default();
         let mut slim = job.clone();
         slim.drop_payload_and_result();
@@ -901,7 +906,7 @@ impl Worker {
     /// release or an [`Outcome::Unclaim`], fenced by the token like any end of an attempt.
     async fn undo_claim(&self, job: &LeasedJob, token: &Token, outcome: Outcome) {
         let (job_ref, name) = (job.reference(), job.name_any());
-        let undo = fence::apply_from(
+        let undo = leasehold_kube::fence::apply_from(
             &self.inner.jobs,
             &self.inner.config.namespace,
             &name,
@@ -1218,7 +1223,7 @@ impl Worker {
 
     /// Renews the lease now, storing `checkpoint` (any JSON up to
     /// [`lease::MAX_CHECKPOINT_BYTES`]) with it for the next attempt should this one not finish,
-    /// and `progress` (the parts given; see [`crate::progress`]) for people to see. Writes only
+    /// and `progress` (the parts given; see [`leasehold_core::progress`]) for people to see. Writes only
     /// the Lease, never the LeasedJob, in one request whatever it carries. The progress is
     /// remembered and carried by every later renewal of the attempt, background ones included.
     ///
@@ -1262,12 +1267,12 @@ impl Worker {
         if let (false, Some(job)) = (taken, &held.claimed) {
             return self.take_lease(held, job, checkpoint, &progress).await;
         }
-        let renew = lease::renew(
+        let renew = leasehold_kube::lease::renew(
             &self.inner.leases,
             &held.lease_name,
             &held.token,
             checkpoint,
-            &progress,
+            Some(&progress),
         );
         tokio::time::timeout(after, renew)
             .await
@@ -1308,13 +1313,15 @@ impl Worker {
             });
         }
         let after = call_bound(held.duration);
-        let first = lease::FirstRenewal {
+        let first = leasehold_kube::lease::FirstRenewal {
             checkpoint,
             progress,
         };
         held.state.lock().unwrap().first_renewal_sent = true;
         let acquired = tokio::time::timeout(after, async {
-            let lease = lease::acquire(&self.inner.leases, job, &held.token, &first).await?;
+            let lease =
+                leasehold_kube::lease::acquire(&self.inner.leases, job, &held.token, &first)
+                    .await?;
             self.confirm_first_renewal(&job.name_any(), &held.token)
                 .await?;
             Ok(lease)
@@ -1358,7 +1365,9 @@ impl Worker {
             return Ok(());
         };
         let lease_name = lease::lease_name(name);
-        if let Err(e) = lease::release(&self.inner.leases, &lease_name, token.as_str()).await {
+        if let Err(e) =
+            leasehold_kube::lease::release(&self.inner.leases, &lease_name, token.as_str()).await
+        {
             warn!(job = %self.job_ref(name), error = %error_chain(&e), "Clearing the Lease a first renewal wrote for an ended attempt failed; the job's status still fences it");
         }
         // The same code the held-jobs cache would give (cached_job_moved_on): a cancel seen
@@ -1408,12 +1417,12 @@ impl Worker {
             // token holds it: the Lease decides.
             None => {
                 let lease_name = lease::lease_name(name);
-                let renewed = lease::renew(
+                let renewed = leasehold_kube::lease::renew(
                     &self.inner.leases,
                     &lease_name,
                     &token,
                     checkpoint.as_ref(),
-                    &progress,
+                    Some(&progress),
                 )
                 .await;
                 match (renewed, &unheld) {
@@ -1424,18 +1433,24 @@ impl Worker {
                         if job.status.as_ref().and_then(|s| s.holder.as_deref())
                             == Some(self.inner.config.identity.as_str()) =>
                     {
-                        let first = lease::FirstRenewal {
+                        let first = leasehold_kube::lease::FirstRenewal {
                             checkpoint: checkpoint.as_ref(),
                             progress: &progress,
                         };
-                        let acquired =
-                            match lease::acquire(&self.inner.leases, job, &token, &first).await {
-                                Ok(lease) => self
-                                    .confirm_first_renewal(name, &token)
-                                    .await
-                                    .map(|()| lease),
-                                e => e,
-                            };
+                        let acquired = match leasehold_kube::lease::acquire(
+                            &self.inner.leases,
+                            job,
+                            &token,
+                            &first,
+                        )
+                        .await
+                        {
+                            Ok(lease) => self
+                                .confirm_first_renewal(name, &token)
+                                .await
+                                .map(|()| lease),
+                            e => e,
+                        };
                         if let Err(e @ LeaseError::NotOurs { .. }) = &acquired {
                             let message = self.undo_for_conflict(job, &token, e).await;
                             return Err(WorkerError::LeaseLost {
@@ -1801,7 +1816,7 @@ impl Worker {
             (_, Some(answer)) => Some(answer),
             (c, None) => c.as_deref(),
         };
-        let job = match fence::apply_from(&self.inner.jobs, ns, name, &token, &outcome, snapshot)
+        let job = match leasehold_kube::fence::apply_from(&self.inner.jobs, ns, name, &token, &outcome, snapshot)
         .await
         {
             Ok(job) => job,
@@ -1815,7 +1830,7 @@ impl Worker {
                 return Err(WorkerError::TooLarge(format!(
                     "LeasedJob {} would exceed the size limit of a job ({} bytes for the whole job as JSON, payload included) with this write; nothing was written: send a smaller result or message, or store large results elsewhere and send a reference",
                     self.job_ref(name),
-                    crate::crd::MAX_JOB_BYTES
+                    leasehold_core::crd::MAX_JOB_BYTES
                 )))
             }
             Err(e @ FenceError::Api { .. }) => {
@@ -1843,7 +1858,7 @@ impl Worker {
         self.inner.ended.notify_waiters();
         if let Some(claimed) = job.status.as_ref().and_then(|s| s.claimed_time.as_ref()) {
             let ran = Timestamp::now().duration_since(claimed.0).as_secs_f64();
-            self.inner.metrics.run_seconds.observe(ran.max(0.0));
+            self.inner.metrics.attempt_ran(ran.max(0.0));
         }
         let job_ref = self.job_ref(name);
         info!(job = %job_ref, attempt = token.attempt(), phase = %job.phase(), "Ended attempt {} of LeasedJob {job_ref}: {}", token.attempt(), job.phase());

@@ -1,5 +1,5 @@
 //! Expiry: the controller's look at a Leased job's Lease ([`check_expiry`]) and, when the
-//! pure core ([`crate::expiry`]) says the lease ran out on this replica's clock, the requeue or
+//! pure core ([`leasehold_core::expiry`]) says the lease ran out on this replica's clock, the requeue or
 //! failure that ends the attempt ([`expire`]), fenced by the expired token.
 
 use std::sync::Arc;
@@ -14,13 +14,13 @@ use tracing::{info, warn};
 
 use super::{Context, ReconcileError, EXPIRY_SLACK};
 
-use crate::crd::{LeasedJob, Phase};
-use crate::events::EventType;
-use crate::expiry::{self, Record, Verdict};
-use crate::fence::{self, Outcome, REASON_LEASE_EXPIRED};
-use crate::kubeapi::{is_too_large, is_undecodable};
-use crate::lease;
-use crate::token::Token;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::expiry::{self, Record, Verdict};
+use leasehold_core::fence::{self, Outcome, REASON_LEASE_EXPIRED};
+use leasehold_core::lease;
+use leasehold_core::token::Token;
+use leasehold_kube::api::{is_too_large, is_undecodable};
+use leasehold_kube::events::EventType;
 
 /// What the controller compares between looks at a leased job. A Lease that does not carry
 /// this attempt's heartbeats (another token, or another pod named as its holder) counts as no
@@ -67,7 +67,7 @@ pub(super) async fn check_expiry(
             Err(source) => Err(ReconcileError::Lease {
                 job: job.reference(),
                 action: "read",
-                source: lease::LeaseError::Api(source),
+                source: leasehold_kube::lease::LeaseError::Api(source),
             }),
         }
     };
@@ -262,7 +262,7 @@ async fn expire(
     };
     ctx.event(job, type_, reason, note).await;
     ctx.leading(job)?;
-    lease::release(leases, lease_name, token.as_str())
+    leasehold_kube::lease::release(leases, lease_name, token.as_str())
         .await
         .map_err(|source| ReconcileError::Lease {
             job: job.reference(),

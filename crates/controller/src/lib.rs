@@ -2,7 +2,7 @@
 //! finished jobs after their TTL, and records Events.
 //!
 //! Shape: [`reconcile`] reads the job (from the watch cache) and its Lease (from a second watch
-//! cache), asks the pure core ([`crate::expiry`], [`crate::fence`]) what to do, then writes.
+//! cache), asks the pure core ([`leasehold_core::expiry`], [`leasehold_core::fence`]) what to do, then writes.
 //! Every write is conditional: initialisation under the job's resourceVersion, the requeue as a
 //! JSON Patch that tests the expired token and the Leased phase, Lease releases as JSON Patches
 //! that test holderIdentity. When a worker's result lands first, the requeue is refused by the
@@ -30,25 +30,29 @@ use kube::{Api, Client, Resource, ResourceExt};
 use thiserror::Error;
 use tracing::{info, warn};
 
+pub mod crd_check;
 mod expire;
+pub mod leader;
 mod report;
 
 use expire::check_expiry;
 use report::{report, undecodable_reporter, Reported};
 
-use crate::crd::{
+use crate::leader::Leadership;
+use leasehold_core::crd::{
     LeasedJob, LeasedJobStatus, Phase, CONDITION_LEASE_CONFLICT, MANAGED_BY, MANAGED_BY_LABEL,
 };
-use crate::events::{EventType, Note, Publisher, Reporter};
-use crate::expiry::Observation;
-use crate::fence::{self, REASON_LEASE_EXPIRED};
-use crate::kubeapi::{is_status, Clients};
-use crate::leader::{self, Leadership};
-use crate::lease;
-use crate::metrics::{Health, Metrics, OutcomeLabels};
-use crate::queue_stats;
-use crate::shutdown;
-use crate::watch;
+use leasehold_core::expiry::Observation;
+use leasehold_core::fence::{self, REASON_LEASE_EXPIRED};
+use leasehold_core::lease;
+use leasehold_core::queue_stats;
+use leasehold_kube::api::{is_status, Clients};
+use leasehold_kube::events::{EventType, Note, Publisher, Reporter};
+use leasehold_kube::health::Health;
+use leasehold_kube::recorder::Recorder;
+use leasehold_kube::shutdown;
+use leasehold_kube::watch;
+use leasehold_metrics::{Metrics, OutcomeLabels};
 
 /// Name under which the controller reports Events.
 pub const REPORTER: &str = "leasehold-controller";
@@ -89,7 +93,7 @@ pub enum ReconcileError {
         action: &'static str,
         /// The underlying error.
         #[source]
-        source: lease::LeaseError,
+        source: leasehold_kube::lease::LeaseError,
     },
 }
 
@@ -152,7 +156,7 @@ pub struct Context {
     /// Set once `leases` has listed every Lease.
     leases_synced: watch::Synced,
     events: Publisher,
-    /// What the controller has seen of each leased job's Lease, and when (see [`crate::expiry`]).
+    /// What the controller has seen of each leased job's Lease, and when (see [`leasehold_core::expiry`]).
     observations: Mutex<HashMap<ObjectRef<LeasedJob>, Observation>>,
     /// The (attempt, phase) last seen per job, to record Events for transitions.
     transitions: Mutex<HashMap<ObjectRef<LeasedJob>, (i32, Phase)>>,
@@ -207,7 +211,7 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
     let lease_stream = watch::watch(
         &leases,
         watcher::Config::default().labels(&lease_selector),
-        Arc::clone(&metrics),
+        Arc::clone(&metrics) as Arc<dyn Recorder>,
         report_undecodable.clone(),
     )
     .reflect(lease_writer);
@@ -238,7 +242,7 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
     let job_stream = watch::watch(
         &jobs,
         watcher::Config::default(),
-        Arc::clone(&metrics),
+        Arc::clone(&metrics) as Arc<dyn Recorder>,
         report_undecodable,
     )
     // The controller decides nothing from a payload, result or checkpoint (an expiry takes the
@@ -296,7 +300,7 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
                     return;
                 }
                 // Watch errors may quote whole objects: never log a token.
-                let shown: String = crate::token::redact(&e.to_string())
+                let shown: String = leasehold_core::token::redact(&e.to_string())
                     .chars()
                     .take(500)
                     .collect();
@@ -389,7 +393,7 @@ impl Context {
             text,
         };
         if let Err(e) = self.events.publish(&job.object_ref(&()), &note).await {
-            warn!(job = %job.reference(), category = e.category(), error = %crate::kubeapi::error_chain(&e), "Recording Event {reason} on LeasedJob {} failed", job.reference());
+            warn!(job = %job.reference(), category = e.category(), error = %leasehold_kube::api::error_chain(&e), "Recording Event {reason} on LeasedJob {} failed", job.reference());
         }
     }
 }
@@ -491,7 +495,7 @@ async fn cancel(
     ctx.event(job, EventType::Normal, "Cancelled", note).await;
     if let (Phase::Leased, Some(token)) = (was, job.token()) {
         ctx.leading(job)?;
-        lease::release(leases, lease_name, token)
+        leasehold_kube::lease::release(leases, lease_name, token)
             .await
             .map_err(|source| ReconcileError::Lease {
                 job: job.reference(),

@@ -1,0 +1,36 @@
+//! leasehold-core: the types and decisions of leasehold, with no IO.
+//!
+//! Every rule that says *what* happens lives here as a plain function over plain data: which
+//! job a claimer picks, what status a claim writes, which token a write must present and why a
+//! stale one is refused, when a lease is expired, what a Lease renewal patches. The crates
+//! above (leasehold-kube, the worker, the controller, the binary) read, call these, and write.
+//!
+//! What must not live here: tokio, HTTP, an API client (this crate depends on `kube` only for
+//! its derive and core types; `cargo tree -p leasehold-core` shows no tokio, hyper or
+//! kube-client). Tests here are tables of cases that run in milliseconds.
+//!
+//! - [`crd`]: the `LeasedJob` custom resource.
+//! - [`token`]: the fencing token a claim issues.
+//! - [`claim`]: which job a claimer picks and the Leased status a claim writes.
+//! - [`claim_index`]: a queue's claimable jobs in claim order, kept from watch events.
+//! - [`share`]: which job a claimer tries, so that the claimers of a queue do not race.
+//! - [`fence`]: the conditional writes that end an attempt; where a stale token is refused.
+//! - [`lease`]: the per-job `coordination.k8s.io/v1` Lease: its name, whose it is, its patches.
+//! - [`expiry`]: how the controller judges a lease expired (on its own clock).
+//! - [`progress`]: how far a job is (fraction and message), carried by heartbeats.
+//! - [`queue_stats`]: what the controller reports per queue, computed from its caches.
+//! - [`category`]: the stable, short label every error of leasehold carries.
+
+pub mod category;
+pub mod claim;
+pub mod claim_index;
+pub mod crd;
+pub mod expiry;
+pub mod fence;
+pub mod lease;
+pub mod progress;
+pub mod queue_stats;
+pub mod share;
+pub mod token;
+
+pub use category::Category;

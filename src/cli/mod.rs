@@ -1,0 +1,162 @@
+//! The command line: the clap types, and one function per subcommand (`controller`,
+//! `sidecar`, `crd`, and the kubectl plugin's `get`, `retry`, `cancel`). `main` calls
+//! [`Cli::parse_and_run`] and nothing else.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use clap::{Parser, Subcommand};
+use leasehold_kube::api::Clients;
+
+pub mod args;
+pub mod controller;
+pub mod kubectl;
+pub mod sidecar;
+
+use crate::telemetry;
+
+/// A Kubernetes-native job queue in which workers lease jobs and prove the lease on every write.
+///
+/// Every subcommand finds the cluster the standard way: KUBECONFIG (or ~/.kube/config), then
+/// the in-cluster service account.
+#[derive(Parser)]
+#[command(name = "leasehold", version, about)]
+pub struct Cli {
+    /// Log format: `text` (human) or `json` (one object per line, for log pipelines).
+    #[arg(
+        long,
+        global = true,
+        env = "LEASEHOLD_LOG_FORMAT",
+        default_value = "text"
+    )]
+    log_format: telemetry::LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand)]
+enum Command {
+    /// Reconcile LeasedJobs: initialise new ones, requeue expired leases, record Events.
+    ///
+    /// Refuses to start when the installed LeasedJob CRD lacks fields this version needs.
+    Controller(controller::ControllerArgs),
+    /// Serve the worker's HTTP API: claim, heartbeat, complete, fail, release.
+    Sidecar(sidecar::SidecarArgs),
+    /// Print the LeasedJob CustomResourceDefinition as YAML.
+    Crd,
+    /// List LeasedJobs with queue, phase, attempt, holder, last heartbeat, time until the lease
+    /// runs out, and the progress their worker reported (`kubectl leasehold get`).
+    Get(kubectl::GetArgs),
+    /// Give a Failed or Cancelled LeasedJob a new attempt, keeping its failures, checkpoint and
+    /// attempt count (`kubectl leasehold retry`).
+    Retry(kubectl::RetryArgs),
+    /// Cancel a LeasedJob: set spec.cancel, for the controller to end it (`kubectl leasehold
+    /// cancel`).
+    Cancel(kubectl::CancelArgs),
+}
+
+/// The name the binary answers to as a kubectl plugin: kubectl runs `kubectl-leasehold` for
+/// `kubectl leasehold ...` (kubectl's plugin mechanism: any executable of that name on PATH).
+pub const PLUGIN_NAME: &str = "kubectl-leasehold";
+
+impl Cli {
+    /// Parses the process's command line, read as `kubectl leasehold` when the binary was
+    /// started under [`PLUGIN_NAME`] (a symlink or copy), so that help and errors name the
+    /// command users typed; exits with clap's message on bad arguments.
+    pub fn parse_args() -> Cli {
+        use clap::{CommandFactory, FromArgMatches};
+        let argv0 = std::env::args_os().next().unwrap_or_default();
+        let invoked = std::path::Path::new(&argv0)
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        let mut command = Cli::command();
+        if invoked == PLUGIN_NAME {
+            command = command.bin_name("kubectl leasehold");
+        }
+        let matches = command.get_matches();
+        Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    }
+
+    /// Parses the command line and runs the chosen subcommand.
+    ///
+    /// # Errors
+    /// Whatever the subcommand fails with; `main` prints it with its causes.
+    pub async fn parse_and_run() -> anyhow::Result<()> {
+        Cli::parse_args().run().await
+    }
+
+    /// Runs the chosen subcommand.
+    ///
+    /// # Errors
+    /// Whatever the subcommand fails with.
+    pub async fn run(self) -> anyhow::Result<()> {
+        if matches!(self.command, Command::Controller(_) | Command::Sidecar(_)) {
+            leasehold_kube::memory::configure();
+            tokio::spawn(leasehold_kube::memory::trim_periodically());
+            telemetry::init(self.log_format);
+        }
+        match self.command {
+            Command::Crd => {
+                print!("{}", leasehold_core::crd::crd_yaml()?);
+                Ok(())
+            }
+            Command::Controller(args) => controller::run(args).await,
+            Command::Sidecar(args) => sidecar::run(args).await,
+            Command::Get(args) => kubectl::get(args).await,
+            Command::Retry(args) => kubectl::retry(args).await,
+            Command::Cancel(args) => kubectl::cancel(args).await,
+        }
+    }
+}
+
+/// `value` seconds as a positive duration, or an error naming `flag`.
+fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .with_context(|| format!("{flag} {value} is not a positive number of seconds"))
+}
+
+/// `--namespace`, else the kubeconfig's namespace, checked.
+fn namespace_or_default(clients: &Clients, namespace: Option<String>) -> anyhow::Result<String> {
+    let ns = namespace.unwrap_or_else(|| clients.requests.default_namespace().to_string());
+    check_dns_label("--namespace", &ns)?;
+    Ok(ns)
+}
+
+/// Clients for the cluster, found the standard way (KUBECONFIG, then in-cluster).
+async fn clients() -> anyhow::Result<Clients> {
+    Ok(Clients::infer().await?)
+}
+
+/// `--identity` (or POD_NAME), else the hostname, checked.
+fn identity_or_hostname(identity: Option<String>) -> anyhow::Result<String> {
+    let id = match identity.filter(|s| !s.is_empty()) {
+        Some(id) => id,
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+            .map(|h| h.trim().to_string())
+            .context("no --identity, POD_NAME or hostname to name this worker")?,
+    };
+    if id.is_empty() || id.len() > 253 || id.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        bail!("--identity {id:?} is not usable: it must be 1 to 253 characters without spaces (a pod name)");
+    }
+    Ok(id)
+}
+
+/// Checks that `value` of `flag` is a DNS label (RFC 1123).
+fn check_dns_label(flag: &str, value: &str) -> anyhow::Result<()> {
+    let ok = (1..=63).contains(&value.len())
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !value.starts_with('-')
+        && !value.ends_with('-');
+    if !ok {
+        bail!("{flag} {value:?} is not a DNS label: 1 to 63 lowercase letters, digits and '-', starting and ending with a letter or digit");
+    }
+    Ok(())
+}
