@@ -27,6 +27,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
+use leasehold_core::Category;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
@@ -124,9 +125,9 @@ pub enum ReviewError {
     NoRequest,
 }
 
-impl ReviewError {
+impl Category for ReviewError {
     /// Stable category, for logs.
-    pub fn category(&self) -> &'static str {
+    fn category(&self) -> &'static str {
         match self {
             ReviewError::NotAReview(_) | ReviewError::NoRequest => "invalid_review",
         }

@@ -43,6 +43,7 @@ use std::sync::Arc;
 
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::progress::Progress;
+use leasehold_core::Category;
 use leasehold_metrics::Metrics;
 use leasehold_worker::{Worker, WorkerError};
 
@@ -106,7 +107,7 @@ impl From<WorkerError> for ApiError {
     fn from(e: WorkerError) -> Self {
         let status = match &e {
             WorkerError::InvalidToken(_) | WorkerError::Invalid { .. } => StatusCode::BAD_REQUEST,
-            WorkerError::Refused(r) if r.code() == "job_not_found" => StatusCode::NOT_FOUND,
+            WorkerError::Refused(r) if r.category() == "job_not_found" => StatusCode::NOT_FOUND,
             WorkerError::LeaseLost { code, .. } if *code == "job_not_found" => {
                 StatusCode::NOT_FOUND
             }
@@ -116,7 +117,7 @@ impl From<WorkerError> for ApiError {
                 StatusCode::SERVICE_UNAVAILABLE
             }
         };
-        let mut answer = ApiError::new(status, e.code(), e.to_string());
+        let mut answer = ApiError::new(status, e.category(), e.to_string());
         if let WorkerError::Unavailable { expires_at, .. } = e {
             answer.expires_at = expires_at;
         }

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
+use leasehold_core::Category;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -57,9 +58,9 @@ pub enum TlsError {
     },
 }
 
-impl TlsError {
+impl Category for TlsError {
     /// Stable category, for logs.
-    pub fn category(&self) -> &'static str {
+    fn category(&self) -> &'static str {
         match self {
             TlsError::Read { .. } => "unreadable",
             TlsError::NoCertificate { .. } | TlsError::NoKey { .. } => "invalid_pem",

@@ -14,6 +14,7 @@ use kube::{Api, ResourceExt};
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::fence::{self, Outcome, REASON_LEASE_EXPIRED};
 use leasehold_core::lease;
+use leasehold_core::Category;
 use leasehold_kube::claim::ClaimError;
 use leasehold_kube::fence::FenceError;
 use serde_json::json;
@@ -138,7 +139,7 @@ async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
     {
         Err(FenceError::Refused(r)) => {
             let msg = r.to_string();
-            assert_eq!(r.code(), "lease_lost");
+            assert_eq!(r.category(), "lease_lost");
             assert!(
                 msg.contains("attempt 2") && msg.contains("attempt 1"),
                 "{msg}"

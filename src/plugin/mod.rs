@@ -28,6 +28,7 @@ use thiserror::Error;
 
 use leasehold_core::crd::{LeasedJob, Phase, MANAGED_BY, MANAGED_BY_LABEL};
 use leasehold_core::lease;
+use leasehold_core::Category;
 use leasehold_kube::api::{error_chain, is_status, Clients};
 use view::Row;
 
@@ -72,9 +73,9 @@ pub enum PluginError {
     Output(#[from] std::io::Error),
 }
 
-impl PluginError {
+impl Category for PluginError {
     /// Stable category, a short word.
-    pub fn category(&self) -> &'static str {
+    fn category(&self) -> &'static str {
         match self {
             PluginError::Api { .. } => "api",
             PluginError::NotFound(_) => "not_found",

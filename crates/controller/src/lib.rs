@@ -46,6 +46,7 @@ use leasehold_core::expiry::Observation;
 use leasehold_core::fence::{self, REASON_LEASE_EXPIRED};
 use leasehold_core::lease;
 use leasehold_core::queue_stats;
+use leasehold_core::Category;
 use leasehold_kube::api::{is_status, Clients};
 use leasehold_kube::events::{EventType, Note, Publisher, Reporter};
 use leasehold_kube::health::Health;
@@ -97,9 +98,9 @@ pub enum ReconcileError {
     },
 }
 
-impl ReconcileError {
+impl Category for ReconcileError {
     /// Stable category, for logs, metrics and Event reasons.
-    pub fn category(&self) -> &'static str {
+    fn category(&self) -> &'static str {
         match self {
             ReconcileError::Job { .. } => "job_write",
             ReconcileError::Lease { .. } => "lease_write",

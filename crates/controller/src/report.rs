@@ -18,6 +18,7 @@ use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::expiry::{self, Observation};
 use leasehold_core::lease;
 use leasehold_core::queue_stats::{self, JobSample};
+use leasehold_core::Category;
 use leasehold_kube::events::{EventType, Note, Publisher};
 use leasehold_kube::health::Health;
 use leasehold_kube::watch::Undecodable;

@@ -22,6 +22,7 @@ use crate::crd::{
     CONDITION_FAILED, CONDITION_LEASE_CONFLICT,
 };
 use crate::token::Token;
+use crate::Category;
 
 /// Reason recorded when the controller requeues a job whose lease expired.
 pub const REASON_LEASE_EXPIRED: &str = "LeaseExpired";
@@ -103,9 +104,9 @@ pub enum Refusal {
     },
 }
 
-impl Refusal {
+impl Category for Refusal {
     /// Stable error code, as the sidecar's HTTP API returns it.
-    pub fn code(&self) -> &'static str {
+    fn category(&self) -> &'static str {
         match self {
             Refusal::NotFound { .. } => "job_not_found",
             Refusal::Finished { .. } => "job_finished",
@@ -460,7 +461,11 @@ mod tests {
         ];
         for (j, presented, want) in cases {
             let got = refusal("ns/j", Some(&j), presented);
-            assert_eq!(got.as_ref().map(Refusal::code), want, "{j:?} {presented:?}");
+            assert_eq!(
+                got.as_ref().map(Refusal::category),
+                want,
+                "{j:?} {presented:?}"
+            );
             if let Some(r) = got {
                 let msg = r.to_string();
                 assert!(
@@ -475,7 +480,10 @@ mod tests {
             stale.to_string(),
             "lease lost: ns/j is on attempt 2, your token is from attempt 1; stop working on it and claim again"
         );
-        assert_eq!(refusal("ns/j", None, &t1).unwrap().code(), "job_not_found");
+        assert_eq!(
+            refusal("ns/j", None, &t1).unwrap().category(),
+            "job_not_found"
+        );
     }
 
     #[test]
@@ -572,7 +580,7 @@ mod tests {
         assert_eq!(
             refusal("ns/j", Some(&job(Phase::Cancelled, 2, Some(&t), 0)), &t)
                 .unwrap()
-                .code(),
+                .category(),
             "cancelled"
         );
     }

@@ -25,6 +25,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::PostParams;
 use kube::{Api, Client};
+use leasehold_core::Category;
 use thiserror::Error;
 
 /// Longest Event name the API server accepts (a DNS subdomain, RFC 1123), in characters.
@@ -87,9 +88,9 @@ pub enum EventError {
     },
 }
 
-impl EventError {
+impl Category for EventError {
     /// Stable category, for logs.
-    pub fn category(&self) -> &'static str {
+    fn category(&self) -> &'static str {
         match self {
             EventError::Create { .. } => "event_write",
         }

@@ -13,6 +13,7 @@ use leasehold_core::fence::*;
 use leasehold_core::token::Token;
 
 use crate::api::is_status;
+use leasehold_core::Category;
 
 /// Errors of [`apply`].
 #[derive(Debug, Error)]
@@ -31,11 +32,11 @@ pub enum FenceError {
     },
 }
 
-impl FenceError {
+impl Category for FenceError {
     /// Stable category for metrics and the HTTP error code.
-    pub fn code(&self) -> &'static str {
+    fn category(&self) -> &'static str {
         match self {
-            FenceError::Refused(r) => r.code(),
+            FenceError::Refused(r) => r.category(),
             FenceError::Api { .. } => "unavailable",
         }
     }

@@ -16,6 +16,7 @@ use leasehold_core::progress::Progress;
 use leasehold_core::token::Token;
 
 use crate::api::{is_status, is_undecodable};
+use leasehold_core::Category;
 
 /// Errors of Lease writes.
 #[derive(Debug, Error)]
@@ -74,9 +75,9 @@ impl From<CheckpointTooLarge> for LeaseError {
     }
 }
 
-impl LeaseError {
+impl Category for LeaseError {
     /// Stable category, for metrics and logs.
-    pub fn category(&self) -> &'static str {
+    fn category(&self) -> &'static str {
         match self {
             LeaseError::Lost { .. } | LeaseError::Ended { .. } => "lease_lost",
             LeaseError::CheckpointTooLarge { .. } => "too_large",

@@ -64,6 +64,7 @@ use leasehold_core::lease;
 use leasehold_core::progress::Progress;
 use leasehold_core::share;
 use leasehold_core::token::{Token, TokenError};
+use leasehold_core::Category;
 use leasehold_kube::api::{error_chain, is_too_large, Clients};
 use leasehold_kube::claim::ClaimError;
 use leasehold_kube::fence::FenceError;
@@ -161,7 +162,7 @@ pub struct Renewal {
     pub lease_duration_seconds: i32,
 }
 
-/// Errors of worker calls; [`WorkerError::code`] is the stable code the sidecar returns.
+/// Errors of worker calls; [`Category::category`] is the stable code the sidecar returns.
 #[derive(Debug, Error)]
 pub enum WorkerError {
     /// The token is missing or malformed.
@@ -231,13 +232,13 @@ pub fn call_bound(lease_duration: Duration) -> Duration {
 /// Upper limit of [`call_bound`].
 pub const MAX_CALL_BOUND: Duration = Duration::from_secs(5);
 
-impl WorkerError {
+impl Category for WorkerError {
     /// Stable error code.
-    pub fn code(&self) -> &'static str {
+    fn category(&self) -> &'static str {
         match self {
             WorkerError::InvalidToken(_) => "invalid_token",
             WorkerError::Invalid { .. } => "invalid_request",
-            WorkerError::Refused(r) => r.code(),
+            WorkerError::Refused(r) => r.category(),
             WorkerError::LeaseLost { code, .. } => code,
             WorkerError::TooLarge(_) => "too_large",
             WorkerError::Unavailable { .. } => "unavailable",
@@ -503,7 +504,7 @@ impl Worker {
 
     /// Counts refusals of stale or foreign tokens on the way out.
     fn counted(&self, e: WorkerError) -> WorkerError {
-        if e.code() == LEASE_LOST {
+        if e.category() == LEASE_LOST {
             self.inner.metrics.stale_token_refused();
         }
         e
@@ -1068,7 +1069,7 @@ impl Worker {
             if let Some(job) = self.read_if_uncached(name).await {
                 if let Some(r) = fence::refusal(&job_ref, job.as_ref(), &held.token) {
                     warn!(job = %job_ref, attempt = held.token.attempt(), "Stopped renewing LeasedJob {job_ref}: {r}");
-                    self.lose(held, r.code(), r.to_string());
+                    self.lose(held, r.category(), r.to_string());
                     return;
                 }
             }
@@ -1486,7 +1487,7 @@ impl Worker {
                             if let Some(r) = fence::refusal(&self.job_ref(name), Some(&job), &token)
                             {
                                 if let Some(h) = &held {
-                                    self.lose(h, r.code(), r.to_string());
+                                    self.lose(h, r.category(), r.to_string());
                                 }
                                 return Err(WorkerError::Refused(r));
                             }
@@ -1549,7 +1550,7 @@ impl Worker {
                 }
                 let err = self.explain_lost(name, &token).await;
                 if let Some(h) = &held {
-                    self.lose(h, err.code(), err.to_string());
+                    self.lose(h, err.category(), err.to_string());
                 }
                 Err(err)
             }
@@ -1822,7 +1823,7 @@ impl Worker {
             Ok(job) => job,
             Err(FenceError::Refused(r)) => {
                 if let Some(h) = &held {
-                    self.lose(h, r.code(), r.to_string());
+                    self.lose(h, r.category(), r.to_string());
                 }
                 return Err(WorkerError::Refused(r));
             }
@@ -1911,7 +1912,7 @@ mod tests {
         }
         for bad in ["", "9Lives", "has space", "dash-ed", "ünï", &"a".repeat(65)] {
             let e = validate_reason(bad).unwrap_err();
-            assert_eq!(e.code(), "invalid_request");
+            assert_eq!(e.category(), "invalid_request");
             assert!(e.to_string().starts_with("reason "), "{e}");
         }
     }
