@@ -236,12 +236,13 @@ fn the_image_holds_one_static_executable_and_no_shell() {
         &image,
         "crd",
     ]);
-    let committed =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("crds/leasedjob.yaml"))
-            .unwrap();
+    let committed = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/leasehold/crds/leasedjob.yaml"),
+    )
+    .unwrap();
     assert!(
         crd == committed,
-        "`crd` from the image differs from crds/leasedjob.yaml"
+        "`crd` from the image differs from charts/leasehold/crds/leasedjob.yaml"
     );
 }
 
