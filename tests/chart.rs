@@ -297,7 +297,6 @@ async fn everything_the_chart_renders_passes_a_server_side_dry_run() {
         "ValidatingAdmissionPolicyBinding",
         "ValidatingWebhookConfiguration",
         "Secret",
-        "ConfigMap",
         "PodDisruptionBudget",
     ] {
         assert!(kinds.contains(&kind), "no {kind} rendered: {kinds:?}");
