@@ -32,125 +32,143 @@ fn repo(path: &str) -> String {
         .unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
+/// No file in the repository (tracked, or untracked and not ignored) is a byte-for-byte copy
+/// of another: the chart carries no copy of the CRD, of the example worker or of the Python
+/// client, and nothing else is kept equal by hand.
 #[test]
-fn chart_copies_of_the_crd_and_the_example_worker_equal_their_sources() {
+fn no_file_in_the_repository_is_a_copy_of_another() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new("git")
+        .args(["ls-files", "-z", "-co", "--exclude-standard"])
+        .current_dir(root)
+        .output()
+        .expect("git");
     assert!(
-        repo("charts/leasehold/crds/leasedjob.yaml") == repo("crds/leasedjob.yaml"),
-        "charts/leasehold/crds/leasedjob.yaml differs from crds/leasedjob.yaml: \
-         `cp crds/leasedjob.yaml charts/leasehold/crds/`"
+        out.status.success(),
+        "git ls-files: {}",
+        String::from_utf8_lossy(&out.stderr)
     );
-    assert!(
-        repo("charts/leasehold/files/worker.py") == repo("examples/worker.py"),
-        "charts/leasehold/files/worker.py differs from examples/worker.py: \
-         `cp examples/worker.py charts/leasehold/files/`"
-    );
-    // The Python client the example runs on: the same files, none missing, none extra.
-    let sources = |dir: &str| -> Vec<String> {
-        let mut names: Vec<String> =
-            std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(dir))
-                .unwrap_or_else(|e| panic!("{dir}: {e}"))
-                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .filter(|n| n.ends_with(".py"))
-                .collect();
-        names.sort();
-        names
-    };
-    let package = sources("clients/python/leasehold");
-    assert_eq!(
-        sources("charts/leasehold/files/leasehold"),
-        package,
-        "`rm charts/leasehold/files/leasehold/*.py && cp clients/python/leasehold/*.py \
-         charts/leasehold/files/leasehold/`"
-    );
-    for name in &package {
-        assert!(
-            repo(&format!("charts/leasehold/files/leasehold/{name}"))
-                == repo(&format!("clients/python/leasehold/{name}")),
-            "charts/leasehold/files/leasehold/{name} differs from clients/python/leasehold/{name}: \
-             `cp clients/python/leasehold/*.py charts/leasehold/files/leasehold/`"
-        );
+    let mut seen: std::collections::HashMap<Vec<u8>, String> = Default::default();
+    let mut copies = Vec::new();
+    let mut files = 0;
+    for name in String::from_utf8(out.stdout)
+        .unwrap()
+        .split_terminator('\0')
+    {
+        let path = root.join(name);
+        // A symbolic link names its target rather than copying it; a file deleted from the
+        // work tree but not yet from the index is gone.
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if m.is_file() => {}
+            _ => continue,
+        }
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+        if bytes.is_empty() {
+            continue;
+        }
+        files += 1;
+        if let Some(first) = seen.insert(bytes, name.to_string()) {
+            copies.push(format!("{name} is a copy of {first}"));
+        }
     }
+    assert!(files > 100, "only {files} files listed");
+    assert!(copies.is_empty(), "{}", copies.join("\n"));
+    assert!(
+        !root.join("crds").exists() && !chart_dir().join("files").exists(),
+        "the CRD lives in charts/leasehold/crds/ only, and the chart ships no files/"
+    );
 }
 
-/// The example worker's pod, laid out as the kubelet would from the rendered ConfigMap and
-/// the volume's items, imports the client from the container's PYTHONPATH and runs
-/// (`python3 /opt/leasehold/worker.py --help`).
+/// The example worker runs its own image (examples/Dockerfile), from the values' repository,
+/// tag (default: the chart's appVersion) and pull policy: `python3 /app/worker.py`, where the
+/// Dockerfile puts examples/worker.py, with the client installed in the image, so the pod has
+/// no ConfigMap, no volume of its own and no PYTHONPATH.
 #[test]
-fn chart_example_worker_runs_from_its_configmap_with_the_client_on_pythonpath() {
+fn chart_example_worker_runs_its_own_image_with_no_configmap() {
     let chart = chart_dir();
-    let rendered = helm_ok(&[
-        "template",
-        "r",
-        chart.to_str().unwrap(),
-        "--set",
-        "workers.namespaces={jobs}",
-        "--set",
-        "exampleWorker.enabled=true",
-    ]);
-    let docs = documents(&rendered);
-    let find = |kind: &str| {
-        docs.iter()
-            .find(|d| d["kind"] == kind && d["metadata"]["name"] == "r-leasehold-example-worker")
-            .unwrap_or_else(|| panic!("the example worker's {kind}"))
+    let render = |extra: &[&str]| {
+        let mut args = vec![
+            "template",
+            "r",
+            chart.to_str().unwrap(),
+            "--set",
+            "workers.namespaces={jobs}",
+            "--set",
+            "exampleWorker.enabled=true",
+        ];
+        for set in extra {
+            args.extend(["--set", set]);
+        }
+        documents(&helm_ok(&args))
     };
-    let (config, deployment) = (find("ConfigMap"), find("Deployment"));
-    let pod = &deployment["spec"]["template"]["spec"];
-    let volume = pod["volumes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == "worker-script")
-        .expect("the worker-script volume");
-    let root = std::env::temp_dir().join(format!("leasehold-example-pod-{}", std::process::id()));
-    let items = volume["configMap"]["items"].as_array().expect("items");
-    assert!(items.len() > 2, "{volume}");
-    for item in items {
-        let key = item["key"].as_str().unwrap();
-        let path = root.join(item["path"].as_str().unwrap());
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        let text = config["data"][key]
-            .as_str()
-            .unwrap_or_else(|| panic!("no key {key}"));
-        std::fs::write(&path, text).unwrap();
-    }
-    let container = &pod["containers"][0];
-    let pythonpath = container["env"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["name"] == "PYTHONPATH")
-        .and_then(|e| e["value"].as_str())
-        .expect("PYTHONPATH");
-    let mount = container["volumeMounts"][0]["mountPath"].as_str().unwrap();
-    assert_eq!(
-        pythonpath, mount,
-        "the client must be importable from the mount"
-    );
-    assert_eq!(container["command"][1], format!("{mount}/worker.py"));
-    // Run from elsewhere, so that only PYTHONPATH can find the package.
-    let python = |args: &[&str]| {
-        let out = Command::new("python3")
-            .args(args)
-            .env("PYTHONPATH", &root)
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .current_dir(std::env::temp_dir())
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+    let worker_of = |docs: &[Value]| -> Value {
+        let deployment = docs
+            .iter()
+            .find(|d| {
+                d["kind"] == "Deployment" && d["metadata"]["name"] == "r-leasehold-example-worker"
+            })
+            .expect("the example worker's Deployment")
+            .clone();
+        let pod = &deployment["spec"]["template"]["spec"];
+        assert!(pod.get("volumes").is_none(), "{pod}");
+        let containers = pod["containers"].as_array().unwrap();
+        assert_eq!(containers.len(), 1, "{pod}");
+        containers[0].clone()
+    };
+
+    let app_version = repo("charts/leasehold/Chart.yaml")
+        .lines()
+        .find_map(|l| l.strip_prefix("appVersion:"))
+        .map(|v| v.trim().trim_matches('"').to_string())
+        .expect("appVersion");
+    let docs = render(&[]);
+    for d in &docs {
+        assert!(
+            d["kind"] != "ConfigMap"
+                || d["metadata"]["labels"]["app.kubernetes.io/component"] != "example-worker",
+            "a ConfigMap for the example worker: {d}"
         );
-        (out.status.success(), text)
-    };
-    let (ok, text) = python(&["-c", "import leasehold; print(leasehold.__file__)"]);
-    assert!(
-        ok && text.starts_with(root.join("leasehold").to_str().unwrap()),
-        "{text}"
+    }
+    let worker = worker_of(&docs);
+    assert_eq!(
+        worker["image"],
+        format!("leasehold-example-worker:{app_version}")
     );
-    let (ok, text) = python(&[root.join("worker.py").to_str().unwrap(), "--help"]);
-    assert!(ok && text.contains("--sidecar"), "{text}");
-    let _ = std::fs::remove_dir_all(&root);
+    assert_eq!(worker["imagePullPolicy"], "IfNotPresent");
+    assert!(worker.get("volumeMounts").is_none(), "{worker}");
+    let env = worker["env"].as_array().unwrap();
+    assert!(env.iter().all(|e| e["name"] != "PYTHONPATH"), "{worker}");
+    assert_eq!(worker["command"], json!(["python3", "/app/worker.py"]));
+
+    let worker = worker_of(&render(&[
+        "exampleWorker.image.repository=registry.example.com/team/worker",
+        "exampleWorker.image.tag=1.2.3",
+        "exampleWorker.image.pullPolicy=Always",
+    ]));
+    assert_eq!(worker["image"], "registry.example.com/team/worker:1.2.3");
+    assert_eq!(worker["imagePullPolicy"], "Always");
+
+    // The script the command names is the one examples/Dockerfile copies there, and the
+    // image's client is installed by pip from clients/python (tests/image.rs runs the image).
+    let dockerfile = repo("examples/Dockerfile");
+    let instructions: Vec<&str> = dockerfile
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .collect();
+    assert!(
+        instructions.contains(&"COPY examples/worker.py /app/worker.py"),
+        "{dockerfile}"
+    );
+    assert!(
+        instructions
+            .iter()
+            .any(|l| l.contains("pip install") && l.contains("/tmp/leasehold-client")),
+        "{dockerfile}"
+    );
+    assert!(
+        instructions.contains(&"COPY clients/python /tmp/leasehold-client"),
+        "{dockerfile}"
+    );
 }
 
 #[test]
@@ -279,7 +297,6 @@ async fn everything_the_chart_renders_passes_a_server_side_dry_run() {
         "ValidatingAdmissionPolicyBinding",
         "ValidatingWebhookConfiguration",
         "Secret",
-        "ConfigMap",
         "PodDisruptionBudget",
     ] {
         assert!(kinds.contains(&kind), "no {kind} rendered: {kinds:?}");
@@ -440,7 +457,8 @@ fn decode_base64(text: &str) -> Vec<u8> {
 
 /// The committed CRD without `status.checkpoint`: what an older release installed.
 fn old_crd() -> String {
-    let mut crd: Value = serde_yaml::from_str(&repo("crds/leasedjob.yaml")).unwrap();
+    let mut crd: Value =
+        serde_yaml::from_str(&repo("charts/leasehold/crds/leasedjob.yaml")).unwrap();
     let status = &mut crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
         ["status"]["properties"];
     assert!(status
@@ -471,7 +489,7 @@ impl Drop for RestoreCrd {
     fn drop(&mut self) {
         let (ok, out) = kubectl(
             &["apply", "--server-side", "--force-conflicts", "-f", "-"],
-            &repo("crds/leasedjob.yaml"),
+            &repo("charts/leasehold/crds/leasedjob.yaml"),
         );
         assert!(ok || std::thread::panicking(), "restoring the CRD: {out}");
     }

@@ -15,12 +15,14 @@ use serde_json::json;
 fn committed_crd_equals_leasehold_crd_output() {
     let out = Command::new(leasehold_bin()).arg("crd").output().unwrap();
     assert!(out.status.success());
-    let committed =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/leasedjob.yaml"))
-            .unwrap();
+    let committed = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/charts/leasehold/crds/leasedjob.yaml"
+    ))
+    .unwrap();
     assert!(
         committed == String::from_utf8(out.stdout).unwrap(),
-        "crds/leasedjob.yaml is stale: regenerate it with `cargo run -- crd > crds/leasedjob.yaml`"
+        "charts/leasehold/crds/leasedjob.yaml is stale: regenerate it with `scripts/gen-crd`"
     );
 }
 

@@ -4,8 +4,11 @@
 //! claim -> heartbeat -> complete. Also what the image holds: one static executable and no
 //! shell.
 //!
-//! `scripts/test` builds the image (cached by its inputs) and exports LEASEHOLD_IMAGE; this
-//! test fails, never skips, when it is missing.
+//! And the example worker's image (`scripts/image --worker`): the Python client installed by
+//! pip, and examples/worker.py.
+//!
+//! `scripts/test` builds the images (cached by their inputs) and exports LEASEHOLD_IMAGE and
+//! LEASEHOLD_WORKER_IMAGE; these tests fail, never skip, when they are missing.
 
 mod common;
 
@@ -236,13 +239,112 @@ fn the_image_holds_one_static_executable_and_no_shell() {
         &image,
         "crd",
     ]);
-    let committed =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("crds/leasedjob.yaml"))
-            .unwrap();
+    let committed = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/leasehold/crds/leasedjob.yaml"),
+    )
+    .unwrap();
     assert!(
         crd == committed,
-        "`crd` from the image differs from crds/leasedjob.yaml"
+        "`crd` from the image differs from charts/leasehold/crds/leasedjob.yaml"
     );
+}
+
+/// The example worker's image (`scripts/image --worker`, from examples/Dockerfile), run as
+/// the chart runs it: as its own non-root user, read-only, with no PYTHONPATH. Its python
+/// imports the client pip installed in site-packages (a distribution `leasehold` of the
+/// pyproject's version, whose modules are the repository's clients/python/leasehold/*.py),
+/// and its entrypoint is examples/worker.py at /app/worker.py.
+#[test]
+fn the_example_worker_image_runs_worker_py_on_the_client_pip_installed_in_site_packages() {
+    let image = std::env::var("LEASEHOLD_WORKER_IMAGE").unwrap_or_else(|_| {
+        panic!(
+            "LEASEHOLD_WORKER_IMAGE is not set: the image tests run under \
+             `scripts/test --test image`, which builds it with scripts/image --worker"
+        )
+    });
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let probe = r#"
+import importlib.metadata, json, os, site, sys
+import leasehold
+pkg = os.path.dirname(leasehold.__file__)
+print(json.dumps({
+    "uid": os.getuid(),
+    "pythonpath": os.environ.get("PYTHONPATH"),
+    "package": pkg,
+    "site": site.getsitepackages(),
+    "version": importlib.metadata.version("leasehold"),
+    "files": {n: open(os.path.join(pkg, n)).read() for n in os.listdir(pkg) if n.endswith(".py")},
+    "worker": open("/app/worker.py").read(),
+}))
+"#;
+    let out = podman_ok(&[
+        "run",
+        "--rm",
+        "--read-only",
+        "--network",
+        "none",
+        "--cap-drop",
+        "ALL",
+        "--entrypoint",
+        "python3",
+        &image,
+        "-c",
+        probe,
+    ]);
+    let got: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(got["uid"], 65532, "{out}");
+    assert_eq!(got["pythonpath"], Value::Null, "{out}");
+    let package = Path::new(got["package"].as_str().unwrap());
+    assert!(
+        got["site"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| Path::new(s.as_str().unwrap()) == package.parent().unwrap()),
+        "leasehold is not imported from site-packages: {out}"
+    );
+    let pyproject = std::fs::read_to_string(root.join("clients/python/pyproject.toml")).unwrap();
+    let version = pyproject
+        .lines()
+        .find_map(|l| l.strip_prefix("version = "))
+        .map(|v| v.trim_matches('"'))
+        .expect("the client's version");
+    assert_eq!(got["version"], version, "{out}");
+    let mut sources: Vec<String> = std::fs::read_dir(root.join("clients/python/leasehold"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".py"))
+        .collect();
+    sources.sort();
+    let files = got["files"].as_object().unwrap();
+    let mut installed: Vec<&String> = files.keys().collect();
+    installed.sort();
+    assert_eq!(installed, sources.iter().collect::<Vec<_>>());
+    for name in &sources {
+        let source =
+            std::fs::read_to_string(root.join("clients/python/leasehold").join(name)).unwrap();
+        assert!(
+            files[name] == source.as_str(),
+            "the image's leasehold/{name} differs from clients/python/leasehold/{name}: \
+             rebuild it (scripts/image --worker)"
+        );
+    }
+    let worker = std::fs::read_to_string(root.join("examples/worker.py")).unwrap();
+    assert!(
+        got["worker"] == worker.as_str(),
+        "the image's /app/worker.py differs from examples/worker.py"
+    );
+    // The image's own command, as the chart's (`python3 /app/worker.py`).
+    let help = podman_ok(&[
+        "run",
+        "--rm",
+        "--read-only",
+        "--network",
+        "none",
+        &image,
+        "--help",
+    ]);
+    assert!(help.contains("--sidecar"), "{help}");
 }
 
 #[tokio::test]

@@ -459,9 +459,10 @@ async fn helm_upgrade_across_a_crd_change_and_uninstall_lose_no_job_and_leave_no
 
     // The CRD changes (here: one more printer column), applied as docs/install.md says,
     // then the release is upgraded with a change that rolls every pod.
-    let mut crd: Value =
-        serde_yaml::from_str(&std::fs::read_to_string(repo_path("crds/leasedjob.yaml")).unwrap())
-            .unwrap();
+    let mut crd: Value = serde_yaml::from_str(
+        &std::fs::read_to_string(repo_path("charts/leasehold/crds/leasedjob.yaml")).unwrap(),
+    )
+    .unwrap();
     crd["spec"]["versions"][0]["additionalPrinterColumns"]
         .as_array_mut()
         .unwrap()
@@ -478,7 +479,8 @@ async fn helm_upgrade_across_a_crd_change_and_uninstall_lose_no_job_and_leave_no
         fn drop(&mut self) {
             let _ = kubectl(
                 &["apply", "--server-side", "--force-conflicts", "-f", "-"],
-                &std::fs::read_to_string(repo_path("crds/leasedjob.yaml")).unwrap(),
+                &std::fs::read_to_string(repo_path("charts/leasehold/crds/leasedjob.yaml"))
+                    .unwrap(),
             );
         }
     }

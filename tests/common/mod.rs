@@ -53,9 +53,10 @@ pub async fn client() -> Client {
 
 /// Installs the committed CRD (server-side apply; idempotent) and waits until it is Established.
 pub async fn install_crd(client: &Client) {
-    let text =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("crds/leasedjob.yaml"))
-            .expect("crds/leasedjob.yaml");
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/leasehold/crds/leasedjob.yaml"),
+    )
+    .expect("charts/leasehold/crds/leasedjob.yaml");
     let crd: CustomResourceDefinition = serde_yaml::from_str(&text).expect("CRD YAML");
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     api.patch(

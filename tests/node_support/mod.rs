@@ -65,13 +65,16 @@ pub fn image_sets() -> Vec<String> {
     let worker =
         std::env::var("LEASEHOLD_WORKER_IMAGE").expect("LEASEHOLD_WORKER_IMAGE (scripts/test)");
     let (repo, tag) = image.rsplit_once(':').unwrap();
+    let (worker_repo, worker_tag) = worker.rsplit_once(':').unwrap();
     vec![
         format!("image.repository={repo}"),
         format!("image.tag={tag}"),
         // Imported into containerd: never pulled (no registry is reachable).
         "image.pullPolicy=Never".into(),
         "exampleWorker.enabled=true".into(),
-        format!("exampleWorker.image={worker}"),
+        format!("exampleWorker.image.repository={worker_repo}"),
+        format!("exampleWorker.image.tag={worker_tag}"),
+        "exampleWorker.image.pullPolicy=Never".into(),
     ]
 }
 

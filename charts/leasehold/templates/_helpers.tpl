@@ -54,6 +54,13 @@ app.kubernetes.io/component: controller
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{/* The example worker's image, tag defaulting to the chart's appVersion. */}}
+{{- define "leasehold.exampleWorkerImage" -}}
+{{- with .Values.exampleWorker.image }}
+{{- printf "%s:%s" .repository (default $.Chart.AppVersion .tag) }}
+{{- end }}
+{{- end }}
+
 {{/* Usernames the admission policies treat as workers, as a JSON (and so CEL) list. */}}
 {{- define "leasehold.workerUsernames" -}}
 {{- $users := list }}
