@@ -568,7 +568,7 @@ fn reflow_descriptions(schema: &mut JSONSchemaProps) {
 }
 
 /// The CustomResourceDefinition as YAML, exactly what `leasehold crd` prints and what
-/// `crds/leasedjob.yaml` holds.
+/// `charts/leasehold/crds/leasedjob.yaml` holds (`scripts/gen-crd` writes it).
 ///
 /// # Errors
 /// Only if serialization fails, which would be a bug.
@@ -662,10 +662,7 @@ mod tests {
             "../../../charts/leasehold/crds/leasedjob.yaml"
         ))
         .unwrap();
-        assert_eq!(
-            committed, crd,
-            "regenerate: `cargo run -- crd > charts/leasehold/crds/leasedjob.yaml`"
-        );
+        assert_eq!(committed, crd, "regenerate: `scripts/gen-crd`");
     }
 
     #[test]
