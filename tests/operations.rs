@@ -261,7 +261,7 @@ fn every_metric_registered_and_documented_is_one_the_tests_move() {
         })
         .collect();
     registered.sort();
-    assert_eq!(registered, moved, "the metrics src/metrics.rs registers");
+    assert_eq!(registered, moved, "the metrics crates/metrics registers");
 }
 
 /// The sample `metric` summed over the sidecars serving on `ports`.

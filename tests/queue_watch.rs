@@ -1,5 +1,5 @@
 //! A sidecar's watch of its queue stops while its worker is busy and the queue keeps changing,
-//! and comes back for the next claim (src/queue_watch.rs); the jobs it holds stay watched all
+//! and comes back for the next claim (crates/kube/src/queue_watch.rs); the jobs it holds stay watched all
 //! along. Real processes (controller, sidecars) against the real control plane.
 
 mod common;

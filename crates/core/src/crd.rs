@@ -42,8 +42,8 @@ pub const CONDITION_LEASE_CONFLICT: &str = "LeaseConflict";
 /// (1.5 MiB by default) with a 500 that names no field. This limit stays a third below that,
 /// so the object plus the bookkeeping around it (managedFields, a few status writes) always
 /// fits. The controller's admission webhook refuses a create or update that would make a job
-/// larger with a 413 naming the field ([`crate::admission`]); the sidecar refuses a request
-/// body larger than this before reading it ([`crate::sidecar::MAX_BODY_BYTES`]).
+/// larger with a 413 naming the field (the binary's `admission` module); the sidecar refuses a request
+/// body larger than this before reading it (its `MAX_BODY_BYTES`).
 pub const MAX_JOB_BYTES: usize = 1024 * 1024;
 
 /// What to do, and how to lease it. Workers never write the spec.

@@ -9,8 +9,9 @@
 //! sidecar believed. (The fencing-token rule of distributed locking: the resource checks the
 //! token on every write.)
 //!
-//! The patches are built by pure functions; [`apply`] sends one and, when it is refused,
-//! [`refusal`] explains why from a fresh read, without ever revealing the current token.
+//! The patches are built by pure functions here; `leasehold_kube::fence::apply` sends one
+//! and, when it is refused, [`refusal`] explains why from a fresh read, without ever revealing
+//! the current token.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};

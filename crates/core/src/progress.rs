@@ -5,7 +5,7 @@
 //! progress costs no LeasedJob write and no extra API request.
 //!
 //! Pure: the rules, the annotation text, and the progress bar `kubectl leasehold get` draws.
-//! The writes live in [`crate::lease`], the reads in [`crate::plugin`].
+//! Its rules live here; the Lease writes in `leasehold_kube::lease`, the reads in the kubectl plugin.
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;

@@ -1,7 +1,7 @@
 //! What the controller tells Prometheus about each queue, computed from its caches: jobs by
 //! phase, the age of the longest-running attempt, how far the most overdue lease is past its
 //! expiry, and how the attempts it saw end. Plain data in, numbers out: the controller reads
-//! its caches and sets the metrics ([`leasehold_metrics::ControllerMetrics`]); the chart's alerts
+//! its caches and sets the metrics (`leasehold_metrics::ControllerMetrics`); the chart's alerts
 //! (docs/alerts.md) are written on them.
 //!
 //! Every number is per queue (`spec.queue`), never per job, so the metrics' cardinality grows

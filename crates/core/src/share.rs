@@ -26,7 +26,7 @@
 //!   jobs open to the others' turns.
 //!
 //! Everything here is a plain function of names, ranks and times (milliseconds since the Unix
-//! epoch): [`leasehold_worker`] feeds it from the watch cache and acts on the answer.
+//! epoch): the worker library (`leasehold-worker`) feeds it from the watch cache and acts on the answer.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -82,7 +82,7 @@ impl<'a> Named<'a> {
 }
 
 /// The 64-bit hash of a job's or claimer's name that ranks and turns are computed from:
-/// FNV-1a (Fowler, Noll and Vo) over its UTF-8 bytes, finished with [`mix`].
+/// FNV-1a (Fowler, Noll and Vo) over its UTF-8 bytes, finished with `mix`.
 ///
 /// Fixed here, not `std`'s `DefaultHasher`, whose algorithm may change between Rust releases:
 /// sidecars built apart (a rolling upgrade) must still agree on every job's owner and turns.

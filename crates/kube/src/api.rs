@@ -12,7 +12,7 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait for the answer to one request (not a watch), and for sending one. A request
 /// through a network that holds bytes without resetting the connection fails after this long
 /// instead of after the operating system's TCP timeouts (minutes). Calls a worker makes are
-/// bounded more tightly still, by the sidecar (see [`leasehold_worker`]).
+/// bounded more tightly still, by the worker library (the crate `leasehold-worker`).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The two clients every role uses: one for requests, each with a deadline

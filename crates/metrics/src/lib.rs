@@ -1,4 +1,6 @@
-//! Metrics (one `prometheus-client` registry per process) and health.
+//! leasehold-metrics: one `prometheus-client` registry per process. It counts what the
+//! worker and the watches report through [`leasehold_kube::recorder::Recorder`], and what the
+//! controller sets; the binary serves it (`/metrics`). No HTTP here.
 //!
 //! Names follow `leasehold_<what>_<unit>`. The controller moves `leasehold_jobs` (by queue and
 //! phase, counted from its watch cache every second) and `leasehold_lease_expiries_total`, and
@@ -9,8 +11,6 @@
 //! Both serve them at `/metrics` in the Prometheus text format, beside `/healthz` and
 //! `/readyz`. The chart's alerts (docs/alerts.md) are written on these names.
 //!
-//! Health tells the truth: `/readyz` is OK only once the watches have synced and before
-//! shutdown begins; `/healthz` fails once a background task has died.
 
 use std::sync::atomic::AtomicU64;
 
@@ -69,7 +69,7 @@ pub type SecondsGauge = Gauge<f64, AtomicU64>;
 /// never leads, never gets ready and sees no queue.
 pub struct ControllerMetrics {
     /// `leasehold_leader`: 1 while this replica leads (its term is valid on its monotonic
-    /// clock, [`leasehold_controller::leader::Leadership::is_leader`]), else 0. Always 1 with
+    /// clock: the controller's `Leadership::is_leader`), else 0. Always 1 with
     /// `--leader-elect false`. Across the replicas of one installation the sum is 1, or 0
     /// while no replica leads, when nothing expires, requeues or cancels jobs.
     pub leader: Gauge,
