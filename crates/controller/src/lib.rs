@@ -1,5 +1,13 @@
-//! The controller: initialises new jobs, requeues jobs whose lease expired, cancels, deletes
-//! finished jobs after their TTL, and records Events.
+//! leasehold-controller: the controller role. It initialises new jobs, requeues jobs whose
+//! lease expired, cancels, deletes finished jobs after their TTL, and records Events. It never
+//! imports the worker; what both roles share lives in leasehold-kube and leasehold-core, and
+//! the rules it applies (expiry, the fence's patch) are leasehold-core's.
+//!
+//! - this file: [`run`] and [`reconcile`]'s shape, its [`Config`] and [`ReconcileError`];
+//! - [`leader`]: leader election among replicas, fenced like workers;
+//! - [`crd_check`]: the start-up check that the installed CRD is up to date;
+//! - `expire`: the expiry look at one Leased job and its requeue;
+//! - `report`: per-queue metrics and the Undecodable Events.
 //!
 //! Shape: [`reconcile`] reads the job (from the watch cache) and its Lease (from a second watch
 //! cache), asks the pure core ([`leasehold_core::expiry`], [`leasehold_core::fence`]) what to do, then writes.
