@@ -10,6 +10,7 @@
 //! The rules: docs/protocol.md, "Phases" (the table), "What fences what", "Retries, delayed
 //! start, cancellation, cleanup" and "Shutting a worker pod down".
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +22,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use leasehold_core::crd::LeasedJob;
-use leasehold_core::fence::{self, Outcome};
+use leasehold_core::fence::{self, Outcome, Refusal};
 use leasehold_core::lease;
 use leasehold_core::token::Token;
 use leasehold_core::Category;
@@ -37,7 +38,7 @@ use crate::{
 
 /// At most this many attempts ended by this process are remembered (one per job name, the
 /// latest); past it the memory starts over and the watch cache and fresh reads answer alone.
-const MAX_ENDED: usize = 10_000;
+pub(crate) const MAX_ENDED: usize = 10_000;
 
 impl Worker {
     /// Waits until no attempt is held, for at most `timeout`. True when none is.
@@ -316,13 +317,8 @@ impl Worker {
         // deletes it with the job. Its token is refused from here on (the Lease would still
         // accept its renewals). Recorded before the attempt stops being held, so that no
         // heartbeat in between finds neither.
-        if let Some(r) = fence::refusal(&self.job_ref(name), Some(&job), &token) {
-            let mut ended = self.inner.ended_here.lock().unwrap();
-            if ended.len() >= MAX_ENDED {
-                ended.clear();
-            }
-            ended.insert(name.to_string(), (token.clone(), r));
-        }
+        let ended = &mut self.inner.ended_here.lock().unwrap();
+        remember_ended(ended, name, &token, &self.job_ref(name), &job);
         if let Some(h) = self.inner.held.lock().unwrap().remove(name) {
             mark_ended(&h);
         }
@@ -334,6 +330,25 @@ impl Worker {
         let job_ref = self.job_ref(name);
         info!(job = %job_ref, attempt = token.attempt(), phase = %job.phase(), "Ended attempt {} of LeasedJob {job_ref}: {}", token.attempt(), job.phase());
         Ok(job)
+    }
+}
+
+/// Records in `ended` (the attempt this process ended last per job name, with the refusal its
+/// token now earns) that attempt `token` of job `name` (`job_ref`) ended, leaving `job`: when
+/// `job` refuses the token, as it does after every end. Past [`MAX_ENDED`] names the memory
+/// starts over.
+pub(crate) fn remember_ended(
+    ended: &mut HashMap<String, (Token, Refusal)>,
+    name: &str,
+    token: &Token,
+    job_ref: &str,
+    job: &LeasedJob,
+) {
+    if let Some(r) = fence::refusal(job_ref, Some(job), token) {
+        if ended.len() >= MAX_ENDED {
+            ended.clear();
+        }
+        ended.insert(name.to_string(), (token.clone(), r));
     }
 }
 

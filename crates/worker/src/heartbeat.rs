@@ -6,11 +6,14 @@
 //! duration has passed since the claim. Later renewals are one JSON Patch on the Lease, fenced
 //! by holderIdentity. Because the Lease of an ended attempt still names its token, a heartbeat
 //! is checked against the attempts this process ended
-//! ([`Inner::ended_here`](crate::Inner::ended_here)), the held-jobs watch cache and, for a job
-//! that left that cache, a fresh read.
+//! ([`Inner::ended_here`](crate::Inner::ended_here)), the held-jobs watch cache
+//! ([`moved_on`]) and, for a job that left that cache, a fresh read.
 //!
 //! The rules: docs/protocol.md, "Heartbeats and checkpoints", "The Lease is written by the first
 //! renewal", "What fences what" and "Progress".
+
+use std::collections::HashMap;
+use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -112,7 +115,7 @@ impl Worker {
     ) -> Result<Lease, LeaseError> {
         let job_ref = job.reference();
         let since = held.state.lock().unwrap().last_renewed.elapsed();
-        if since >= held.duration {
+        if !first_renewal_allowed(since, held.duration) {
             let why = format!(
                 "no renewal got through in {}s since the claim, a whole lease duration",
                 since.as_secs()
@@ -181,12 +184,7 @@ impl Worker {
         {
             warn!(job = %self.job_ref(name), error = %error_chain(&e), "Clearing the Lease a first renewal wrote for an ended attempt failed; the job's status still fences it");
         }
-        // The same code the held-jobs cache would give (cached_job_moved_on): a cancel seen
-        // first by this fresh read is still `cancelled`, not a lost lease.
-        let code = match refusal {
-            Refusal::Cancelled { .. } => "cancelled",
-            _ => LEASE_LOST,
-        };
+        let code = ended_code(&refusal);
         Err(LeaseError::Ended {
             why: refusal.to_string(),
             code,
@@ -391,11 +389,7 @@ impl Worker {
     /// The refusal `token` earns when this process ended its attempt (see
     /// [`Inner::ended_here`](crate::Inner::ended_here)).
     fn ended_refusal(&self, name: &str, token: &Token) -> Option<Refusal> {
-        let ended = self.inner.ended_here.lock().unwrap();
-        ended
-            .get(name)
-            .filter(|(t, _)| t == token)
-            .map(|(_, r)| r.clone())
+        ended_refusal_in(&self.inner.ended_here.lock().unwrap(), name, token)
     }
 
     /// Before a renewal for a token this process does not hold: refuses it when this process
@@ -435,28 +429,7 @@ impl Worker {
         // Not in the cache: deleted, or claimed by another holder since; the caller asks the
         // API server.
         let job = self.inner.held_store.get(&key)?;
-        if job.attempt() > token.attempt() {
-            let why = format!(
-                "is on attempt {}, your token is from attempt {}",
-                job.attempt(),
-                token.attempt()
-            );
-            return Some((LEASE_LOST, why));
-        }
-        if job.token() == Some(token.as_str()) && job.phase() != Phase::Leased {
-            let code = if job.phase() == Phase::Cancelled {
-                "cancelled"
-            } else {
-                LEASE_LOST
-            };
-            let why = format!(
-                "attempt {} ended: the job is {}",
-                token.attempt(),
-                job.phase()
-            );
-            return Some((code, why));
-        }
-        None
+        moved_on(&job, token)
     }
 
     /// The job `name` as the API server has it now (`Some(None)`: deleted), read when the
@@ -492,4 +465,64 @@ impl Worker {
             },
         }
     }
+}
+
+/// Whether the first renewal of an attempt claimed `since_claim` ago (monotonic clock, from
+/// when the claim's write was sent) may still be made, for a lease of `duration`: not once a
+/// whole lease duration has passed, since no renewal reached the API server in that time and
+/// the controller may have requeued the job (docs/protocol.md, "The Lease is written by the
+/// first renewal").
+pub(crate) fn first_renewal_allowed(since_claim: Duration, duration: Duration) -> bool {
+    !crate::renew::outlived(since_claim, duration)
+}
+
+/// Why `job` (a copy of the held-jobs watch cache) no longer belongs to `token`, if it does not:
+/// (error code, reason). A newer attempt has taken it (`lease_lost`), or the token's attempt
+/// ended: `cancelled` for a cancelled job, `lease_lost` otherwise.
+pub(crate) fn moved_on(job: &LeasedJob, token: &Token) -> Option<(&'static str, String)> {
+    if job.attempt() > token.attempt() {
+        let why = format!(
+            "is on attempt {}, your token is from attempt {}",
+            job.attempt(),
+            token.attempt()
+        );
+        return Some((LEASE_LOST, why));
+    }
+    if job.token() == Some(token.as_str()) && job.phase() != Phase::Leased {
+        let code = if job.phase() == Phase::Cancelled {
+            "cancelled"
+        } else {
+            LEASE_LOST
+        };
+        let why = format!(
+            "attempt {} ended: the job is {}",
+            token.attempt(),
+            job.phase()
+        );
+        return Some((code, why));
+    }
+    None
+}
+
+/// The code a worker's call gets when a first renewal finds its attempt ended with `refusal`:
+/// the same code the held-jobs cache would give ([`moved_on`]), so a cancel seen first by a
+/// fresh read is still `cancelled`, not a lost lease.
+pub(crate) fn ended_code(refusal: &Refusal) -> &'static str {
+    match refusal {
+        Refusal::Cancelled { .. } => "cancelled",
+        _ => LEASE_LOST,
+    }
+}
+
+/// The refusal `token` earns from `ended` (the attempt this process ended last per job name,
+/// with its refusal), if it is the token of the attempt ended for job `name`.
+pub(crate) fn ended_refusal_in(
+    ended: &HashMap<String, (Token, Refusal)>,
+    name: &str,
+    token: &Token,
+) -> Option<Refusal> {
+    ended
+        .get(name)
+        .filter(|(t, _)| t == token)
+        .map(|(_, r)| r.clone())
 }

@@ -40,6 +40,8 @@ mod end;
 mod heartbeat;
 mod pick;
 mod renew;
+#[cfg(test)]
+mod tests;
 
 pub use end::validate_reason;
 
@@ -477,7 +479,7 @@ impl Worker {
             return Ok(None);
         };
         let mut st = held.state.lock().unwrap();
-        if st.lost.is_none() && st.last_renewed.elapsed() >= held.duration {
+        if st.lost.is_none() && renew::outlived(st.last_renewed.elapsed(), held.duration) {
             // Renewals may be stuck behind a partition: a whole lease has passed without a
             // confirmed one, so the controller may have requeued the job by now.
             let why = format!(

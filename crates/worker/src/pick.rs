@@ -6,8 +6,9 @@
 //! beside other claimers, by the rendezvous turn of [`share::choose`], reading a job afresh
 //! before a turn at one that is not this claimer's own. The claim is one status write guarded
 //! by the snapshot's resourceVersion ([`leasehold_kube::claim::claim`]); a 409 marks the
-//! snapshot stale and widens the window, a success narrows it. The claim does not write the
-//! Lease: the attempt's first renewal does (`heartbeat.rs`).
+//! snapshot stale and widens the window, a success narrows it ([`widened_window`],
+//! [`narrowed_window`]). The claim does not write the Lease: the attempt's first renewal does
+//! (`heartbeat.rs`).
 //!
 //! The rules: docs/protocol.md, "Claiming" and "The token"; the window's bounds:
 //! [`WorkerConfig::spread`](crate::WorkerConfig::spread).
@@ -269,7 +270,7 @@ impl Worker {
     fn widen_window(&self) {
         let spread = self.inner.config.spread;
         let window = self.inner.window.load(Ordering::Relaxed);
-        if spread <= 1 || window >= spread * MAX_WINDOW_FACTOR {
+        if !may_widen(window, spread) {
             return;
         }
         let more = self
@@ -278,8 +279,7 @@ impl Worker {
             .lock()
             .unwrap()
             .claimable_more_than(Timestamp::now(), window);
-        if more {
-            let wider = (window * 4).min(spread * MAX_WINDOW_FACTOR);
+        if let Some(wider) = widened_window(window, spread, more) {
             self.inner.window.store(wider, Ordering::Relaxed);
         }
         tracing::debug!(
@@ -289,21 +289,20 @@ impl Worker {
         );
     }
 
-    /// Folds the time one claim write took into [`Inner::claim_write_ms`].
+    /// Folds the time one claim write took into
+    /// [`Inner::claim_write_ms`](crate::Inner::claim_write_ms).
     fn note_claim_write(&self, took: Duration) {
         let took = u64::try_from(took.as_millis()).unwrap_or(u64::MAX);
         let average = &self.inner.claim_write_ms;
         let was = average.load(Ordering::Relaxed);
-        let now = if was == 0 { took } else { (3 * was + took) / 4 };
-        average.store(now, Ordering::Relaxed);
+        average.store(claim_write_average(was, took), Ordering::Relaxed);
     }
 
     /// After a successful claim: narrows the claim window by 1/32, not below spread.
     fn narrow_window(&self) {
         let spread = self.inner.config.spread;
         let window = self.inner.window.load(Ordering::Relaxed);
-        if window > spread {
-            let narrower = window.saturating_sub((window / 32).max(1)).max(spread);
+        if let Some(narrower) = narrowed_window(window, spread) {
             self.inner.window.store(narrower, Ordering::Relaxed);
         }
     }
@@ -316,7 +315,10 @@ impl Worker {
     /// Claims `snapshot`. `Ok(None)` when it was stale (409) or is no longer claimable. In
     /// both cases, and when the claim succeeds, `snapshot` is marked tried: it is known stale.
     /// A write that failed or timed out is an error and marks nothing.
-    async fn try_claim(&self, snapshot: &LeasedJob) -> Result<Option<Claimed>, WorkerError> {
+    pub(crate) async fn try_claim(
+        &self,
+        snapshot: &LeasedJob,
+    ) -> Result<Option<Claimed>, WorkerError> {
         let lease_duration = Duration::from_secs(
             u64::try_from(snapshot.spec.lease_duration_seconds.max(1)).unwrap_or(1),
         );
@@ -425,5 +427,35 @@ impl Worker {
             lease_duration_seconds: job.spec.lease_duration_seconds,
             checkpoint: status.checkpoint,
         }))
+    }
+}
+
+/// Whether a 409 may widen the claim window `window` of a claimer with `spread`: never with
+/// spread 1 (strict FIFO), nor past [`MAX_WINDOW_FACTOR`] times spread.
+pub(crate) fn may_widen(window: usize, spread: usize) -> bool {
+    spread > 1 && window < spread * MAX_WINDOW_FACTOR
+}
+
+/// The claim window after a 409, when [`may_widen`] allows it: four times wider (at most
+/// [`MAX_WINDOW_FACTOR`] times spread) if `more_claimable` (more jobs are claimable than it
+/// holds), else unchanged (`None`): with fewer, a wider window would not spread claimers any
+/// further.
+pub(crate) fn widened_window(window: usize, spread: usize, more_claimable: bool) -> Option<usize> {
+    more_claimable.then(|| (window * 4).min(spread * MAX_WINDOW_FACTOR))
+}
+
+/// The claim window after a successful claim: 1/32 narrower (at least one), not below spread;
+/// `None` when it is at spread already.
+pub(crate) fn narrowed_window(window: usize, spread: usize) -> Option<usize> {
+    (window > spread).then(|| window.saturating_sub((window / 32).max(1)).max(spread))
+}
+
+/// The moving average of claim-write times, in ms, after one that took `took_ms`: the first
+/// answer's time, then 1/4 of each new one's.
+pub(crate) fn claim_write_average(was_ms: u64, took_ms: u64) -> u64 {
+    if was_ms == 0 {
+        took_ms
+    } else {
+        (3 * was_ms + took_ms) / 4
     }
 }

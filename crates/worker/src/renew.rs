@@ -1,11 +1,13 @@
 //! Background renewal: the renewer each held attempt runs, its schedule and its bounds.
 //!
 //! Every held attempt has one renewer task, which renews its Lease every
-//! `leaseDurationSeconds / 3` unless a worker heartbeat renewed it meanwhile, and stops when
-//! the attempt ends, when the lease is lost (the Lease or the job says so), when renewals have
-//! failed for a whole lease duration on the monotonic clock, or when the worker has been silent
-//! past `max(worker_timeout, leaseDurationSeconds)`. A lost attempt answers every later call
-//! with [`WorkerError::LeaseLost`](crate::WorkerError::LeaseLost) without asking the API server.
+//! `leaseDurationSeconds / 3` ([`renewal_interval`]) unless a worker heartbeat renewed it
+//! meanwhile, and stops when the attempt ends, when the lease is lost (the Lease or the job
+//! says so), when renewals have failed for a whole lease duration on the monotonic clock
+//! ([`outlived`]), or when the worker has been silent past
+//! `max(worker_timeout, leaseDurationSeconds)` ([`silence_limit`]); [`on_wake`] decides. A
+//! lost attempt answers every later call with
+//! [`WorkerError::LeaseLost`](crate::WorkerError::LeaseLost) without asking the API server.
 //!
 //! The rules: docs/protocol.md, "Heartbeats and checkpoints" and "Expiry"; the bounds are the
 //! crate doc's list.
@@ -84,8 +86,8 @@ impl Worker {
 
     async fn renew_in_background(&self, name: &str, held: &Held) {
         let job_ref = self.job_ref(name);
-        let interval = held.duration / 3;
-        let silence_limit = self.inner.config.worker_timeout.max(held.duration);
+        let interval = renewal_interval(held.duration);
+        let silence_limit = silence_limit(self.inner.config.worker_timeout, held.duration);
         let mut due = Instant::now() + interval;
         loop {
             tokio::select! {
@@ -93,18 +95,18 @@ impl Worker {
                 () = held.wake.notified() => {}
             }
             let now = Instant::now();
-            {
+            let step = {
                 let st = held.state.lock().unwrap();
-                if st.ended || st.lost.is_some() {
-                    return;
-                }
-                if st.last_renewed + interval > now {
+                on_wake(&st, now, interval, silence_limit)
+            };
+            match step {
+                Wake::Stop => return,
+                Wake::Later(at) => {
                     // A worker heartbeat renewed it meanwhile.
-                    due = st.last_renewed + interval;
+                    due = at;
                     continue;
                 }
-                if now.duration_since(st.last_contact) >= silence_limit {
-                    drop(st);
+                Wake::Silent => {
                     let why = format!(
                         "the worker made no call for {}s, so the sidecar stopped renewing the lease",
                         silence_limit.as_secs()
@@ -113,6 +115,7 @@ impl Worker {
                     self.lose(held, LEASE_LOST, lost_message(&job_ref, &why));
                     return;
                 }
+                Wake::Renew => {}
             }
             // An attempt that ended elsewhere (expired, cancelled) may keep a Lease that still
             // accepts renewals: the job decides.
@@ -159,7 +162,7 @@ impl Worker {
                         return;
                     }
                     warn!(job = %job_ref, error = %error_chain(&e), "Renewal of LeasedJob {job_ref} failed; retrying");
-                    due = Instant::now() + RENEW_RETRY.min(interval);
+                    due = Instant::now() + retry_delay(interval);
                 }
             }
         }
@@ -169,7 +172,7 @@ impl Worker {
     /// lease duration since the last success (monotonic clock).
     pub(crate) fn renewals_failed_too_long(&self, job_ref: &str, held: &Held) -> bool {
         let since = held.state.lock().unwrap().last_renewed.elapsed();
-        if since >= held.duration {
+        if outlived(since, held.duration) {
             let why = format!(
                 "renewals failed for {}s, a whole lease duration",
                 since.as_secs()
@@ -197,4 +200,64 @@ impl Worker {
 pub(crate) fn mark_ended(held: &Held) {
     held.state.lock().unwrap().ended = true;
     held.wake.notify_one();
+}
+
+/// How often background renewal renews a lease of `duration`: every third of it, so that two
+/// renewals in a row may fail before it runs out (client-go's leader election renews at a
+/// similar fraction).
+pub(crate) fn renewal_interval(duration: Duration) -> Duration {
+    duration / 3
+}
+
+/// How long the worker may make no call before background renewal stops for an attempt whose
+/// lease is `duration`: `max(worker_timeout, leaseDurationSeconds)`, so that a hung worker
+/// does not keep its lease forever, and a lease is never given up sooner than it would run out.
+pub(crate) fn silence_limit(worker_timeout: Duration, duration: Duration) -> Duration {
+    worker_timeout.max(duration)
+}
+
+/// Whether a lease of `duration` must be declared lost, `since` (monotonic clock) the last
+/// confirmed renewal (or the claim's write, before the first renewal): after a whole lease
+/// duration without one, the controller may have requeued the job.
+pub(crate) fn outlived(since: Duration, duration: Duration) -> bool {
+    since >= duration
+}
+
+/// How long the renewer waits after a failed renewal: [`RENEW_RETRY`], or the renewal interval
+/// when that is shorter.
+pub(crate) fn retry_delay(interval: Duration) -> Duration {
+    RENEW_RETRY.min(interval)
+}
+
+/// What the background renewer does when it wakes (its timer, or a wake from the attempt's
+/// end, a loss or a renewal that moved the schedule).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wake {
+    /// The attempt ended or its lease was declared lost: the renewer stops.
+    Stop,
+    /// A renewal was confirmed less than an interval ago: sleep until this instant.
+    Later(Instant),
+    /// The worker has made no call for the silence limit: the lease is given up.
+    Silent,
+    /// Renew now (after checking the job has not moved on).
+    Renew,
+}
+
+/// The renewer's decision at `now` for an attempt in state `st`, renewed every `interval`,
+/// whose worker may stay silent for `silence_limit`.
+pub(crate) fn on_wake(
+    st: &HeldState,
+    now: Instant,
+    interval: Duration,
+    silence_limit: Duration,
+) -> Wake {
+    if st.ended || st.lost.is_some() {
+        Wake::Stop
+    } else if st.last_renewed + interval > now {
+        Wake::Later(st.last_renewed + interval)
+    } else if now.duration_since(st.last_contact) >= silence_limit {
+        Wake::Silent
+    } else {
+        Wake::Renew
+    }
 }
