@@ -1,8 +1,9 @@
 //! The worker's unit tests, in milliseconds and without a cluster: its pure decisions from
-//! tables (`decisions`).
+//! tables (`decisions`), and its IO-facing behaviour against a mocked API server (`mock_api`).
 //! The integration tests (tests/*.rs) check the same behaviour against a real control plane.
 
 mod decisions;
+mod mock_api;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
