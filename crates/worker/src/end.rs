@@ -317,8 +317,13 @@ impl Worker {
         // deletes it with the job. Its token is refused from here on (the Lease would still
         // accept its renewals). Recorded before the attempt stops being held, so that no
         // heartbeat in between finds neither.
-        let ended = &mut self.inner.ended_here.lock().unwrap();
-        remember_ended(ended, name, &token, &self.job_ref(name), &job);
+        remember_ended(
+            &mut self.inner.ended_here.lock().unwrap(),
+            name,
+            &token,
+            &self.job_ref(name),
+            &job,
+        );
         if let Some(h) = self.inner.held.lock().unwrap().remove(name) {
             mark_ended(&h);
         }

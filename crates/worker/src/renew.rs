@@ -84,6 +84,8 @@ impl Worker {
         held
     }
 
+    /// The renewer of attempt `held` of job `name`: runs until the attempt ends or its lease
+    /// is lost (see the module doc for when).
     async fn renew_in_background(&self, name: &str, held: &Held) {
         let job_ref = self.job_ref(name);
         let interval = renewal_interval(held.duration);
