@@ -1,0 +1,461 @@
+//! Claiming: which job to try, how wide the claim window is, and the claim write itself.
+//!
+//! A claim chooses from the queue's
+//! [`ClaimIndex`](leasehold_core::claim_index::ClaimIndex) (kept by the queue watch): alone,
+//! at random among the oldest top-priority jobs of the adaptive window ([`claim::pick`]);
+//! beside other claimers, by the rendezvous turn of [`share::choose`], reading a job afresh
+//! before a turn at one that is not this claimer's own. The claim is one status write guarded
+//! by the snapshot's resourceVersion ([`leasehold_kube::claim::claim`]); a 409 marks the
+//! snapshot stale and widens the window, a success narrows it ([`widened_window`],
+//! [`narrowed_window`]). The claim does not write the Lease: the attempt's first renewal does
+//! (`heartbeat.rs`).
+//!
+//! The rules: docs/protocol.md, "Claiming" and "The token"; the window's bounds:
+//! [`WorkerConfig::spread`](crate::WorkerConfig::spread).
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::jiff::Timestamp;
+use kube::runtime::reflector::ObjectRef;
+use kube::ResourceExt;
+use tokio::time::Instant;
+use tracing::info;
+
+use leasehold_core::claim;
+use leasehold_core::crd::LeasedJob;
+use leasehold_core::fence::Outcome;
+use leasehold_core::share;
+use leasehold_kube::api::error_chain;
+use leasehold_kube::claim::ClaimError;
+use leasehold_kube::queue_watch;
+
+use crate::{call_bound, Claimed, Worker, WorkerError, MAX_CALL_BOUND};
+
+/// What a claimer found to do.
+enum Pick {
+    /// Try to claim this job.
+    Job(Arc<LeasedJob>),
+    /// Read this job afresh, and try to claim it if it is still claimable (a turn at a job
+    /// that is not this claimer's own, or one of its last own jobs: [`share::Choice::Turn`],
+    /// [`share::Choice::Contested`]).
+    Fresh(Arc<LeasedJob>),
+    /// Nothing claimable.
+    Nothing,
+    /// Nothing to try now, but a turn comes or a reserved job opens at this instant
+    /// ([`share::Choice::Defer`]): look again then.
+    Defer(Instant),
+}
+
+/// The claim window never widens past this many times [`WorkerConfig::spread`](crate::WorkerConfig::spread).
+const MAX_WINDOW_FACTOR: usize = 64;
+
+impl Worker {
+    /// Claims the best claimable job, waiting up to `wait` for one to appear (woken by the
+    /// watch, not by polling). `Ok(None)` when none could be claimed in time.
+    ///
+    /// # Errors
+    /// [`WorkerError::Unavailable`] when the API server failed a claim write.
+    pub async fn claim(&self, wait: Duration) -> Result<Option<Claimed>, WorkerError> {
+        self.claim_until(wait, std::future::pending()).await
+    }
+
+    /// As [`Worker::claim`], for a caller that may go away: while no job has been claimed yet,
+    /// `gone` resolving ends the wait with `Ok(None)` and nothing written. (A caller that goes
+    /// away after the claim write must release the job itself: see the sidecar.)
+    ///
+    /// # Errors
+    /// As [`Worker::claim`].
+    pub async fn claim_until(
+        &self,
+        wait: Duration,
+        gone: impl std::future::Future<Output = ()>,
+    ) -> Result<Option<Claimed>, WorkerError> {
+        let mut gone = std::pin::pin!(gone);
+        if self.inner.health.is_shutting_down() {
+            return Err(WorkerError::ShuttingDown);
+        }
+        let deadline = Instant::now() + wait;
+        let mut changes = self.inner.changes.clone();
+        // The queue watch runs while this claim is in progress (and starts again if it had
+        // stopped): a stopped one lists the queue first, waited for as long as `wait` and at
+        // least RELIST_WAIT.
+        let _claiming = self.inner.queue_watch.claiming();
+        let mut draining = self.inner.draining.subscribe();
+        let listed = deadline.max(Instant::now() + queue_watch::RELIST_WAIT);
+        tokio::select! {
+            synced = tokio::time::timeout_at(listed, self.inner.queue_watch.wait_synced()) => {
+                if synced.is_err() {
+                    // Not an empty queue: this sidecar cannot see the queue yet.
+                    return Err(WorkerError::unavailable(
+                        format!("claim from queue {}", self.inner.config.queue),
+                        "the LeasedJob watch of the queue has not listed it yet (see /readyz)",
+                    ));
+                }
+            }
+            () = &mut gone => return Ok(None),
+            _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
+        }
+        loop {
+            changes.borrow_and_update();
+            let picked = self.pick();
+            let turn = match picked {
+                Pick::Defer(turn) => Some(turn),
+                _ => None,
+            };
+            // A job read afresh keeps its cached snapshot: after the claim of the fresh copy,
+            // whatever its answer, both are stale, and the cache still holds the older.
+            let (picked, cached) = match picked {
+                Pick::Fresh(cached) => (self.read_afresh(Arc::clone(&cached)).await, Some(cached)),
+                picked => (picked, None),
+            };
+            if let Pick::Job(snapshot) = picked {
+                if *draining.borrow() {
+                    return Err(WorkerError::ShuttingDown);
+                }
+                let claimed = self.try_claim(&snapshot).await?;
+                // try_claim marked the fresh copy stale (claimed, 409, or no longer
+                // claimable); the cache holds the older snapshot until the watch brings the
+                // fresh one and then the change, so both are skipped (claim::Stale keeps two).
+                if let Some(cached) = cached {
+                    self.mark_tried(&cached);
+                }
+                if let Some(claimed) = claimed {
+                    return Ok(Some(claimed));
+                }
+                // Lost the race (or the job went away): the cache was stale. The write that
+                // beat us is on its way through the watch, usually already here; pick again
+                // from a cache at least that fresh rather than from the same stale one.
+            }
+            // Wake for the next job whose notBefore or retryAfter passes, if before the deadline.
+            let now = Timestamp::now();
+            let next = self.inner.index.lock().unwrap().next_claimable_at(now);
+            let wake = next
+                .map(|t| {
+                    Instant::now() + Duration::try_from(t.duration_since(now)).unwrap_or_default()
+                })
+                .map_or(deadline, |t| t.min(deadline));
+            // A claimer waiting its turn for a job looks again when the turn comes, even if no
+            // change arrives (the claimers ahead of it may be busy or gone).
+            let wake = turn.map_or(wake, |t| wake.min(t));
+            tokio::select! {
+                () = &mut gone => return Ok(None),
+                _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
+                () = tokio::time::sleep_until(wake), if wake < deadline => {}
+                changed = changes.changed() => {
+                    if changed.is_err() {
+                        return Err(WorkerError::unavailable(
+                            "claim",
+                            "the LeasedJob watch stopped",
+                        ));
+                    }
+                }
+                () = tokio::time::sleep_until(deadline) => return Ok(None),
+            }
+        }
+    }
+
+    /// The job to try to claim next, if any.
+    ///
+    /// The candidates are the oldest claimable jobs of the queue's
+    /// [`ClaimIndex`](leasehold_core::claim_index::ClaimIndex): the
+    /// adaptive window, at least [`claim::WINDOW_PER_CLAIMER`] per claimer seen
+    /// ([`claim::recent_claimers`]; [`claim::COLD_CLAIMERS`] when no claim was seen lately),
+    /// less the snapshots already tried. When other claimers are seen, [`share::choose`] says
+    /// which to try: this claimer's own oldest job, a turn at an open one, or
+    /// [`Pick::Defer`] until a turn comes or a reserved job opens. Alone, or at a cold start, or
+    /// with `--spread 1`: [`claim::pick`]'s random (or FIFO) choice in the window.
+    fn pick(&self) -> Pick {
+        let config = &self.inner.config;
+        let now = Timestamp::now();
+        let index = self.inner.index.lock().unwrap();
+        let claimers = index.recent_claimers(&config.identity, now);
+        let claimers: HashSet<&str> = claimers.iter().map(String::as_str).collect();
+        let tried = self.inner.tried.lock().unwrap();
+        let warm = index.claimed_lately(now);
+        let seen = if warm {
+            claimers.len()
+        } else {
+            claim::COLD_CLAIMERS
+        };
+        let window = claim::window_for(
+            self.inner.window.load(Ordering::Relaxed),
+            config.spread,
+            seen,
+            config.spread * MAX_WINDOW_FACTOR,
+        );
+        let names = index.candidates(now, window, |name, rv| tried.contains(name, rv));
+        drop(tried);
+        if config.spread > 1 && claimers.len() > 1 {
+            let now_ms = u64::try_from(now.as_millisecond()).unwrap_or_default();
+            let guard =
+                share::rendezvous_guard_ms(self.inner.claim_write_ms.load(Ordering::Relaxed));
+            let choice = share::choose(
+                &names,
+                &config.identity,
+                &claimers,
+                |c| index.active_until_ms(c),
+                now_ms,
+                guard,
+            );
+            // Only the chosen name is copied, so that the index can be unlocked first.
+            let (name, afresh) = match choice {
+                share::Choice::Own(i) => (names[i].to_string(), false),
+                share::Choice::Contested(i) | share::Choice::Turn(i) => {
+                    (names[i].to_string(), true)
+                }
+                share::Choice::Defer(wait) => return Pick::Defer(Instant::now() + wait),
+                share::Choice::Nothing => return Pick::Nothing,
+            };
+            drop(index);
+            return match self.cached(&[&name]).pop() {
+                Some(job) if afresh => Pick::Fresh(job),
+                Some(job) => Pick::Job(job),
+                None => Pick::Nothing,
+            };
+        }
+        // The snapshots tried are already left out of `names`. The index stays locked while
+        // the store is read (its names are borrowed): at most the window's lookups, 512 at a
+        // cold start, and no path takes the index lock while holding the store's.
+        let jobs = self.cached(&names);
+        drop(index);
+        claim::pick(&jobs, &config.queue, now, window, &mut rand::rng())
+            .map_or(Pick::Nothing, Pick::Job)
+    }
+
+    /// [`Pick::Fresh`]: reads `cached` from the API server (a quorum read, one GET) and answers
+    /// the copy read if it is still claimable, so a turn at a job another claimer has just
+    /// claimed costs a read instead of a claim write answered 409 (benchmark row 2: on a loaded
+    /// API server the watch trailed the writes by a second at a queue's end). Otherwise the
+    /// cached snapshot is marked tried, so that it is not picked again before the watch
+    /// brings the change, and nothing is tried. A read that fails marks nothing.
+    async fn read_afresh(&self, cached: Arc<LeasedJob>) -> Pick {
+        let name = cached.name_any();
+        let read = tokio::time::timeout(MAX_CALL_BOUND, self.inner.jobs.get_opt(&name)).await;
+        let Ok(Ok(found)) = read else {
+            // The read failed: nothing is known, so nothing is marked; the next change tries
+            // again.
+            return Pick::Nothing;
+        };
+        if let Some(mut fresh) = found {
+            if claim::claimable(&fresh, &self.inner.config.queue, Timestamp::now()) {
+                // As in the watch cache: the claim's write sends neither managedFields nor the
+                // payload back (the status subresource ignores the spec; the claim's answer
+                // carries the payload).
+                fresh.metadata.managed_fields = None;
+                fresh.drop_payload_and_result();
+                return Pick::Job(Arc::new(fresh));
+            }
+        }
+        let job_ref = cached.reference();
+        tracing::debug!(job = %job_ref, "Skipped LeasedJob {job_ref}: read afresh for a turn, it is no longer claimable");
+        self.mark_tried(&cached);
+        Pick::Nothing
+    }
+
+    /// The watch cache's copies of the jobs `names`, in that order (a job the cache no longer
+    /// has is left out).
+    fn cached(&self, names: &[&str]) -> Vec<Arc<LeasedJob>> {
+        let ns = &self.inner.config.namespace;
+        names
+            .iter()
+            .filter_map(|n| self.inner.store.get(&ObjectRef::new(n).within(ns)))
+            .collect()
+    }
+
+    /// After a 409: widens the claim window fourfold, if more jobs are claimable than it holds
+    /// (with fewer, a wider window would not spread claimers any further).
+    fn widen_window(&self) {
+        let spread = self.inner.config.spread;
+        let window = self.inner.window.load(Ordering::Relaxed);
+        if !may_widen(window, spread) {
+            return;
+        }
+        let more = self
+            .inner
+            .index
+            .lock()
+            .unwrap()
+            .claimable_more_than(Timestamp::now(), window);
+        if let Some(wider) = widened_window(window, spread, more) {
+            self.inner.window.store(wider, Ordering::Relaxed);
+        }
+        tracing::debug!(
+            window,
+            more_claimable = more,
+            "Claim conflict (409); claim window was {window}"
+        );
+    }
+
+    /// Folds the time one claim write took into
+    /// [`Inner::claim_write_ms`](crate::Inner::claim_write_ms).
+    fn note_claim_write(&self, took: Duration) {
+        let took = u64::try_from(took.as_millis()).unwrap_or(u64::MAX);
+        let average = &self.inner.claim_write_ms;
+        let was = average.load(Ordering::Relaxed);
+        average.store(claim_write_average(was, took), Ordering::Relaxed);
+    }
+
+    /// After a successful claim: narrows the claim window by 1/32, not below spread.
+    fn narrow_window(&self) {
+        let spread = self.inner.config.spread;
+        let window = self.inner.window.load(Ordering::Relaxed);
+        if let Some(narrower) = narrowed_window(window, spread) {
+            self.inner.window.store(narrower, Ordering::Relaxed);
+        }
+    }
+
+    fn mark_tried(&self, job: &LeasedJob) {
+        let rv = job.resource_version().unwrap_or_default();
+        self.inner.tried.lock().unwrap().mark(&job.name_any(), &rv);
+    }
+
+    /// Claims `snapshot`. `Ok(None)` when it was stale (409) or is no longer claimable. In
+    /// both cases, and when the claim succeeds, `snapshot` is marked tried: it is known stale.
+    /// A write that failed or timed out is an error and marks nothing.
+    pub(crate) async fn try_claim(
+        &self,
+        snapshot: &LeasedJob,
+    ) -> Result<Option<Claimed>, WorkerError> {
+        let lease_duration = Duration::from_secs(
+            u64::try_from(snapshot.spec.lease_duration_seconds.max(1)).unwrap_or(1),
+        );
+        let bound = call_bound(lease_duration);
+        // The claim write runs as a task of its own, so that one whose answer comes too late
+        // is still seen through: if it got through after all, it is given back.
+        // Taken before the write can be sent: the lease runs from the claim (see take_lease).
+        let started = Instant::now();
+        let mut write = {
+            let (me, snapshot) = (self.clone(), snapshot.clone());
+            tokio::spawn(async move {
+                let identity = &me.inner.config.identity;
+                leasehold_kube::claim::claim(&me.inner.jobs, &snapshot, identity).await
+            })
+        };
+        let claimed = match tokio::time::timeout(bound, &mut write).await {
+            Ok(Ok(claimed)) => {
+                self.note_claim_write(started.elapsed());
+                Ok(claimed)
+            }
+            Ok(Err(join)) => {
+                return Err(WorkerError::unavailable(
+                    format!("claim of LeasedJob {}", snapshot.reference()),
+                    format!("the claim failed inside the sidecar: {join}"),
+                ))
+            }
+            Err(elapsed) => {
+                let me = self.clone();
+                tokio::spawn(async move {
+                    if let Ok(Ok((job, token))) = write.await {
+                        let release = Outcome::Release { checkpoint: None };
+                        me.undo_claim(&job, &token, release).await;
+                    }
+                });
+                Err(elapsed)
+            }
+        };
+        let (job, token) = match claimed {
+            Ok(Ok(claimed)) => {
+                // The snapshot is stale now too: this claim changed the job. Until the watch
+                // brings the claim, the cache still shows the job claimable, and a claimer
+                // quick to come back would pick it again, its oldest own job, and meet its
+                // own write (409).
+                self.mark_tried(snapshot);
+                self.narrow_window();
+                claimed
+            }
+            Ok(Err(ClaimError::Conflict { .. })) => {
+                // Only a snapshot known to be stale is skipped from now on: one whose write
+                // failed or timed out is tried again, or its owner would pass it by while the
+                // others leave it to that owner (share::RESERVED_PER_CLAIMER).
+                self.mark_tried(snapshot);
+                self.inner.metrics.claim_conflict();
+                self.widen_window();
+                return Ok(None);
+            }
+            Ok(Err(ClaimError::NotQueued { .. } | ClaimError::Gone { .. })) => {
+                self.mark_tried(snapshot);
+                return Ok(None);
+            }
+            Ok(Err(e @ ClaimError::Api { .. })) => {
+                return Err(WorkerError::unavailable(
+                    format!("claim of LeasedJob {}", snapshot.reference()),
+                    error_chain(&e),
+                ))
+            }
+            Err(_) => {
+                // The claim write may have landed without its answer: undo it if it did (a
+                // release fenced by the token it would carry is refused if it did not).
+                return Err(WorkerError::unavailable(
+                    format!("claim of LeasedJob {}", snapshot.reference()),
+                    format!(
+                        "the API server did not answer within {} ms; a claim that got through is being given back",
+                        bound.as_millis()
+                    ),
+                ));
+            }
+        };
+        // The Lease is not written here: the attempt's first renewal writes it (see the module
+        // doc), so a job done before then costs the claim and its end only.
+        let job_ref = job.reference();
+        info!(job = %job_ref, attempt = token.attempt(), "Claimed LeasedJob {job_ref} (attempt {})", token.attempt());
+        let waited = job.metadata.creation_timestamp.as_ref().map(|created| {
+            Timestamp::now()
+                .duration_since(created.0)
+                .as_secs_f64()
+                .max(0.0)
+        });
+        self.inner.metrics.claimed(waited);
+        let status = job.status.clone().unwrap_or_default();
+        let mut slim = job.clone();
+        slim.drop_payload_and_result();
+        self.hold(
+            &job.name_any(),
+            token.clone(),
+            job.spec.lease_duration_seconds,
+            Some(slim),
+            started,
+        );
+        Ok(Some(Claimed {
+            namespace: self.inner.config.namespace.clone(),
+            name: job.name_any(),
+            attempt: token.attempt(),
+            token,
+            payload: job.spec.payload.clone(),
+            lease_duration_seconds: job.spec.lease_duration_seconds,
+            checkpoint: status.checkpoint,
+        }))
+    }
+}
+
+/// Whether a 409 may widen the claim window `window` of a claimer with `spread`: never with
+/// spread 1 (strict FIFO), nor past [`MAX_WINDOW_FACTOR`] times spread.
+pub(crate) fn may_widen(window: usize, spread: usize) -> bool {
+    spread > 1 && window < spread * MAX_WINDOW_FACTOR
+}
+
+/// The claim window after a 409, when [`may_widen`] allows it: four times wider (at most
+/// [`MAX_WINDOW_FACTOR`] times spread) if `more_claimable` (more jobs are claimable than it
+/// holds), else unchanged (`None`): with fewer, a wider window would not spread claimers any
+/// further.
+pub(crate) fn widened_window(window: usize, spread: usize, more_claimable: bool) -> Option<usize> {
+    more_claimable.then(|| (window * 4).min(spread * MAX_WINDOW_FACTOR))
+}
+
+/// The claim window after a successful claim: 1/32 narrower (at least one), not below spread;
+/// `None` when it is at spread already.
+pub(crate) fn narrowed_window(window: usize, spread: usize) -> Option<usize> {
+    (window > spread).then(|| window.saturating_sub((window / 32).max(1)).max(spread))
+}
+
+/// The moving average of claim-write times, in ms, after one that took `took_ms`: the first
+/// answer's time, then 1/4 of each new one's.
+pub(crate) fn claim_write_average(was_ms: u64, took_ms: u64) -> u64 {
+    if was_ms == 0 {
+        took_ms
+    } else {
+        (3 * was_ms + took_ms) / 4
+    }
+}

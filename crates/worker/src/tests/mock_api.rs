@@ -1,0 +1,341 @@
+//! The worker against a mocked API server: kube's own test pattern, a `tower_test` mock as the
+//! client's transport, so that each test sees every request the worker sends and answers it.
+//!
+//! Every test runs on tokio's paused clock, so that waiting out a request that must not come,
+//! or a lease running out, takes no time.
+//!
+//! The worker is made by [`Worker::start`], whose watches get a second mock that is never
+//! answered: the watch caches stay empty and unsynced, which is what these paths meet when
+//! the watch has not brought a change yet. Claims are driven through [`Worker::try_claim`]
+//! (the claim of one snapshot): [`Worker::claim`] waits for the queue watch to list first.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response};
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::client::Body;
+use kube::Client;
+use serde::Serialize;
+use serde_json::{json, Value};
+use tokio::time::Instant;
+use tower_test::mock::{self, Handle, SendResponse};
+
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::progress::Progress;
+use leasehold_core::token::Token;
+use leasehold_core::Category;
+use leasehold_kube::api::Clients;
+use leasehold_kube::recorder::NoRecorder;
+
+use super::job;
+use crate::{Worker, WorkerConfig, WorkerError, DEFAULT_WORKER_TIMEOUT};
+
+type ApiHandle = Handle<Request<Body>, Response<Body>>;
+
+const JOBS: &str = "/apis/leasehold.dev/v1alpha1/namespaces/default/leasedjobs";
+const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/default/leases";
+
+/// The mocked cluster of one test: the requests the worker sends, and its watches' (never
+/// answered; kept so that they stay pending rather than fail).
+struct Cluster {
+    api: ApiHandle,
+    _watches: ApiHandle,
+}
+
+fn worker(spread: usize) -> (Worker, Cluster) {
+    let (requests, api) = mock::pair::<Request<Body>, Response<Body>>();
+    let (watches, watch_handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let clients = Clients {
+        requests: Client::new(requests, "default"),
+        watches: Client::new(watches, "default"),
+    };
+    let config = WorkerConfig {
+        namespace: "default".into(),
+        queue: "q".into(),
+        identity: "w-1".into(),
+        spread,
+        worker_timeout: DEFAULT_WORKER_TIMEOUT,
+    };
+    let (worker, _task) = Worker::start(clients, config, Arc::new(NoRecorder));
+    (
+        worker,
+        Cluster {
+            api,
+            _watches: watch_handle,
+        },
+    )
+}
+
+impl Cluster {
+    /// The worker's next request, which must be `method` on `path`.
+    async fn expect(&mut self, method: &str, path: &str) -> SendResponse<Response<Body>> {
+        let (req, send) = tokio::time::timeout(Duration::from_secs(30), self.api.next_request())
+            .await
+            .unwrap_or_else(|_| panic!("no request came; expected {method} {path}"))
+            .expect("the worker's client is gone");
+        assert_eq!(
+            (req.method().as_str(), req.uri().path()),
+            (method, path),
+            "unexpected request"
+        );
+        send
+    }
+
+    /// Asserts that the worker sends no request (within a second of the paused clock).
+    async fn expect_none(&mut self) {
+        if let Ok(Some((req, _))) =
+            tokio::time::timeout(Duration::from_secs(1), self.api.next_request()).await
+        {
+            panic!("unexpected request: {} {}", req.method(), req.uri());
+        }
+    }
+}
+
+fn answer(send: SendResponse<Response<Body>>, code: u16, body: &impl Serialize) {
+    let body = serde_json::to_vec(body).unwrap();
+    send.send_response(
+        Response::builder()
+            .status(code)
+            .body(Body::from(body))
+            .unwrap(),
+    );
+}
+
+/// An API server's refusal with `code`.
+fn status(code: u16, reason: &str) -> Value {
+    json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": format!("refused: {reason}"), "reason": reason, "code": code,
+    })
+}
+
+fn lease(name: &str, holder: &Token) -> Lease {
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(format!("ljob-{name}")),
+            namespace: Some("default".into()),
+            resource_version: Some("7".into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(holder.as_str().to_string()),
+            lease_duration_seconds: Some(60),
+            renew_time: Some(MicroTime(Timestamp::now())),
+            ..LeaseSpec::default()
+        }),
+    }
+}
+
+fn queued(name: &str) -> LeasedJob {
+    job(name, Phase::Queued, 0, None)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_claim_answered_409_marks_the_snapshot_stale_and_widens_the_window() {
+    // With more claimable jobs than the window holds, a 409 widens it fourfold; with fewer,
+    // a wider window would not spread claimers, and it stays.
+    for (claimable, window) in [(100, 64), (10, 16)] {
+        let (w, mut cluster) = worker(16);
+        {
+            let mut index = w.inner.index.lock().unwrap();
+            for i in 0..claimable {
+                index.apply(&queued(&format!("j{i}")));
+            }
+        }
+        let claim = tokio::spawn({
+            let w = w.clone();
+            async move { w.try_claim(&queued("j0")).await }
+        });
+        let send = cluster.expect("PUT", &format!("{JOBS}/j0/status")).await;
+        answer(send, 409, &status(409, "Conflict"));
+        let claimed = claim.await.unwrap().expect("a 409 is not an error");
+        assert!(claimed.is_none(), "a lost race claims nothing");
+        assert!(
+            w.inner.tried.lock().unwrap().contains("j0", "rv-j0"),
+            "the snapshot is known stale and not tried again"
+        );
+        assert_eq!(
+            w.inner.window.load(Ordering::Relaxed),
+            window,
+            "{claimable} claimable"
+        );
+        assert_eq!(w.held_count(), 0);
+        cluster.expect_none().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_lease_renewal_makes_every_later_call_lease_lost_without_asking() {
+    for refused in [422, 409] {
+        let (w, mut cluster) = worker(16);
+        let t1 = Token::issue(1);
+        let t2 = Token::issue(2);
+        // Held with its Lease written (as after a restart's first renewal).
+        w.hold("j1", t1.clone(), 30, None, Instant::now());
+        let heartbeat = tokio::spawn({
+            let (w, t1) = (w.clone(), t1.clone());
+            async move {
+                w.heartbeat("j1", t1.as_str(), None, Progress::default())
+                    .await
+            }
+        });
+        let send = cluster.expect("PATCH", &format!("{LEASES}/ljob-j1")).await;
+        answer(send, refused, &status(refused, "Invalid"));
+        // The renewal's refusal is told from a passing fault by a fresh read of the Lease...
+        let send = cluster.expect("GET", &format!("{LEASES}/ljob-j1")).await;
+        answer(send, 200, &lease("j1", &t2));
+        // ...and explained by the job.
+        let send = cluster.expect("GET", &format!("{JOBS}/j1")).await;
+        answer(send, 200, &job("j1", Phase::Leased, 2, Some(&t2)));
+        let e = heartbeat.await.unwrap().unwrap_err();
+        assert_eq!(e.category(), "lease_lost", "{refused}: {e}");
+        assert!(
+            !e.to_string().contains(t2.as_str()),
+            "names the new token: {e}"
+        );
+        assert_eq!(w.held_count(), 0, "a lost attempt is not held");
+        // From now on the attempt's calls are answered here.
+        let again = w
+            .heartbeat("j1", t1.as_str(), None, Progress::default())
+            .await
+            .unwrap_err();
+        let complete = w.complete("j1", t1.as_str(), json!(1)).await.unwrap_err();
+        let release = w.release("j1", t1.as_str()).await.unwrap_err();
+        for e in [again, complete, release] {
+            assert!(
+                matches!(
+                    e,
+                    WorkerError::LeaseLost {
+                        code: "lease_lost",
+                        ..
+                    }
+                ),
+                "{refused}: {e:?}"
+            );
+        }
+        cluster.expect_none().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_complete_with_a_stale_token_is_refused_by_the_read_and_writes_nothing() {
+    let t1 = Token::issue(1);
+    let t2 = Token::issue(2);
+    // What the read finds, and the refusal's category.
+    let cases: [(Option<LeasedJob>, &str); 4] = [
+        (Some(job("j1", Phase::Leased, 2, Some(&t2))), "lease_lost"),
+        (Some(job("j1", Phase::Queued, 1, Some(&t1))), "lease_lost"),
+        (Some(job("j1", Phase::Cancelled, 1, Some(&t1))), "cancelled"),
+        (
+            Some(job("j1", Phase::Succeeded, 2, Some(&t2))),
+            "job_finished",
+        ),
+    ];
+    for (found, category) in cases.into_iter().chain([(None, "job_not_found")]) {
+        let (w, mut cluster) = worker(16);
+        let complete = tokio::spawn({
+            let (w, t1) = (w.clone(), t1.clone());
+            async move { w.complete("j1", t1.as_str(), json!({"n": 1})).await }
+        });
+        let send = cluster.expect("GET", &format!("{JOBS}/j1")).await;
+        match &found {
+            Some(j) => answer(send, 200, j),
+            None => answer(send, 404, &status(404, "NotFound")),
+        }
+        let e = complete.await.unwrap().unwrap_err();
+        assert!(matches!(e, WorkerError::Refused(_)), "{e:?}");
+        assert_eq!(e.category(), category, "{e}");
+        // No status patch follows the refusal.
+        cluster.expect_none().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_heartbeat_after_this_process_completed_the_attempt_is_refused_without_asking() {
+    let (w, mut cluster) = worker(16);
+    let t1 = Token::issue(1);
+    let leased = job("j1", Phase::Leased, 1, Some(&t1));
+    // Claimed here: its Lease is not written yet, and the claim's answer is the snapshot.
+    w.hold("j1", t1.clone(), 30, Some(leased), Instant::now());
+    let complete = tokio::spawn({
+        let (w, t1) = (w.clone(), t1.clone());
+        async move { w.complete("j1", t1.as_str(), json!("done")).await }
+    });
+    // One write, built from the claim's answer: no read, and no Lease written.
+    let send = cluster.expect("PATCH", &format!("{JOBS}/j1/status")).await;
+    answer(send, 200, &job("j1", Phase::Succeeded, 1, Some(&t1)));
+    let done = complete.await.unwrap().unwrap();
+    assert_eq!(done.phase(), Phase::Succeeded);
+    assert_eq!(w.held_count(), 0);
+    let e = w
+        .heartbeat("j1", t1.as_str(), None, Progress::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, WorkerError::Refused(_)), "{e:?}");
+    assert_eq!(e.category(), "job_finished", "{e}");
+    cluster.expect_none().await;
+}
+
+/// Answers every request with 500, or the first Lease renewal with success when
+/// `first_succeeds`, until no request comes for a minute (the renewer stopped). Returns when
+/// each renewal was sent (from the start) and the worker's held count then.
+async fn fail_renewals(
+    w: &Worker,
+    cluster: &mut Cluster,
+    start: Instant,
+    t1: &Token,
+    first_succeeds: bool,
+) -> Vec<(Duration, usize)> {
+    let mut renewals = Vec::new();
+    while let Ok(Some((req, send))) =
+        tokio::time::timeout(Duration::from_secs(60), cluster.api.next_request()).await
+    {
+        assert_eq!(req.uri().path(), format!("{LEASES}/ljob-j1"));
+        if req.method() == "PATCH" {
+            renewals.push((start.elapsed(), w.held_count()));
+            if first_succeeds && renewals.len() == 1 {
+                answer(send, 200, &lease("j1", t1));
+                continue;
+            }
+        }
+        answer(send, 500, &status(500, "InternalError"));
+    }
+    renewals
+}
+
+#[tokio::test(start_paused = true)]
+async fn renewals_failing_for_a_whole_lease_duration_declare_the_lease_lost() {
+    // A 6 s lease: renewed every 2 s, retried every 1 s after a failure, lost 6 s after the
+    // last confirmed renewal (the start, or the one success).
+    for (first_succeeds, lost_at) in [(false, 6), (true, 8)] {
+        let (w, mut cluster) = worker(16);
+        let t1 = Token::issue(1);
+        let start = Instant::now();
+        w.hold("j1", t1.clone(), 6, None, start);
+        let renewals = fail_renewals(&w, &mut cluster, start, &t1, first_succeeds).await;
+        let times: Vec<u64> = renewals.iter().map(|(t, _)| t.as_secs()).collect();
+        let expected: Vec<u64> = if first_succeeds {
+            vec![2, 4, 5, 6, 7, 8]
+        } else {
+            vec![2, 3, 4, 5, 6]
+        };
+        assert_eq!(times, expected, "renewals sent at (s)");
+        // Held through every renewal; the failure of the one at a whole lease declares it lost.
+        assert!(renewals.iter().all(|(_, held)| *held == 1), "{renewals:?}");
+        assert_eq!(*times.last().unwrap(), lost_at);
+        assert_eq!(w.held_count(), 0, "lost after {lost_at} s");
+        let e = w
+            .heartbeat("j1", t1.as_str(), None, Progress::default())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, WorkerError::LeaseLost { code: "lease_lost", message } if message.contains("a whole lease duration")),
+            "{e:?}"
+        );
+        cluster.expect_none().await;
+    }
+}
