@@ -15,30 +15,12 @@ use tracing::{info, warn};
 use super::{Context, ReconcileError, EXPIRY_SLACK};
 
 use leasehold_core::crd::{LeasedJob, Phase};
-use leasehold_core::expiry::{self, Record, Verdict};
+use leasehold_core::expiry::{self, lease_duration, record_of, Verdict};
 use leasehold_core::fence::{self, Outcome, REASON_LEASE_EXPIRED};
 use leasehold_core::lease;
 use leasehold_core::token::Token;
 use leasehold_kube::api::{is_too_large, is_undecodable};
 use leasehold_kube::events::EventType;
-
-/// What the controller compares between looks at a leased job. A Lease that does not carry
-/// this attempt's heartbeats (another token, or another pod named as its holder) counts as no
-/// Lease: only the holder's renewals keep a job alive.
-pub(super) fn record_of(job: &LeasedJob, lease: Option<&Lease>) -> Record {
-    let token = job.token().unwrap_or_default();
-    let holder = job.status.as_ref().and_then(|s| s.holder.as_deref());
-    let spec = lease
-        .filter(|l| lease::names_attempt(l, token, holder))
-        .and_then(|l| l.spec.as_ref());
-    Record {
-        token: token.to_string(),
-        holder_identity: spec.and_then(|s| s.holder_identity.clone()),
-        renew_time: spec
-            .and_then(|s| s.renew_time.as_ref())
-            .map(|t| t.0.to_string()),
-    }
-}
 
 /// Looks at the Leased `job`'s Lease (`lease`, from the cache, named `lease_name`) and judges
 /// it on this replica's clock ([`expiry::observe`], [`expiry::judge`]): a live lease requeues
@@ -137,18 +119,6 @@ pub(super) async fn check_expiry(
         duration,
     )
     .await
-}
-
-/// The lease duration in force: the Lease's while it carries the current attempt's heartbeats
-/// ([`lease::names_attempt`]), else the job's.
-pub(super) fn lease_duration(job: &LeasedJob, lease: Option<&Lease>, token: &str) -> Duration {
-    let holder = job.status.as_ref().and_then(|s| s.holder.as_deref());
-    let from_lease = lease
-        .filter(|l| lease::names_attempt(l, token, holder))
-        .and_then(|l| l.spec.as_ref())
-        .and_then(|s| s.lease_duration_seconds);
-    let secs = from_lease.unwrap_or(job.spec.lease_duration_seconds).max(1);
-    Duration::from_secs(u64::try_from(secs).unwrap_or(1))
 }
 
 /// Ends the attempt of `job` whose lease ran out (`silent_for` without a renewal, against

@@ -20,7 +20,7 @@
 //! cancel), so that the holder, which does not know, is refused by the API server at its next
 //! renewal. It never writes the Lease of an attempt its holder ended: the job's status fences
 //! that attempt, and a Lease naming a token the job no longer holds as Leased is stale, counts
-//! as no Lease for expiry (`record_of`) and is taken over by the next claim
+//! as no Lease for expiry (`leasehold_core::expiry::record_of`) and is taken over by the next claim
 //! (docs/protocol.md, "What fences what").
 
 use std::collections::HashMap;

@@ -11,11 +11,11 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::ResourceExt;
 use tracing::warn;
 
-use super::expire::{lease_duration, record_of};
 use super::{Context, NOT_LEADER_REQUEUE};
 use crate::leader::Leadership;
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::expiry::{self, Observation};
+use leasehold_core::expiry::{lease_duration, record_of};
 use leasehold_core::lease;
 use leasehold_core::queue_stats::{self, JobSample};
 use leasehold_core::Category;

@@ -16,6 +16,11 @@
 
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::coordination::v1::Lease;
+
+use crate::crd::LeasedJob;
+use crate::lease;
+
 /// What the controller compares between observations of one leased job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Record {
@@ -94,6 +99,36 @@ pub fn overdue(
         Verdict::Expired { silent_for } => Some(silent_for - lease_duration),
         Verdict::Live { .. } => None,
     }
+}
+
+/// What the controller compares between looks at a leased job. A Lease that does not carry
+/// this attempt's heartbeats (another token, or another pod named as its holder) counts as no
+/// Lease: only the holder's renewals keep a job alive.
+pub fn record_of(job: &LeasedJob, lease: Option<&Lease>) -> Record {
+    let token = job.token().unwrap_or_default();
+    let holder = job.status.as_ref().and_then(|s| s.holder.as_deref());
+    let spec = lease
+        .filter(|l| lease::names_attempt(l, token, holder))
+        .and_then(|l| l.spec.as_ref());
+    Record {
+        token: token.to_string(),
+        holder_identity: spec.and_then(|s| s.holder_identity.clone()),
+        renew_time: spec
+            .and_then(|s| s.renew_time.as_ref())
+            .map(|t| t.0.to_string()),
+    }
+}
+
+/// The lease duration in force: the Lease's while it carries the current attempt's heartbeats
+/// ([`lease::names_attempt`]), else the job's.
+pub fn lease_duration(job: &LeasedJob, lease: Option<&Lease>, token: &str) -> Duration {
+    let holder = job.status.as_ref().and_then(|s| s.holder.as_deref());
+    let from_lease = lease
+        .filter(|l| lease::names_attempt(l, token, holder))
+        .and_then(|l| l.spec.as_ref())
+        .and_then(|s| s.lease_duration_seconds);
+    let secs = from_lease.unwrap_or(job.spec.lease_duration_seconds).max(1);
+    Duration::from_secs(u64::try_from(secs).unwrap_or(1))
 }
 
 #[cfg(test)]
