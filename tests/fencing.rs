@@ -2,12 +2,9 @@
 //! stale token is refused by the API server itself, and a result racing the controller's
 //! requeue lands exactly once.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt};
@@ -17,12 +14,12 @@ use leasehold_core::lease;
 use leasehold_core::Category;
 use leasehold_kube::claim::ClaimError;
 use leasehold_kube::fence::FenceError;
+use leasehold_testkit::*;
 use serde_json::json;
 
 #[tokio::test]
 async fn claim_race_20_claimers_1_job_exactly_one_wins_each_of_50_rounds() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "claim-race").await;
+    let Fixture { client, ns } = fixture!("claim-race");
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     for round in 0..50 {
         let name = format!("race-{round}");
@@ -74,8 +71,7 @@ async fn claim_race_20_claimers_1_job_exactly_one_wins_each_of_50_rounds() {
 
 #[tokio::test]
 async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "stale").await;
+    let Fixture { client, ns } = fixture!("stale");
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let job = create_job(
@@ -178,8 +174,7 @@ async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
 /// expires its lease, 200 times. Each time exactly one side wins.
 #[tokio::test]
 async fn late_result_against_expiry_exactly_one_side_wins_200_times() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "late-result").await;
+    let Fixture { client, ns } = fixture!("late-result");
     let _controller = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);

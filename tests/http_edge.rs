@@ -2,11 +2,9 @@
 //! answer of the worker API is JSON, and nothing a client sends (or does not send) makes the
 //! sidecar wait without bound.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use leasehold_testkit::*;
 use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -88,8 +86,7 @@ fn assert_json_error(a: &Answer, status: u16, code: &str) {
 
 #[tokio::test]
 async fn every_refusal_of_the_worker_api_is_json_and_comes_without_waiting_for_the_body() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "edge-json").await;
+    let Fixture { ns, .. } = fixture!("edge-json");
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &["--body-timeout", "1"]).await;
     let port = port(&sc);
     let wait = Duration::from_secs(5);
@@ -181,8 +178,7 @@ async fn every_refusal_of_the_worker_api_is_json_and_comes_without_waiting_for_t
 
 #[tokio::test]
 async fn a_request_line_hyper_cannot_parse_is_answered_400_and_closed() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "edge-raw").await;
+    let Fixture { ns, .. } = fixture!("edge-raw");
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     // http::Uri refuses a raw 0xff byte, so hyper answers before any handler can: see
     // docs/protocol.md for why that answer has no JSON body.
@@ -198,8 +194,7 @@ async fn a_request_line_hyper_cannot_parse_is_answered_400_and_closed() {
 
 #[tokio::test]
 async fn silent_trickling_and_idle_keep_alive_connections_are_closed_within_the_header_timeout() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "edge-idle").await;
+    let Fixture { ns, .. } = fixture!("edge-idle");
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &["--header-timeout", "1"]).await;
     let port = port(&sc);
     let bound = Duration::from_millis(2500);
@@ -247,8 +242,7 @@ async fn silent_trickling_and_idle_keep_alive_connections_are_closed_within_the_
 
 #[tokio::test]
 async fn the_metrics_endpoints_of_the_controller_and_the_sidecar_close_silent_connections_too() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "edge-metrics").await;
+    let Fixture { ns, .. } = fixture!("edge-metrics");
     let controller = controller_with(&ns.name, "ctl", &["--header-timeout", "1"]);
     let metrics_port = free_port();
     let metrics_addr = format!("127.0.0.1:{metrics_port}");
@@ -285,8 +279,7 @@ async fn the_metrics_endpoints_of_the_controller_and_the_sidecar_close_silent_co
 
 #[tokio::test]
 async fn two_hundred_idle_connections_are_all_closed_and_a_claim_is_served_meanwhile() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "edge-many").await;
+    let Fixture { client, ns } = fixture!("edge-many");
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &["--header-timeout", "3"]).await;
     let port = port(&sc);
     let mut idle = Vec::new();
@@ -334,8 +327,7 @@ async fn two_hundred_idle_connections_are_all_closed_and_a_claim_is_served_meanw
 /// long before the network heals. Before the fix the heartbeat blocked for the whole 15 s.
 #[tokio::test]
 async fn a_heartbeat_through_a_partition_is_answered_inside_the_lease() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "edge-partition").await;
+    let Fixture { client, ns } = fixture!("edge-partition");
     let relay = faults::Relay::start(faults::apiserver_port());
     let path = relay.kubeconfig(&format!("{}-relayed", ns.name));
     let sc = Sidecar::start_as(&ns.name, "q", "pod-a", &[], &path).await;

@@ -4,17 +4,15 @@
 //! drain after a lost lease, and a lease duration changed under a holder. Each against the real
 //! control plane, with the real binaries.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use leasehold_core::crd::{LeasedJob, Phase, CONDITION_LEASE_CONFLICT};
 use leasehold_core::lease;
+use leasehold_testkit::*;
 use serde_json::{json, Value};
 
 async fn job(client: &kube::Client, ns: &str, name: &str) -> LeasedJob {
@@ -71,8 +69,7 @@ async fn conflicted(client: &kube::Client, ns: &str, name: &str, reason: &str) -
 /// at that heartbeat, and other jobs are unaffected.
 #[tokio::test]
 async fn a_foreign_lease_is_never_written_and_only_its_job_waits() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "foreign-lease").await;
+    let Fixture { client, ns } = fixture!("foreign-lease");
     let _controller = controller(&ns.name);
     let foreign = create_lease(
         &client,
@@ -173,8 +170,7 @@ async fn a_foreign_lease_is_never_written_and_only_its_job_waits() {
 /// is never taken: both holders keep their leases through several lease durations.
 #[tokio::test]
 async fn a_long_name_and_its_lease_name_twin_keep_their_own_leases() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "lease-twins").await;
+    let Fixture { client, ns } = fixture!("lease-twins");
     let _controller = controller(&ns.name);
     let x = "h".repeat(253);
     // The old scheme: ljob-<first 231 characters>-<16 hex>; its twin drops the prefix.
@@ -272,8 +268,7 @@ async fn a_long_name_and_its_lease_name_twin_keep_their_own_leases() {
 /// garbage collection removed it.
 #[tokio::test]
 async fn a_leftover_lease_never_fails_a_job_that_never_ran() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "leftover-lease").await;
+    let Fixture { client, ns } = fixture!("leftover-lease");
     let _controller = controller(&ns.name);
     create_lease(
         &client,
@@ -361,8 +356,7 @@ async fn a_leftover_lease_never_fails_a_job_that_never_ran() {
 /// label-filtered cache) must not make a dead holder's job immortal.
 #[tokio::test]
 async fn a_lease_that_lost_its_label_still_expires() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "unlabelled-lease").await;
+    let Fixture { client, ns } = fixture!("unlabelled-lease");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
@@ -406,8 +400,7 @@ async fn a_lease_that_lost_its_label_still_expires() {
 /// Item 14: a release after a sidecar restart carries the checkpoint the Lease holds.
 #[tokio::test]
 async fn a_release_after_a_sidecar_restart_keeps_the_checkpoint() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "release-checkpoint").await;
+    let Fixture { client, ns } = fixture!("release-checkpoint");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
@@ -443,8 +436,7 @@ async fn a_release_after_a_sidecar_restart_keeps_the_checkpoint() {
 /// write is held in a stalled relay until the client has timed out.
 #[tokio::test]
 async fn a_claim_whose_client_went_away_is_given_back_at_once() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "lost-claim").await;
+    let Fixture { client, ns } = fixture!("lost-claim");
     let _controller = controller(&ns.name);
     let relay = faults::Relay::start(faults::apiserver_port());
     let kubeconfig = relay.kubeconfig(&format!("{}-relayed", ns.name));
@@ -492,8 +484,7 @@ async fn a_claim_whose_client_went_away_is_given_back_at_once() {
 /// Item 16: a sidecar whose only job's lease was lost does not wait out its drain timeout.
 #[tokio::test]
 async fn a_drain_does_not_wait_for_a_lost_lease() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "drain-lost").await;
+    let Fixture { client, ns } = fixture!("drain-lost");
     let _controller = controller(&ns.name);
     let mut sc = Sidecar::start(&ns.name, "q", "pod-a", &["--drain-timeout", "25"]).await;
     create_job(
@@ -539,8 +530,7 @@ async fn a_drain_does_not_wait_for_a_lost_lease() {
 /// Queued.
 #[tokio::test]
 async fn the_lease_duration_of_a_leased_job_cannot_change() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "lease-duration").await;
+    let Fixture { client, ns } = fixture!("lease-duration");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(

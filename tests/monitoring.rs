@@ -12,7 +12,6 @@
 //! scripts/test does both and exports where they are.
 
 mod chart_support;
-mod common;
 mod monitoring_support;
 
 use std::collections::BTreeSet;
@@ -21,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chart_support::*;
-use common::*;
+use leasehold_testkit::*;
 use monitoring_support::*;
 use serde_json::{json, Value};
 
@@ -37,6 +36,7 @@ const ALERTS: [(&str, &str); 7] = [
 
 #[test]
 fn the_chart_alert_rules_pass_promtool_check_rules_and_their_unit_tests() {
+    require_control_plane!();
     let dir = scratch("check");
     let rules = rule_file("leasehold-system", &[]);
     std::fs::write(dir.join("rules.yaml"), &rules).unwrap();
@@ -79,6 +79,7 @@ fn the_chart_alert_rules_pass_promtool_check_rules_and_their_unit_tests() {
 /// (or `for`, or minimum count) loosened its silent cases fire.
 #[test]
 fn every_alert_unit_test_fails_when_the_alert_is_gone_or_looser() {
+    require_control_plane!();
     let loosened: &[(&str, &[&str])] = &[
         (
             "LeaseholdJobsPastLease",
@@ -130,6 +131,7 @@ fn every_alert_unit_test_fails_when_the_alert_is_gone_or_looser() {
 
 #[test]
 fn every_alert_has_a_runbook_section_and_unit_tests_that_fire_and_stay_silent() {
+    require_control_plane!();
     let rules = rule_file("leasehold-system", &[]);
     let names = alert_names(&rules);
     let expected: Vec<String> = ALERTS.iter().map(|(a, _)| a.to_string()).collect();
@@ -190,6 +192,7 @@ fn every_alert_has_a_runbook_section_and_unit_tests_that_fire_and_stay_silent() 
 
 #[test]
 fn the_dashboard_configmap_carries_the_dashboard_file_and_every_panel_has_a_query() {
+    require_control_plane!();
     let file = repo("charts/leasehold/dashboards/leasehold.json");
     let dashboard: Value = serde_json::from_str(&file).expect("dashboard JSON");
     assert_eq!(dashboard["uid"], "leasehold");
@@ -251,6 +254,7 @@ fn the_dashboard_configmap_carries_the_dashboard_file_and_every_panel_has_a_quer
 
 #[test]
 fn the_monitors_refuse_settings_under_which_they_would_scrape_nothing() {
+    require_control_plane!();
     let chart = chart_dir();
     let chart = chart.to_str().unwrap();
     let (ok, out) = helm(&[
@@ -281,8 +285,10 @@ fn the_monitors_refuse_settings_under_which_they_would_scrape_nothing() {
 
 #[tokio::test]
 async fn the_monitoring_objects_pass_a_server_side_dry_run_against_their_crds() {
-    let client = client().await;
-    let release_ns = TestNamespace::new(&client, "mon-dry").await;
+    let Fixture {
+        client,
+        ns: release_ns,
+    } = fixture!("mon-dry");
     let workers = TestNamespace::new(&client, "mon-dry-w").await;
     let _crds = MonitoringCrds::install();
     let chart = chart_dir();
@@ -444,10 +450,9 @@ async fn the_monitoring_objects_pass_a_server_side_dry_run_against_their_crds() 
 #[tokio::test]
 async fn a_real_prometheus_shows_the_queue_depth_and_fires_the_stuck_job_alerts_for_stuck_jobs_only(
 ) {
-    let client = client().await;
     // Two installations: a healthy one (two controller replicas, workers), and one whose
     // controller never leads, behind a leader Lease held by something else.
-    let ns = TestNamespace::new(&client, "prom").await;
+    let Fixture { client, ns } = fixture!("prom");
     let wedged = TestNamespace::new(&client, "prom-wedged").await;
     let stop = Arc::new(AtomicBool::new(false));
     let holder = hold_leadership(&client, &wedged.name, Arc::clone(&stop)).await;

@@ -10,17 +10,16 @@
 //! cannot run a node (not root).
 
 mod chart_support;
-mod common;
 mod node_support;
 
 use std::time::{Duration, Instant};
 
 use chart_support::*;
-use common::*;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::Api;
 use leasehold_core::crd::Phase;
+use leasehold_testkit::*;
 use node_support::*;
 use serde_json::{json, Value};
 

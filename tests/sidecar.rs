@@ -1,25 +1,22 @@
 //! The sidecar and the controller as real processes, driven over HTTP as a worker drives them,
 //! with real faults: SIGKILL and SIGSTOP.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::{Api, ResourceExt};
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::fence::REASON_LEASE_EXPIRED;
 use leasehold_core::lease;
+use leasehold_testkit::*;
 use serde_json::{json, Value};
 
 #[tokio::test]
 async fn sidecar_refuses_bad_tokens_unknown_jobs_and_bad_bodies_and_keeps_serving() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "refusals").await;
+    let Fixture { client, ns } = fixture!("refusals");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
@@ -175,8 +172,7 @@ async fn sidecar_refuses_bad_tokens_unknown_jobs_and_bad_bodies_and_keeps_servin
 
 #[tokio::test]
 async fn heartbeats_keep_a_30s_job_alive_without_touching_the_job() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "alive").await;
+    let Fixture { client, ns } = fixture!("alive");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
@@ -241,8 +237,7 @@ async fn lease_now(leases: &Api<Lease>, job: &str) -> (Option<String>, String, O
 /// and the next claim takes the Lease over.
 #[tokio::test]
 async fn an_ended_attempts_lease_is_left_as_is_and_its_token_stays_refused() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "ended-lease").await;
+    let Fixture { client, ns } = fixture!("ended-lease");
     let _controller = controller(&ns.name);
     let a = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
@@ -325,8 +320,7 @@ async fn an_ended_attempts_lease_is_left_as_is_and_its_token_stays_refused() {
 /// the claim writes it when the worker does not heartbeat.
 #[tokio::test]
 async fn the_first_renewal_writes_the_lease_and_a_quick_job_writes_none() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "first-renewal").await;
+    let Fixture { client, ns } = fixture!("first-renewal");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
@@ -401,8 +395,7 @@ async fn the_first_renewal_writes_the_lease_and_a_quick_job_writes_none() {
 /// for the attempt that ended meanwhile.
 #[tokio::test]
 async fn an_attempt_without_a_lease_yet_expires_a_lease_after_its_claim() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "no-lease-yet").await;
+    let Fixture { client, ns } = fixture!("no-lease-yet");
     let _controller = controller(&ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
@@ -463,8 +456,7 @@ async fn an_attempt_without_a_lease_yet_expires_a_lease_after_its_claim() {
 /// the Lease at the worker's first heartbeat: the job names it as the holder.
 #[tokio::test]
 async fn a_restarted_sidecar_writes_the_lease_at_the_first_heartbeat() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "restart-first").await;
+    let Fixture { client, ns } = fixture!("restart-first");
     let _controller = controller(&ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     create_job(
@@ -500,8 +492,7 @@ async fn kill_holder(sc: Sidecar, leases: &Api<Lease>, job: &str) -> Timestamp {
 
 #[tokio::test]
 async fn a_killed_worker_loses_its_job_within_the_lease_and_max_attempts_deaths_fail_it() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "death").await;
+    let Fixture { client, ns } = fixture!("death");
     let _controller = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
@@ -550,8 +541,7 @@ async fn a_killed_worker_loses_its_job_within_the_lease_and_max_attempts_deaths_
 
 #[tokio::test]
 async fn a_checkpoint_written_by_attempt_1_reaches_attempt_2() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "checkpoint").await;
+    let Fixture { client, ns } = fixture!("checkpoint");
     let _controller = controller(&ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     create_job(
@@ -614,8 +604,7 @@ async fn next_event(
 
 #[tokio::test]
 async fn a_zombie_worker_woken_after_its_lease_cannot_overwrite_the_new_owner() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "zombie").await;
+    let Fixture { client, ns } = fixture!("zombie");
     // Every transition as an Event: the test counts the Completed ones.
     let _controller = controller_with(&ns.name, "test-controller", &["--events", "all"]);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
@@ -723,8 +712,7 @@ async fn a_zombie_worker_woken_after_its_lease_cannot_overwrite_the_new_owner() 
 
 #[tokio::test]
 async fn a_silent_worker_stops_being_renewed_and_loses_its_job() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "silent").await;
+    let Fixture { client, ns } = fixture!("silent");
     let _controller = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     // The effective silence limit is max(--worker-timeout, leaseDurationSeconds) = 5 s.
