@@ -257,8 +257,9 @@ async fn claims_are_made_only_in_the_requesting_pods_name() {
         .expect("the same claim, keeping the failures");
 }
 
+/// Only the holding pod writes status and stale tokens are refused.
 #[tokio::test]
-async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
+async fn only_the_holder_writes_status() {
     let w = World::new(fixture!("adm-holder"), &[]).await;
     let (jobs_a, jobs_b) = (w.jobs(&w.a), w.jobs(&w.b));
     w.create_job("j").await;
@@ -614,10 +615,12 @@ subjects: [{{kind: ServiceAccount, name: {WORKER_SA}, namespace: {ns}}}]
     assert_eq!(w.job("j").await.spec.priority, 100);
 }
 
+/// Without the admission policies, RBAC alone lets a worker forge claims.
+///
 /// Shows what the rules above are worth: with the policies off, RBAC alone lets a worker
 /// claim in another pod's name and complete a job another pod holds.
 #[tokio::test]
-async fn without_the_admission_policies_rbac_alone_lets_a_worker_forge_claims() {
+async fn rbac_alone_lets_a_worker_forge_claims() {
     let w = World::new(fixture!("adm-off"), &["admissionPolicy.enabled=false"]).await;
     w.create_job("j").await;
     let forged = json!({"phase": "Leased", "attempt": 1, "holder": "pod-b", "token": hex_token(1)});

@@ -273,8 +273,9 @@ fn assert_refused(refusal: &(u16, String), job: &str, field: &str) {
     }
 }
 
+/// Jobs too large to store are refused with 413, naming the field and the limit.
 #[tokio::test]
-async fn jobs_too_large_to_store_are_refused_with_413_naming_the_field_and_the_limit() {
+async fn oversized_jobs_are_refused_with_413() {
     let Fixture { client, ns } = fixture!("size-limit");
     let api: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let (mb_1_6, mb_2_5) = (MIB * 16 / 10, MIB * 25 / 10);
@@ -465,8 +466,9 @@ fn refused(args: &[&str]) -> (bool, String) {
     )
 }
 
+/// Bad admission flags are refused at start, naming the problem.
 #[test]
-fn bad_admission_flags_are_refused_at_start_naming_the_problem() {
+fn bad_admission_flags_are_refused() {
     let dir = scratch("admission-bad-flags");
     let ca = dir.join("ca.crt");
     make_certs(&dir, "");

@@ -319,8 +319,9 @@ impl Chaos {
     }
 }
 
+/// Under chaos, no job is lost or accepted twice, and dispatch and expiry recover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn under_chaos_no_job_is_lost_or_accepted_twice_and_dispatch_and_expiry_recover() {
+async fn no_job_lost_or_accepted_twice_under_chaos() {
     let size = Size::from_env();
     println!(
         "chaos: seed {} (LEASEHOLD_CHAOS_SEED={} replays it), {} jobs, {} pods, {} pass(es)",

@@ -66,11 +66,13 @@ fn chart_copies_of_the_crd_and_the_example_worker_equal_their_sources() {
     }
 }
 
+/// The chart's example worker runs from its ConfigMap with the client on PYTHONPATH.
+///
 /// The example worker's pod, laid out as the kubelet would from the rendered ConfigMap and
 /// the volume's items, imports the client from the container's PYTHONPATH and runs
 /// (`python3 /opt/leasehold/worker.py --help`).
 #[test]
-fn chart_example_worker_runs_from_its_configmap_with_the_client_on_pythonpath() {
+fn example_worker_runs_from_its_configmap() {
     require_control_plane!();
     let chart = chart_dir();
     let rendered = helm_ok(&[
@@ -226,8 +228,9 @@ fn helm_lint_passes_with_defaults_and_with_every_option_on() {
     );
 }
 
+/// Everything the chart renders passes a server-side dry run.
 #[tokio::test]
-async fn everything_the_chart_renders_passes_a_server_side_dry_run() {
+async fn rendered_chart_passes_a_dry_run() {
     // TestNamespace::new applies the CRD, which must not happen while another test has
     // replaced or deleted it.
     let _lock = CRD_LOCK.lock().await;
@@ -516,8 +519,9 @@ async fn assert_runs(proc: &mut Proc) {
     );
 }
 
+/// The controller refuses an out-of-date CRD, naming the field and the fix.
 #[tokio::test]
-async fn controller_refuses_an_out_of_date_crd_naming_the_field_and_the_fix() {
+async fn controller_refuses_an_old_crd() {
     let _lock = CRD_LOCK.lock().await;
     let Fixture { ns, .. } = fixture!("crd-check");
     let _restore = RestoreCrd;
@@ -570,8 +574,9 @@ fn release_objects(release: &str, kinds: &str, all_namespaces: bool) -> String {
     out.trim().to_string()
 }
 
+/// Helm install, upgrade across a CRD change, and uninstall leave no orphans.
 #[tokio::test]
-async fn helm_install_upgrade_across_a_crd_change_and_uninstall_leave_no_orphans() {
+async fn helm_install_upgrade_uninstall() {
     let _lock = CRD_LOCK.lock().await;
     let Fixture { client, ns } = fixture!("helm-life");
     let workers = TestNamespace::new(&client, "helm-life-w").await;

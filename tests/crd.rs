@@ -26,8 +26,9 @@ fn manifest(name: &str, spec: &str) -> String {
     format!("apiVersion: leasehold.dev/v1alpha1\nkind: LeasedJob\nmetadata:\n  name: {name}\nspec:\n{spec}\n")
 }
 
+/// Bad manifests are rejected with messages naming the field.
 #[tokio::test]
-async fn bad_manifests_are_rejected_with_messages_naming_the_field() {
+async fn bad_manifests_are_rejected() {
     let Fixture { client, ns } = fixture!("crd-bad");
     let cases = [
         (
@@ -261,13 +262,15 @@ async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
     assert!(out.contains("spec.priority"), "{out}");
 }
 
+/// `kubectl explain` prints descriptions as filled paragraphs.
+///
 /// `kubectl explain` fills each description's paragraphs to its 80 columns: no line ends
 /// early where the next line's first word would have fit, which is what a hard line break
 /// inside a description (a doc comment's source line ending) looks like in its output. A
 /// line that ends a sentence may be followed by a short one: for a list field, kubectl prints
 /// the items' own description on the next line.
 #[tokio::test]
-async fn kubectl_explain_prints_descriptions_as_filled_paragraphs() {
+async fn kubectl_explain_fills_paragraphs() {
     require_control_plane!();
     let client = client().await;
     install_crd(&client).await;

@@ -75,8 +75,9 @@ async fn claim_and_fail_each(sc: &Sidecar, names: &[String], message: &str, retr
     assert_eq!(failed, expected, "each job claimed once");
 }
 
+/// Jobs with names up to 253 characters and 4 KiB messages get their events.
 #[tokio::test]
-async fn jobs_with_names_up_to_253_characters_and_4_kib_messages_get_their_events() {
+async fn long_names_and_messages_get_events() {
     let Fixture { client, ns } = fixture!("events");
     let _ctl = controller_with(&ns.name, "test-controller", &["--events", "all"]);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;

@@ -10,8 +10,9 @@ use leasehold_core::fence::REASON_LEASE_EXPIRED;
 use leasehold_testkit::*;
 use serde_json::json;
 
+/// Renewals failing for a whole lease lose the lease and the system recovers.
 #[tokio::test]
-async fn renewals_failing_for_a_whole_lease_lose_the_lease_and_the_system_recovers() {
+async fn renewals_failing_for_a_lease_lose_it() {
     let Fixture { client, ns } = fixture!("outage");
     let _controller = controller(&ns.name);
     let a = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;

@@ -244,8 +244,9 @@ fn the_image_holds_one_static_executable_and_no_shell() {
     );
 }
 
+/// The image's controller and sidecar run as 65532 read-only through a job lifecycle.
 #[tokio::test]
-async fn the_images_controller_and_sidecar_run_as_65532_read_only_through_a_job_lifecycle() {
+async fn image_runs_a_job_lifecycle() {
     let Fixture { client, ns } = fixture!("image");
     let kubeconfig = readable_kubeconfig(&ns.name);
     let (metrics_port, sidecar_port, sidecar_metrics) = (free_port(), free_port(), free_port());

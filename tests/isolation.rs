@@ -64,7 +64,7 @@ async fn conflicted(client: &kube::Client, ns: &str, name: &str, reason: &str) -
     .await
 }
 
-/// Item 4 and 12: a Lease named `ljob-foo` that another application owns is never written; the
+/// A Lease named `ljob-foo` that another application owns is never written; the
 /// claim of `foo` is undone by its first renewal (not a failed attempt), the worker is told why
 /// at that heartbeat, and other jobs are unaffected.
 #[tokio::test]
@@ -164,12 +164,14 @@ async fn a_foreign_lease_is_never_written_and_only_its_job_waits() {
     .await;
 }
 
-/// Item 3: two jobs whose derived Lease names collided under the old naming (a 253-character
+/// A long name and its lease name twin keep their own leases.
+///
+/// Two jobs whose derived Lease names collided under the old naming (a 253-character
 /// name, and a 248-character name equal to the first one's old shortened Lease name without the
 /// prefix) now get different Leases, and even a Lease of the twin's name owned by the first job
 /// is never taken: both holders keep their leases through several lease durations.
 #[tokio::test]
-async fn a_long_name_and_its_lease_name_twin_keep_their_own_leases() {
+async fn lease_name_twins_keep_their_own_leases() {
     let Fixture { client, ns } = fixture!("lease-twins");
     let _controller = controller(&ns.name);
     let x = "h".repeat(253);
@@ -261,7 +263,7 @@ async fn a_long_name_and_its_lease_name_twin_keep_their_own_leases() {
     assert_eq!(after.resource_version(), planted.resource_version());
 }
 
-/// Item 11: a leftover Lease labelled as leasehold's but owned by no LeasedJob (holder from
+/// A leftover Lease labelled as leasehold's but owned by no LeasedJob (holder from
 /// attempt 5) makes the claim undo itself at its first renewal (here the background one, a
 /// third of the lease after the claim): the job is never failed for it. A Lease left by an
 /// earlier job of the same name (another uid) is recognised as stale and the job runs once
@@ -352,7 +354,7 @@ async fn a_leftover_lease_never_fails_a_job_that_never_ran() {
         .all(|c| c.type_ != CONDITION_LEASE_CONFLICT));
 }
 
-/// Item 13: removing the Lease's managed-by label (which takes it out of the controller's
+/// Removing the Lease's managed-by label (which takes it out of the controller's
 /// label-filtered cache) must not make a dead holder's job immortal.
 #[tokio::test]
 async fn a_lease_that_lost_its_label_still_expires() {
@@ -397,7 +399,7 @@ async fn a_lease_that_lost_its_label_still_expires() {
     assert_eq!(requeued.status.unwrap().failures[0].reason, "LeaseExpired");
 }
 
-/// Item 14: a release after a sidecar restart carries the checkpoint the Lease holds.
+/// A release after a sidecar restart carries the checkpoint the Lease holds.
 #[tokio::test]
 async fn a_release_after_a_sidecar_restart_keeps_the_checkpoint() {
     let Fixture { client, ns } = fixture!("release-checkpoint");
@@ -431,7 +433,7 @@ async fn a_release_after_a_sidecar_restart_keeps_the_checkpoint() {
     );
 }
 
-/// Item 15: a claim whose client has gone by the time the claim write lands is given back at
+/// A claim whose client has gone by the time the claim write lands is given back at
 /// once (Queued, not a failed attempt), not left Leased to nobody for a whole lease. The claim
 /// write is held in a stalled relay until the client has timed out.
 #[tokio::test]
@@ -481,7 +483,7 @@ async fn a_claim_whose_client_went_away_is_given_back_at_once() {
     );
 }
 
-/// Item 16: a sidecar whose only job's lease was lost does not wait out its drain timeout.
+/// A sidecar whose only job's lease was lost does not wait out its drain timeout.
 #[tokio::test]
 async fn a_drain_does_not_wait_for_a_lost_lease() {
     let Fixture { client, ns } = fixture!("drain-lost");
@@ -526,7 +528,7 @@ async fn a_drain_does_not_wait_for_a_lost_lease() {
     );
 }
 
-/// Item 9: spec.leaseDurationSeconds is fixed while a holder has the lease; it can change while
+/// Spec.leaseDurationSeconds is fixed while a holder has the lease; it can change while
 /// Queued.
 #[tokio::test]
 async fn the_lease_duration_of_a_leased_job_cannot_change() {

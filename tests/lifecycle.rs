@@ -10,8 +10,9 @@ use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_testkit::*;
 use serde_json::json;
 
+/// A retryable failure with backoff is not claimable before retryAfter.
 #[tokio::test]
-async fn a_retryable_failure_with_backoff_is_not_claimable_before_retry_after() {
+async fn backoff_delays_the_retry() {
     let Fixture { client, ns } = fixture!("backoff");
     let _controller = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
@@ -98,8 +99,9 @@ async fn set_cancel(jobs: &Api<LeasedJob>, name: &str) {
     .unwrap();
 }
 
+/// Cancelling a queued job ends it at once, and no one claims it.
 #[tokio::test]
-async fn cancelling_a_queued_job_ends_it_at_once_and_no_one_claims_it() {
+async fn cancel_a_queued_job() {
     let Fixture { client, ns } = fixture!("cancel-queued");
     let _controller = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
@@ -161,8 +163,9 @@ async fn held_job(fixture: Fixture, name: &str) -> HeldJob {
     }
 }
 
+/// Cancelling a leased job stops its holder at the next heartbeat.
 #[tokio::test]
-async fn cancelling_a_leased_job_stops_its_holder_at_the_next_heartbeat() {
+async fn cancel_a_leased_job() {
     // Bind the whole HeldJob: its namespace and controller must live to the end.
     let held = held_job(fixture!("cancel-leased"), "c").await;
     let (jobs, sc, token) = (&held.jobs, &held.sidecar, &held.token);
@@ -197,8 +200,9 @@ async fn deleting_a_leased_job_stops_its_holder() {
     );
 }
 
+/// Finished jobs are deleted after ttlSecondsAfterFinished.
 #[tokio::test]
-async fn finished_jobs_are_deleted_after_ttl_seconds_after_finished() {
+async fn ttl_deletes_finished_jobs() {
     let Fixture { client, ns } = fixture!("ttl");
     let _controller = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);

@@ -34,8 +34,9 @@ const ALERTS: [(&str, &str); 7] = [
     ("LeaseholdClaimConflicts", "claimConflicts"),
 ];
 
+/// The chart's alert rules pass `promtool check rules` and their unit tests.
 #[test]
-fn the_chart_alert_rules_pass_promtool_check_rules_and_their_unit_tests() {
+fn alert_rules_pass_promtool() {
     require_control_plane!();
     let dir = scratch("check");
     let rules = rule_file("leasehold-system", &[]);
@@ -75,10 +76,12 @@ fn the_chart_alert_rules_pass_promtool_check_rules_and_their_unit_tests() {
     );
 }
 
+/// Every alert unit test fails when the alert is gone or looser.
+///
 /// Each unit test can fail: without the alert its firing case fails, and with its threshold
 /// (or `for`, or minimum count) loosened its silent cases fire.
 #[test]
-fn every_alert_unit_test_fails_when_the_alert_is_gone_or_looser() {
+fn alert_tests_catch_looser_alerts() {
     require_control_plane!();
     let loosened: &[(&str, &[&str])] = &[
         (
@@ -129,8 +132,9 @@ fn every_alert_unit_test_fails_when_the_alert_is_gone_or_looser() {
     }
 }
 
+/// Every alert has a runbook section and unit tests that fire and stay silent.
 #[test]
-fn every_alert_has_a_runbook_section_and_unit_tests_that_fire_and_stay_silent() {
+fn every_alert_has_runbook_and_tests() {
     require_control_plane!();
     let rules = rule_file("leasehold-system", &[]);
     let names = alert_names(&rules);
@@ -190,8 +194,9 @@ fn every_alert_has_a_runbook_section_and_unit_tests_that_fire_and_stay_silent() 
     }
 }
 
+/// The dashboard ConfigMap carries the dashboard file and every panel has a query.
 #[test]
-fn the_dashboard_configmap_carries_the_dashboard_file_and_every_panel_has_a_query() {
+fn dashboard_configmap_is_complete() {
     require_control_plane!();
     let file = repo("charts/leasehold/dashboards/leasehold.json");
     let dashboard: Value = serde_json::from_str(&file).expect("dashboard JSON");
@@ -252,8 +257,9 @@ fn the_dashboard_configmap_carries_the_dashboard_file_and_every_panel_has_a_quer
         .any(|d| d["metadata"]["name"] == "leasehold-dashboard"));
 }
 
+/// The monitors refuse settings under which they would scrape nothing.
 #[test]
-fn the_monitors_refuse_settings_under_which_they_would_scrape_nothing() {
+fn monitors_refuse_empty_scrapes() {
     require_control_plane!();
     let chart = chart_dir();
     let chart = chart.to_str().unwrap();
@@ -283,8 +289,9 @@ fn the_monitors_refuse_settings_under_which_they_would_scrape_nothing() {
     );
 }
 
+/// The monitoring objects pass a server-side dry run against their CRDs.
 #[tokio::test]
-async fn the_monitoring_objects_pass_a_server_side_dry_run_against_their_crds() {
+async fn monitoring_objects_pass_a_dry_run() {
     let Fixture {
         client,
         ns: release_ns,
@@ -447,9 +454,9 @@ async fn the_monitoring_objects_pass_a_server_side_dry_run_against_their_crds() 
     assert!(worker["spec"]["replicas"].is_null(), "{worker}");
 }
 
+/// A real Prometheus shows the queue depth and fires the stuck-job alerts for stuck jobs only.
 #[tokio::test]
-async fn a_real_prometheus_shows_the_queue_depth_and_fires_the_stuck_job_alerts_for_stuck_jobs_only(
-) {
+async fn prometheus_sees_depth_and_stuck_jobs() {
     // Two installations: a healthy one (two controller replicas, workers), and one whose
     // controller never leads, behind a leader Lease held by something else.
     let Fixture { client, ns } = fixture!("prom");

@@ -60,8 +60,9 @@ async fn fill_queue(client: &kube::Client, ns: &str, queue: &str, n: usize) {
     futures::future::join_all(creates).await;
 }
 
+/// The live sidecar answers as its OpenAPI document says under fuzzing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_live_sidecar_answers_as_its_openapi_document_says_under_fuzzing() {
+async fn sidecar_matches_its_openapi_document() {
     require_control_plane!();
     let st = schemathesis();
     let python = st.with_file_name("python");

@@ -99,8 +99,9 @@ async fn killed_holders_job_is_requeued(ns: &str, queue: &str, job: &str, poison
     assert_eq!(failure.reason, REASON_LEASE_EXPIRED);
 }
 
+/// A job too deep to decode is skipped and reported while every other job moves.
 #[tokio::test]
-async fn a_job_too_deep_to_decode_is_skipped_and_reported_while_every_other_job_moves() {
+async fn undecodable_job_is_skipped() {
     let Fixture { client, ns } = fixture!("poison-job");
     let ns = ns.name.clone();
     // A payload nested 130 levels deep: valid JSON the API server stores, deeper than
@@ -182,8 +183,9 @@ async fn a_job_too_deep_to_decode_is_skipped_and_reported_while_every_other_job_
     assert!(text.contains("recursion limit"), "{text}");
 }
 
+/// A Lease renewed in year 9999 does not stop the controller.
 #[tokio::test]
-async fn a_lease_renewed_in_year_9999_does_not_stop_the_controller() {
+async fn lease_renewed_in_year_9999() {
     let Fixture { client, ns } = fixture!("poison-lease");
     let ns = ns.name.clone();
     let _cleanup = DeleteOnDrop(vec![

@@ -61,8 +61,9 @@ fn row<'a>(table: &'a str, name: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no row for {name} in:\n{table}"))
 }
 
+/// GET shows the progress a heartbeat sent, and the job is not written.
 #[tokio::test]
-async fn get_shows_the_progress_a_heartbeat_sent_and_the_job_is_not_written() {
+async fn get_shows_heartbeat_progress() {
     let Fixture { client, ns } = fixture!("progress-get");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "media", "pod-a", &[]).await;
@@ -196,8 +197,9 @@ async fn get_shows_the_progress_a_heartbeat_sent_and_the_job_is_not_written() {
     let _ = watch.wait();
 }
 
+/// Bad progress or message is refused with 400 and nothing is written.
 #[tokio::test]
-async fn bad_progress_or_message_is_refused_with_400_and_nothing_is_written() {
+async fn bad_progress_is_refused() {
     let Fixture { client, ns } = fixture!("progress-bad");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
@@ -269,8 +271,9 @@ async fn bad_progress_or_message_is_refused_with_400_and_nothing_is_written() {
     assert_eq!(s, 200, "{r}");
 }
 
+/// Retry of a failed job runs a new attempt and keeps its failures.
 #[tokio::test]
-async fn retry_of_a_failed_job_runs_a_new_attempt_and_keeps_its_failures() {
+async fn retry_keeps_past_failures() {
     let Fixture { client, ns } = fixture!("progress-retry");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;

@@ -10,8 +10,9 @@ use std::process::Command;
 
 use leasehold_testkit::*;
 
+/// The Python client passes its pytest suite against the real sidecar.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn python_client_passes_its_pytest_suite_against_the_real_sidecar() {
+async fn python_client_pytest_suite() {
     require_control_plane!();
     let python = std::env::var_os("LEASEHOLD_PYTHON").expect(
         "LEASEHOLD_PYTHON is not set: the venv with pytest comes from tests/tools/python/venv.sh; \

@@ -12,13 +12,15 @@ use leasehold_core::lease::lease_name;
 use leasehold_testkit::*;
 use serde_json::json;
 
+/// After API-server restarts, a dead holder is requeued within its lease plus one second.
+///
 /// Expiry after kube-apiserver restarts, and after a compaction and restart (issue: "expiry <= LD + 1 s once the API server is
 /// ready, for TERM and KILL, in the controller, leader and standbys"). Two controller replicas
 /// and a sidecar ride through each restart; then a job is claimed and its holder killed, and
 /// the time from the Lease's last renewTime to the requeue must stay within
 /// leaseDurationSeconds + 1 s.
 #[tokio::test]
-async fn after_apiserver_restarts_a_dead_holder_is_requeued_within_its_lease_plus_one_second() {
+async fn dead_holder_requeued_after_apiserver_restarts() {
     const LD: u64 = 5;
     let Fixture { ns, .. } = fixture!("restart-expiry");
     let election = [
