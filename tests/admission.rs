@@ -9,19 +9,18 @@
 //! shown accepted.
 
 mod chart_support;
-mod common;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use chart_support::*;
-use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, Client, ResourceExt};
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::fence::{Outcome, REASON_LEASE_EXPIRED};
 use leasehold_core::lease;
 use leasehold_core::token::Token;
+use leasehold_testkit::*;
 use serde_json::{json, Value};
 
 const WORKER_SA: &str = "leasehold-worker";
@@ -39,9 +38,8 @@ struct World {
 }
 
 impl World {
-    async fn new(test: &str, extra_sets: &[&str]) -> World {
-        let admin = client().await;
-        let ns = TestNamespace::new(&admin, test).await;
+    async fn new(fixture: Fixture, extra_sets: &[&str]) -> World {
+        let Fixture { client: admin, ns } = fixture;
         let workers = format!("workers.namespaces={{{}}}", ns.name);
         let mut sets = vec![workers.as_str()];
         sets.extend_from_slice(extra_sets);
@@ -164,7 +162,7 @@ fn hex_token(attempt: i32) -> String {
 
 #[tokio::test]
 async fn claims_are_made_only_in_the_requesting_pods_name() {
-    let w = World::new("adm-claim", &[]).await;
+    let w = World::new(fixture!("adm-claim"), &[]).await;
     w.create_job("j").await;
     let claim = |holder: &str, attempt: i32, token: String| {
         json!({"phase": "Leased", "attempt": attempt, "holder": holder, "token": token,
@@ -259,9 +257,10 @@ async fn claims_are_made_only_in_the_requesting_pods_name() {
         .expect("the same claim, keeping the failures");
 }
 
+/// Only the holding pod writes status and stale tokens are refused.
 #[tokio::test]
-async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
-    let w = World::new("adm-holder", &[]).await;
+async fn only_the_holder_writes_status() {
+    let w = World::new(fixture!("adm-holder"), &[]).await;
     let (jobs_a, jobs_b) = (w.jobs(&w.a), w.jobs(&w.b));
     w.create_job("j").await;
     let (_, t1) = leasehold_kube::claim::claim(&jobs_a, &w.job("j").await, "pod-a")
@@ -364,7 +363,7 @@ async fn only_the_holding_pod_writes_status_and_stale_tokens_are_refused() {
 
 #[tokio::test]
 async fn workers_renew_and_release_only_the_leases_they_hold() {
-    let w = World::new("adm-lease", &[]).await;
+    let w = World::new(fixture!("adm-lease"), &[]).await;
     let (jobs_a, jobs_b) = (w.jobs(&w.a), w.jobs(&w.b));
     let (leases_a, leases_b) = (w.leases(&w.a), w.leases(&w.b));
     w.create_job("j").await;
@@ -545,7 +544,7 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
 
 #[tokio::test]
 async fn workers_cannot_edit_spec_nor_create_or_delete_jobs() {
-    let w = World::new("adm-spec", &[]).await;
+    let w = World::new(fixture!("adm-spec"), &[]).await;
     w.create_job("j").await;
     let edit = json!({"spec": {"priority": 100}});
     // The chart's worker Role does not allow it at all.
@@ -616,11 +615,13 @@ subjects: [{{kind: ServiceAccount, name: {WORKER_SA}, namespace: {ns}}}]
     assert_eq!(w.job("j").await.spec.priority, 100);
 }
 
+/// Without the admission policies, RBAC alone lets a worker forge claims.
+///
 /// Shows what the rules above are worth: with the policies off, RBAC alone lets a worker
 /// claim in another pod's name and complete a job another pod holds.
 #[tokio::test]
-async fn without_the_admission_policies_rbac_alone_lets_a_worker_forge_claims() {
-    let w = World::new("adm-off", &["admissionPolicy.enabled=false"]).await;
+async fn rbac_alone_lets_a_worker_forge_claims() {
+    let w = World::new(fixture!("adm-off"), &["admissionPolicy.enabled=false"]).await;
     w.create_job("j").await;
     let forged = json!({"phase": "Leased", "attempt": 1, "holder": "pod-b", "token": hex_token(1)});
     let body = w.with_status("j", forged).await;
@@ -646,17 +647,7 @@ impl Worker {
         let listen = format!("127.0.0.1:{}", free_port());
         let proc = spawn_leasehold(
             &format!("{ns}-{pod}"),
-            &[
-                "sidecar",
-                "--queue",
-                "q",
-                "--namespace",
-                ns,
-                "--identity",
-                pod,
-                "--listen",
-                &listen,
-            ],
+            &SidecarArgs::new(ns, "q", pod).listen(&listen).to_args(),
             kubeconfig,
         );
         let worker = Worker {
@@ -698,7 +689,7 @@ impl Worker {
 
 #[tokio::test]
 async fn job_lifecycle_runs_with_exactly_the_charts_credentials() {
-    let w = World::new("adm-life", &[]).await;
+    let w = World::new(fixture!("adm-life"), &[]).await;
     let ns = w.ns.name.clone();
     let controller_sa = w.release.controller_sa();
     create_pod(&w.admin, &ns, "controller-0", &controller_sa).await;
@@ -709,17 +700,10 @@ async fn job_lifecycle_runs_with_exactly_the_charts_credentials() {
     );
     let controller = spawn_leasehold(
         &format!("{ns}-controller"),
-        &[
-            "controller",
-            "--namespace",
-            &ns,
-            "--identity",
-            "controller-0",
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--events",
-            "all",
-        ],
+        &ControllerArgs::new(&ns)
+            .identity("controller-0")
+            .events("all")
+            .to_args(),
         &kc_controller,
     );
     let a = Worker::start(&ns, "pod-a", &w.kc_a).await;

@@ -11,18 +11,16 @@
 //! the test ends. Its failurePolicy is Fail, so a webhook the API server cannot reach shows as
 //! an error here instead of a silent pass.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::*;
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use k8s_openapi::ByteString;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use leasehold_core::crd::{LeasedJob, Phase, MAX_JOB_BYTES};
+use leasehold_testkit::*;
 use serde_json::{json, Value};
 
 const MIB: usize = 1024 * 1024;
@@ -275,10 +273,10 @@ fn assert_refused(refusal: &(u16, String), job: &str, field: &str) {
     }
 }
 
+/// Jobs too large to store are refused with 413, naming the field and the limit.
 #[tokio::test]
-async fn jobs_too_large_to_store_are_refused_with_413_naming_the_field_and_the_limit() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "size-limit").await;
+async fn oversized_jobs_are_refused_with_413() {
+    let Fixture { client, ns } = fixture!("size-limit");
     let api: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let (mb_1_6, mb_2_5) = (MIB * 16 / 10, MIB * 25 / 10);
 
@@ -397,8 +395,7 @@ async fn jobs_too_large_to_store_are_refused_with_413_naming_the_field_and_the_l
 
 #[tokio::test]
 async fn a_rotated_certificate_is_served_without_a_restart() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "size-rotate").await;
+    let Fixture { client, ns } = fixture!("size-rotate");
     let api: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let webhook = Webhook::start(&client, &ns.name).await;
     let too_big = job("too-big", "q", MAX_JOB_BYTES + 1);
@@ -469,8 +466,9 @@ fn refused(args: &[&str]) -> (bool, String) {
     )
 }
 
+/// Bad admission flags are refused at start, naming the problem.
 #[test]
-fn bad_admission_flags_are_refused_at_start_naming_the_problem() {
+fn bad_admission_flags_are_refused() {
     let dir = scratch("admission-bad-flags");
     let ca = dir.join("ca.crt");
     make_certs(&dir, "");

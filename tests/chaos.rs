@@ -21,7 +21,6 @@
 //! A test binary of its own: every fault hits the control plane all tests share.
 
 mod chaos_support;
-mod common;
 
 use chaos_support::*;
 
@@ -30,9 +29,6 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::faults::{compact_etcd, restart_etcd, Relay};
-use common::workers::{spawn_worker, EventLog, WorkerEvent};
-use common::*;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::events::v1::Event;
@@ -43,6 +39,9 @@ use leasehold_controller::leader::HOLDER_POD_ANNOTATION;
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::fence::REASON_LEASE_EXPIRED;
 use leasehold_core::lease::lease_name;
+use leasehold_testkit::faults::{compact_etcd, restart_etcd, Relay};
+use leasehold_testkit::workers::{spawn_worker, EventLog, WorkerEvent};
+use leasehold_testkit::*;
 use rand::rngs::StdRng;
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::{Rng, SeedableRng};
@@ -320,15 +319,15 @@ impl Chaos {
     }
 }
 
+/// Under chaos, no job is lost or accepted twice, and dispatch and expiry recover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn under_chaos_no_job_is_lost_or_accepted_twice_and_dispatch_and_expiry_recover() {
+async fn no_job_lost_or_accepted_twice_under_chaos() {
     let size = Size::from_env();
     println!(
         "chaos: seed {} (LEASEHOLD_CHAOS_SEED={} replays it), {} jobs, {} pods, {} pass(es)",
         size.seed, size.seed, size.jobs, size.pods, size.rounds
     );
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "chaos").await;
+    let Fixture { client, ns } = fixture!("chaos");
     let mut rng = StdRng::seed_from_u64(size.seed);
     let mut schedule = Vec::new();
     for _ in 0..size.rounds {
@@ -351,7 +350,7 @@ async fn under_chaos_no_job_is_lost_or_accepted_twice_and_dispatch_and_expiry_re
             controller_with(&ns.name, "ctl-b", ELECTION),
         ),
     ];
-    let relay = Relay::start(common::faults::apiserver_port());
+    let relay = Relay::start(leasehold_testkit::faults::apiserver_port());
     let events = EventLog::default();
     let mut pods = Vec::new();
     for i in 0..size.pods {

@@ -8,14 +8,12 @@
 //! (test binaries run one after another, so no other binary's tests see the old CRD).
 
 mod chart_support;
-mod common;
 
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use chart_support::*;
-use common::*;
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Secret;
@@ -23,14 +21,10 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::DeleteParams;
 use kube::Api;
 use leasehold_controller::crd_check::{CRD_NAME, FIX_COMMAND};
+use leasehold_testkit::*;
 use serde_json::{json, Value};
 
 static CRD_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn repo(path: &str) -> String {
-    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path))
-        .unwrap_or_else(|e| panic!("{path}: {e}"))
-}
 
 /// No file in the repository (tracked, or untracked and not ignored) is a byte-for-byte copy
 /// of another: the chart carries no copy of the CRD, of the example worker or of the Python
@@ -84,7 +78,8 @@ fn no_file_in_the_repository_is_a_copy_of_another() {
 /// Dockerfile puts examples/worker.py, with the client installed in the image, so the pod has
 /// no ConfigMap, no volume of its own and no PYTHONPATH.
 #[test]
-fn chart_example_worker_runs_its_own_image_with_no_configmap() {
+fn example_worker_runs_its_own_image() {
+    require_control_plane!();
     let chart = chart_dir();
     let render = |extra: &[&str]| {
         let mut args = vec![
@@ -173,6 +168,7 @@ fn chart_example_worker_runs_its_own_image_with_no_configmap() {
 
 #[test]
 fn helm_lint_passes_with_defaults_and_with_every_option_on() {
+    require_control_plane!();
     let chart = chart_dir();
     let chart = chart.to_str().unwrap();
     let out = helm_ok(&["lint", "--strict", chart]);
@@ -248,24 +244,16 @@ fn helm_lint_passes_with_defaults_and_with_every_option_on() {
     );
 }
 
-/// Parses a multi-document YAML stream into JSON values (skipping empty documents).
-fn documents(yaml: &str) -> Vec<Value> {
-    use serde::Deserialize;
-    serde_yaml::Deserializer::from_str(yaml)
-        .filter_map(|d| {
-            let v = Value::deserialize(d).expect("rendered YAML");
-            (!v.is_null()).then_some(v)
-        })
-        .collect()
-}
-
+/// Everything the chart renders passes a server-side dry run.
 #[tokio::test]
-async fn everything_the_chart_renders_passes_a_server_side_dry_run() {
+async fn rendered_chart_passes_a_dry_run() {
     // TestNamespace::new applies the CRD, which must not happen while another test has
     // replaced or deleted it.
     let _lock = CRD_LOCK.lock().await;
-    let client = client().await;
-    let release_ns = TestNamespace::new(&client, "dry-run").await;
+    let Fixture {
+        client,
+        ns: release_ns,
+    } = fixture!("dry-run");
     let w1 = TestNamespace::new(&client, "dry-run-w1").await;
     let w2 = TestNamespace::new(&client, "dry-run-w2").await;
     let workers = format!("workers.namespaces={{{},{}}}", w1.name, w2.name);
@@ -547,11 +535,11 @@ async fn assert_runs(proc: &mut Proc) {
     );
 }
 
+/// The controller refuses an out-of-date CRD, naming the field and the fix.
 #[tokio::test]
-async fn controller_refuses_an_out_of_date_crd_naming_the_field_and_the_fix() {
+async fn controller_refuses_an_old_crd() {
     let _lock = CRD_LOCK.lock().await;
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "crd-check").await;
+    let Fixture { ns, .. } = fixture!("crd-check");
     let _restore = RestoreCrd;
     let (ok, out) = kubectl(
         &["apply", "--server-side", "--force-conflicts", "-f", "-"],
@@ -562,15 +550,7 @@ async fn controller_refuses_an_out_of_date_crd_naming_the_field_and_the_fix() {
     let proc = Proc::spawn(
         &format!("{}-controller-old-crd", ns.name),
         &leasehold_bin(),
-        &[
-            "controller",
-            "--namespace",
-            &ns.name,
-            "--identity",
-            "t",
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
+        &ControllerArgs::new(&ns.name).identity("t").to_args(),
         std::process::Stdio::null(),
     );
     let (ok, log) = exit_of(proc).await;
@@ -592,15 +572,7 @@ async fn controller_refuses_an_out_of_date_crd_naming_the_field_and_the_fix() {
     let mut proc = Proc::spawn(
         &format!("{}-controller-fixed-crd", ns.name),
         &leasehold_bin(),
-        &[
-            "controller",
-            "--namespace",
-            &ns.name,
-            "--identity",
-            "t",
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
+        &ControllerArgs::new(&ns.name).identity("t").to_args(),
         std::process::Stdio::null(),
     );
     assert_runs(&mut proc).await;
@@ -618,11 +590,11 @@ fn release_objects(release: &str, kinds: &str, all_namespaces: bool) -> String {
     out.trim().to_string()
 }
 
+/// Helm install, upgrade across a CRD change, and uninstall leave no orphans.
 #[tokio::test]
-async fn helm_install_upgrade_across_a_crd_change_and_uninstall_leave_no_orphans() {
+async fn helm_install_upgrade_uninstall() {
     let _lock = CRD_LOCK.lock().await;
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "helm-life").await;
+    let Fixture { client, ns } = fixture!("helm-life");
     let workers = TestNamespace::new(&client, "helm-life-w").await;
     let _restore = RestoreCrd;
 
@@ -705,13 +677,9 @@ async fn helm_install_upgrade_across_a_crd_change_and_uninstall_leave_no_orphans
     create_pod(&client, &ns.name, "controller-0", &release.controller_sa()).await;
     let token = pod_token(&ns.name, &release.controller_sa(), "controller-0");
     let kc = token_kubeconfig(&format!("{}-controller", ns.name), &token, &ns.name);
-    let args = [
-        "controller",
-        "--namespace",
-        &workers.name,
-        "--identity",
-        "controller-0",
-    ];
+    let args = ControllerArgs::new(&workers.name)
+        .identity("controller-0")
+        .to_args();
     let (ok, log) = exit_of(spawn_leasehold(
         &format!("{}-controller-1", ns.name),
         &args,

@@ -1,14 +1,12 @@
 //! The CRD as committed, as installed, and as it judges manifests (the API server's own
 //! validation and kubectl's strict field validation).
 
-mod common;
-
 use std::process::Command;
 
-use common::*;
 use kube::api::{ListParams, PostParams};
 use kube::{Api, ResourceExt};
 use leasehold_core::crd::{LeasedJob, LeasedJobStatus, Phase};
+use leasehold_testkit::*;
 use serde_json::json;
 
 #[test]
@@ -30,10 +28,10 @@ fn manifest(name: &str, spec: &str) -> String {
     format!("apiVersion: leasehold.dev/v1alpha1\nkind: LeasedJob\nmetadata:\n  name: {name}\nspec:\n{spec}\n")
 }
 
+/// Bad manifests are rejected with messages naming the field.
 #[tokio::test]
-async fn bad_manifests_are_rejected_with_messages_naming_the_field() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "crd-bad").await;
+async fn bad_manifests_are_rejected() {
+    let Fixture { client, ns } = fixture!("crd-bad");
     let cases = [
         (
             "zero-lease",
@@ -99,8 +97,7 @@ async fn bad_manifests_are_rejected_with_messages_naming_the_field() {
 
 #[tokio::test]
 async fn the_queue_of_a_job_cannot_change() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "crd-queue").await;
+    let Fixture { ns, .. } = fixture!("crd-queue");
     let (ok, out) = kubectl(
         &["apply", "-n", &ns.name, "-f", "-"],
         &manifest("q", "  queue: a"),
@@ -126,8 +123,7 @@ async fn the_queue_of_a_job_cannot_change() {
 
 #[tokio::test]
 async fn defaults_apply_and_the_payload_comes_back_unchanged() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "crd-payload").await;
+    let Fixture { client, ns } = fixture!("crd-payload");
     let payload = json!({
         "nested": {"deeper": {"list": [1, 2.5, -3, 1e300, {"k": null}], "flag": true}},
         "unicode": "전사 — transcription ✓ 🎧",
@@ -164,8 +160,7 @@ async fn defaults_apply_and_the_payload_comes_back_unchanged() {
 /// jobs it holds); a field that is not declared selectable is refused.
 #[tokio::test]
 async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "crd-select").await;
+    let Fixture { client, ns } = fixture!("crd-select");
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let cases = [
         ("a", "q", Phase::Queued),
@@ -269,13 +264,16 @@ async fn jobs_are_selected_by_phase_and_queue_on_the_api_server() {
     assert!(out.contains("spec.priority"), "{out}");
 }
 
+/// `kubectl explain` prints descriptions as filled paragraphs.
+///
 /// `kubectl explain` fills each description's paragraphs to its 80 columns: no line ends
 /// early where the next line's first word would have fit, which is what a hard line break
 /// inside a description (a doc comment's source line ending) looks like in its output. A
 /// line that ends a sentence may be followed by a short one: for a list field, kubectl prints
 /// the items' own description on the next line.
 #[tokio::test]
-async fn kubectl_explain_prints_descriptions_as_filled_paragraphs() {
+async fn kubectl_explain_fills_paragraphs() {
+    require_control_plane!();
     let client = client().await;
     install_crd(&client).await;
     for path in [

@@ -1,17 +1,15 @@
 //! Events on the real control plane: every job gets its Events, however long its name (up to
 //! the 253 characters Kubernetes allows) and however long the messages they carry.
 
-mod common;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::*;
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use leasehold_controller::REPORTER;
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_kube::events::{NAME_MAX, NOTE_MAX_BYTES, SHORTENED};
+use leasehold_testkit::*;
 use serde_json::json;
 
 /// The Events the leasehold controller recorded about each job: name -> [(reason, note)].
@@ -77,10 +75,10 @@ async fn claim_and_fail_each(sc: &Sidecar, names: &[String], message: &str, retr
     assert_eq!(failed, expected, "each job claimed once");
 }
 
+/// Jobs with names up to 253 characters and 4 KiB messages get their events.
 #[tokio::test]
-async fn jobs_with_names_up_to_253_characters_and_4_kib_messages_get_their_events() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "events").await;
+async fn long_names_and_messages_get_events() {
+    let Fixture { client, ns } = fixture!("events");
     let _ctl = controller_with(&ns.name, "test-controller", &["--events", "all"]);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     // 248..=253 characters, one whose cut for the Event name lands on a dot, and a short one
@@ -143,8 +141,7 @@ async fn jobs_with_names_up_to_253_characters_and_4_kib_messages_get_their_event
 /// writes per job saved), while a failure still gets its Warning.
 #[tokio::test]
 async fn the_happy_path_records_no_events_by_default() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "quiet-events").await;
+    let Fixture { client, ns } = fixture!("quiet-events");
     let _ctl = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     for name in ["ok", "released", "bad"] {

@@ -2,20 +2,18 @@
 //! lease. Kept in its own test binary, since every test sharing the control plane would see
 //! the outage.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use kube::Api;
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::fence::REASON_LEASE_EXPIRED;
+use leasehold_testkit::*;
 use serde_json::json;
 
+/// Renewals failing for a whole lease lose the lease and the system recovers.
 #[tokio::test]
-async fn renewals_failing_for_a_whole_lease_lose_the_lease_and_the_system_recovers() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "outage").await;
+async fn renewals_failing_for_a_lease_lose_it() {
+    let Fixture { client, ns } = fixture!("outage");
     let _controller = controller(&ns.name);
     let a = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
@@ -45,7 +43,7 @@ async fn renewals_failing_for_a_whole_lease_lose_the_lease_and_the_system_recove
 
     // The controller and the watches recover: the job is requeued once, another worker claims
     // it, and the old holder's result is refused.
-    let client = common::client().await;
+    let client = leasehold_testkit::client().await;
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let b = Sidecar::start(&ns.name, "q", "pod-b", &[]).await;
     let (s, c2) = b.claim(30).await;

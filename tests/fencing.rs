@@ -2,12 +2,9 @@
 //! stale token is refused by the API server itself, and a result racing the controller's
 //! requeue lands exactly once.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt};
@@ -17,12 +14,13 @@ use leasehold_core::lease;
 use leasehold_core::Category;
 use leasehold_kube::claim::ClaimError;
 use leasehold_kube::fence::FenceError;
+use leasehold_testkit::*;
 use serde_json::json;
 
+/// Claim race: 20 claimers, 1 job; exactly one wins, in each of 50 rounds.
 #[tokio::test]
-async fn claim_race_20_claimers_1_job_exactly_one_wins_each_of_50_rounds() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "claim-race").await;
+async fn claim_race_has_one_winner() {
+    let Fixture { client, ns } = fixture!("claim-race");
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     for round in 0..50 {
         let name = format!("race-{round}");
@@ -72,10 +70,10 @@ async fn claim_race_20_claimers_1_job_exactly_one_wins_each_of_50_rounds() {
     }
 }
 
+/// A stale token is refused by the API server, not only by memory.
 #[tokio::test]
-async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "stale").await;
+async fn stale_token_refused_by_the_api_server() {
+    let Fixture { client, ns } = fixture!("stale");
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let job = create_job(
@@ -174,12 +172,13 @@ async fn a_stale_token_is_refused_by_the_api_server_not_only_by_memory() {
     assert_eq!(done.status.unwrap().result, Some(json!("b")));
 }
 
+/// A late result against expiry: exactly one side wins, 200 times over.
+///
 /// A holder that stopped heartbeating sends its result at about the moment the controller
 /// expires its lease, 200 times. Each time exactly one side wins.
 #[tokio::test]
-async fn late_result_against_expiry_exactly_one_side_wins_200_times() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "late-result").await;
+async fn late_result_against_expiry() {
+    let Fixture { client, ns } = fixture!("late-result");
     let _controller = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);

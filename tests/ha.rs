@@ -3,16 +3,14 @@
 //! leader stopped with SIGTERM hands over within seconds; a leader killed and restarted under
 //! its own identity (a container restart) leads again at once.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, ResourceExt};
 use leasehold_controller::leader::HOLDER_POD_ANNOTATION;
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::fence::REASON_LEASE_EXPIRED;
+use leasehold_testkit::*;
 use serde_json::json;
 
 const FAST: &[&str] = &[
@@ -54,8 +52,7 @@ fn writers(job: &LeasedJob) -> Vec<String> {
 
 #[tokio::test]
 async fn a_killed_leader_is_replaced_and_no_job_is_expired_twice() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "ha-kill").await;
+    let Fixture { client, ns } = fixture!("ha-kill");
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let a = controller_with(&ns.name, "ctl-a", FAST);
@@ -104,8 +101,7 @@ async fn a_killed_leader_is_replaced_and_no_job_is_expired_twice() {
 
 #[tokio::test]
 async fn a_frozen_leader_writes_nothing_when_it_wakes() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "ha-freeze").await;
+    let Fixture { client, ns } = fixture!("ha-freeze");
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let a = controller_with(&ns.name, "ctl-a", FAST);
@@ -175,8 +171,7 @@ async fn a_frozen_leader_writes_nothing_when_it_wakes() {
 
 #[tokio::test]
 async fn a_leader_stopped_with_sigterm_hands_over_within_seconds() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "ha-term").await;
+    let Fixture { client, ns } = fixture!("ha-term");
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let mut a = controller_with(&ns.name, "ctl-a", SLOW);
     wait_for("ctl-a leads", Duration::from_secs(15), || async {
@@ -204,8 +199,7 @@ async fn a_leader_stopped_with_sigterm_hands_over_within_seconds() {
 
 #[tokio::test]
 async fn a_leader_restarted_in_its_pod_leads_again_at_once() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "ha-restart").await;
+    let Fixture { client, ns } = fixture!("ha-restart");
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let a = controller_with(&ns.name, "ctl-a", SLOW);

@@ -2,11 +2,9 @@
 //! answer of the worker API is JSON, and nothing a client sends (or does not send) makes the
 //! sidecar wait without bound.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use leasehold_testkit::*;
 use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -86,10 +84,10 @@ fn assert_json_error(a: &Answer, status: u16, code: &str) {
     );
 }
 
+/// Every refusal of the worker API is JSON and comes without waiting for the body.
 #[tokio::test]
-async fn every_refusal_of_the_worker_api_is_json_and_comes_without_waiting_for_the_body() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "edge-json").await;
+async fn refusals_are_json_and_prompt() {
+    let Fixture { ns, .. } = fixture!("edge-json");
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &["--body-timeout", "1"]).await;
     let port = port(&sc);
     let wait = Duration::from_secs(5);
@@ -179,10 +177,10 @@ async fn every_refusal_of_the_worker_api_is_json_and_comes_without_waiting_for_t
     );
 }
 
+/// A request line hyper cannot parse is answered 400, and closed.
 #[tokio::test]
-async fn a_request_line_hyper_cannot_parse_is_answered_400_and_closed() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "edge-raw").await;
+async fn unparsable_request_line_gets_400() {
+    let Fixture { ns, .. } = fixture!("edge-raw");
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     // http::Uri refuses a raw 0xff byte, so hyper answers before any handler can: see
     // docs/protocol.md for why that answer has no JSON body.
@@ -196,10 +194,10 @@ async fn a_request_line_hyper_cannot_parse_is_answered_400_and_closed() {
     assert!(a.closed && a.elapsed < Duration::from_secs(2), "{a:?}");
 }
 
+/// Silent trickling and idle keep-alive connections are closed within the header timeout.
 #[tokio::test]
-async fn silent_trickling_and_idle_keep_alive_connections_are_closed_within_the_header_timeout() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "edge-idle").await;
+async fn slow_and_idle_connections_are_closed() {
+    let Fixture { ns, .. } = fixture!("edge-idle");
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &["--header-timeout", "1"]).await;
     let port = port(&sc);
     let bound = Duration::from_millis(2500);
@@ -245,10 +243,10 @@ async fn silent_trickling_and_idle_keep_alive_connections_are_closed_within_the_
     assert!(a.closed && a.elapsed < bound, "{a:?}");
 }
 
+/// The metrics endpoints of the controller and the sidecar close silent connections too.
 #[tokio::test]
-async fn the_metrics_endpoints_of_the_controller_and_the_sidecar_close_silent_connections_too() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "edge-metrics").await;
+async fn metrics_endpoints_close_silent_connections() {
+    let Fixture { ns, .. } = fixture!("edge-metrics");
     let controller = controller_with(&ns.name, "ctl", &["--header-timeout", "1"]);
     let metrics_port = free_port();
     let metrics_addr = format!("127.0.0.1:{metrics_port}");
@@ -283,10 +281,10 @@ async fn the_metrics_endpoints_of_the_controller_and_the_sidecar_close_silent_co
     }
 }
 
+/// Two hundred idle connections are all closed and a claim is served meanwhile.
 #[tokio::test]
-async fn two_hundred_idle_connections_are_all_closed_and_a_claim_is_served_meanwhile() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "edge-many").await;
+async fn many_idle_connections_are_closed() {
+    let Fixture { client, ns } = fixture!("edge-many");
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &["--header-timeout", "3"]).await;
     let port = port(&sc);
     let mut idle = Vec::new();
@@ -327,15 +325,16 @@ async fn two_hundred_idle_connections_are_all_closed_and_a_claim_is_served_meanw
     );
 }
 
+/// A heartbeat through a partition is answered inside the lease.
+///
 /// The partition: a relay between the sidecar and the API server holds every byte (no
 /// reset) for 15 s while the lease is 10 s. Every heartbeat is answered within the bound
 /// min(5 s, LD/3) = 3.3 s: 503 `unavailable` with the last known `expiresAt` while the lease may
 /// still be valid, then `lease_lost` once a whole lease has passed without a confirmed renewal,
 /// long before the network heals. Before the fix the heartbeat blocked for the whole 15 s.
 #[tokio::test]
-async fn a_heartbeat_through_a_partition_is_answered_inside_the_lease() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "edge-partition").await;
+async fn heartbeat_through_a_partition() {
+    let Fixture { client, ns } = fixture!("edge-partition");
     let relay = faults::Relay::start(faults::apiserver_port());
     let path = relay.kubeconfig(&format!("{}-relayed", ns.name));
     let sc = Sidecar::start_as(&ns.name, "q", "pod-a", &[], &path).await;

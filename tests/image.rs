@@ -10,15 +10,13 @@
 //! `scripts/test` builds the images (cached by their inputs) and exports LEASEHOLD_IMAGE and
 //! LEASEHOLD_WORKER_IMAGE; these tests fail, never skip, when they are missing.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::*;
 use kube::Api;
 use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_testkit::*;
 use serde_json::{json, Value};
 
 /// The image under test (`localhost/leasehold:<appVersion>`), from scripts/test.
@@ -64,7 +62,7 @@ impl Container {
     /// `podman run -d` of the image with `args` as the command (after the ENTRYPOINT), on the
     /// host's network, with a read-only root filesystem, no capabilities, and the kubeconfig
     /// at `kubeconfig` mounted read-only.
-    fn run(name: &str, kubeconfig: &Path, args: &[&str]) -> Container {
+    fn run(name: &str, kubeconfig: &Path, args: &[String]) -> Container {
         let _ = podman(&["rm", "-f", "-t", "0", name]);
         let mount = format!("{}:/etc/leasehold/kubeconfig:ro", kubeconfig.display());
         let mut argv = vec![
@@ -88,7 +86,7 @@ impl Container {
         ];
         let image = image();
         argv.push(&image);
-        argv.extend_from_slice(args);
+        argv.extend(args.iter().map(String::as_str));
         podman_ok(&argv);
         Container {
             name: name.to_string(),
@@ -172,6 +170,7 @@ async fn post(http: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
 
 #[test]
 fn the_image_holds_one_static_executable_and_no_shell() {
+    require_control_plane!();
     let image = image();
     let cfg = podman_ok(&[
         "image",
@@ -255,7 +254,8 @@ fn the_image_holds_one_static_executable_and_no_shell() {
 /// pyproject's version, whose modules are the repository's clients/python/leasehold/*.py),
 /// and its entrypoint is examples/worker.py at /app/worker.py.
 #[test]
-fn the_example_worker_image_runs_worker_py_on_the_client_pip_installed_in_site_packages() {
+fn example_worker_image_runs_on_the_pip_installed_client() {
+    require_control_plane!();
     let image = std::env::var("LEASEHOLD_WORKER_IMAGE").unwrap_or_else(|_| {
         panic!(
             "LEASEHOLD_WORKER_IMAGE is not set: the image tests run under \
@@ -347,46 +347,32 @@ print(json.dumps({
     assert!(help.contains("--sidecar"), "{help}");
 }
 
+
+/// The image's controller and sidecar run as 65532 read-only through a job lifecycle.
 #[tokio::test]
-async fn the_images_controller_and_sidecar_run_as_65532_read_only_through_a_job_lifecycle() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "image").await;
+async fn image_runs_a_job_lifecycle() {
+    let Fixture { client, ns } = fixture!("image");
     let kubeconfig = readable_kubeconfig(&ns.name);
     let (metrics_port, sidecar_port, sidecar_metrics) = (free_port(), free_port(), free_port());
     let metrics_addr = format!("127.0.0.1:{metrics_port}");
     let controller = Container::run(
         &format!("{}-controller", ns.name),
         &kubeconfig,
-        &[
-            "controller",
-            "--namespace",
-            &ns.name,
-            "--identity",
-            "image-controller",
-            "--leader-elect",
-            "false",
-            "--metrics-addr",
-            &metrics_addr,
-        ],
+        &ControllerArgs::new(&ns.name)
+            .identity("image-controller")
+            .leader_elect(false)
+            .metrics_addr(&metrics_addr)
+            .to_args(),
     );
     let listen = format!("127.0.0.1:{sidecar_port}");
     let sidecar_metrics_addr = format!("127.0.0.1:{sidecar_metrics}");
     let sidecar = Container::run(
         &format!("{}-sidecar", ns.name),
         &kubeconfig,
-        &[
-            "sidecar",
-            "--queue",
-            "img",
-            "--namespace",
-            &ns.name,
-            "--identity",
-            "image-sidecar",
-            "--listen",
-            &listen,
-            "--metrics-addr",
-            &sidecar_metrics_addr,
-        ],
+        &SidecarArgs::new(&ns.name, "img", "image-sidecar")
+            .listen(&listen)
+            .metrics_addr(&sidecar_metrics_addr)
+            .to_args(),
     );
     let http = http_client();
     wait_ready(&http, &format!("http://{metrics_addr}/readyz"), &controller).await;

@@ -4,17 +4,15 @@
 //! drain after a lost lease, and a lease duration changed under a holder. Each against the real
 //! control plane, with the real binaries.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use leasehold_core::crd::{LeasedJob, Phase, CONDITION_LEASE_CONFLICT};
 use leasehold_core::lease;
+use leasehold_testkit::*;
 use serde_json::{json, Value};
 
 async fn job(client: &kube::Client, ns: &str, name: &str) -> LeasedJob {
@@ -66,13 +64,12 @@ async fn conflicted(client: &kube::Client, ns: &str, name: &str, reason: &str) -
     .await
 }
 
-/// Item 4 and 12: a Lease named `ljob-foo` that another application owns is never written; the
+/// A Lease named `ljob-foo` that another application owns is never written; the
 /// claim of `foo` is undone by its first renewal (not a failed attempt), the worker is told why
 /// at that heartbeat, and other jobs are unaffected.
 #[tokio::test]
 async fn a_foreign_lease_is_never_written_and_only_its_job_waits() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "foreign-lease").await;
+    let Fixture { client, ns } = fixture!("foreign-lease");
     let _controller = controller(&ns.name);
     let foreign = create_lease(
         &client,
@@ -167,14 +164,15 @@ async fn a_foreign_lease_is_never_written_and_only_its_job_waits() {
     .await;
 }
 
-/// Item 3: two jobs whose derived Lease names collided under the old naming (a 253-character
+/// A long name and its lease name twin keep their own leases.
+///
+/// Two jobs whose derived Lease names collided under the old naming (a 253-character
 /// name, and a 248-character name equal to the first one's old shortened Lease name without the
 /// prefix) now get different Leases, and even a Lease of the twin's name owned by the first job
 /// is never taken: both holders keep their leases through several lease durations.
 #[tokio::test]
-async fn a_long_name_and_its_lease_name_twin_keep_their_own_leases() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "lease-twins").await;
+async fn lease_name_twins_keep_their_own_leases() {
+    let Fixture { client, ns } = fixture!("lease-twins");
     let _controller = controller(&ns.name);
     let x = "h".repeat(253);
     // The old scheme: ljob-<first 231 characters>-<16 hex>; its twin drops the prefix.
@@ -265,15 +263,14 @@ async fn a_long_name_and_its_lease_name_twin_keep_their_own_leases() {
     assert_eq!(after.resource_version(), planted.resource_version());
 }
 
-/// Item 11: a leftover Lease labelled as leasehold's but owned by no LeasedJob (holder from
+/// A leftover Lease labelled as leasehold's but owned by no LeasedJob (holder from
 /// attempt 5) makes the claim undo itself at its first renewal (here the background one, a
 /// third of the lease after the claim): the job is never failed for it. A Lease left by an
 /// earlier job of the same name (another uid) is recognised as stale and the job runs once
 /// garbage collection removed it.
 #[tokio::test]
 async fn a_leftover_lease_never_fails_a_job_that_never_ran() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "leftover-lease").await;
+    let Fixture { client, ns } = fixture!("leftover-lease");
     let _controller = controller(&ns.name);
     create_lease(
         &client,
@@ -357,12 +354,11 @@ async fn a_leftover_lease_never_fails_a_job_that_never_ran() {
         .all(|c| c.type_ != CONDITION_LEASE_CONFLICT));
 }
 
-/// Item 13: removing the Lease's managed-by label (which takes it out of the controller's
+/// Removing the Lease's managed-by label (which takes it out of the controller's
 /// label-filtered cache) must not make a dead holder's job immortal.
 #[tokio::test]
 async fn a_lease_that_lost_its_label_still_expires() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "unlabelled-lease").await;
+    let Fixture { client, ns } = fixture!("unlabelled-lease");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
@@ -403,11 +399,10 @@ async fn a_lease_that_lost_its_label_still_expires() {
     assert_eq!(requeued.status.unwrap().failures[0].reason, "LeaseExpired");
 }
 
-/// Item 14: a release after a sidecar restart carries the checkpoint the Lease holds.
+/// A release after a sidecar restart carries the checkpoint the Lease holds.
 #[tokio::test]
 async fn a_release_after_a_sidecar_restart_keeps_the_checkpoint() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "release-checkpoint").await;
+    let Fixture { client, ns } = fixture!("release-checkpoint");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
@@ -438,13 +433,12 @@ async fn a_release_after_a_sidecar_restart_keeps_the_checkpoint() {
     );
 }
 
-/// Item 15: a claim whose client has gone by the time the claim write lands is given back at
+/// A claim whose client has gone by the time the claim write lands is given back at
 /// once (Queued, not a failed attempt), not left Leased to nobody for a whole lease. The claim
 /// write is held in a stalled relay until the client has timed out.
 #[tokio::test]
 async fn a_claim_whose_client_went_away_is_given_back_at_once() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "lost-claim").await;
+    let Fixture { client, ns } = fixture!("lost-claim");
     let _controller = controller(&ns.name);
     let relay = faults::Relay::start(faults::apiserver_port());
     let kubeconfig = relay.kubeconfig(&format!("{}-relayed", ns.name));
@@ -489,11 +483,10 @@ async fn a_claim_whose_client_went_away_is_given_back_at_once() {
     );
 }
 
-/// Item 16: a sidecar whose only job's lease was lost does not wait out its drain timeout.
+/// A sidecar whose only job's lease was lost does not wait out its drain timeout.
 #[tokio::test]
 async fn a_drain_does_not_wait_for_a_lost_lease() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "drain-lost").await;
+    let Fixture { client, ns } = fixture!("drain-lost");
     let _controller = controller(&ns.name);
     let mut sc = Sidecar::start(&ns.name, "q", "pod-a", &["--drain-timeout", "25"]).await;
     create_job(
@@ -535,12 +528,11 @@ async fn a_drain_does_not_wait_for_a_lost_lease() {
     );
 }
 
-/// Item 9: spec.leaseDurationSeconds is fixed while a holder has the lease; it can change while
+/// Spec.leaseDurationSeconds is fixed while a holder has the lease; it can change while
 /// Queued.
 #[tokio::test]
 async fn the_lease_duration_of_a_leased_job_cannot_change() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "lease-duration").await;
+    let Fixture { client, ns } = fixture!("lease-duration");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(

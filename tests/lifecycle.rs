@@ -1,21 +1,19 @@
 //! Production behaviours of a job's life, against the real control plane with the real
 //! controller and sidecar processes: backoff, delayed start, cancellation, deletion and TTL.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::Api;
 use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_testkit::*;
 use serde_json::json;
 
+/// A retryable failure with backoff is not claimable before retryAfter.
 #[tokio::test]
-async fn a_retryable_failure_with_backoff_is_not_claimable_before_retry_after() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "backoff").await;
+async fn backoff_delays_the_retry() {
+    let Fixture { client, ns } = fixture!("backoff");
     let _controller = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
@@ -69,8 +67,7 @@ async fn a_retryable_failure_with_backoff_is_not_claimable_before_retry_after() 
 
 #[tokio::test]
 async fn a_job_is_not_claimable_before_not_before() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "notbefore").await;
+    let Fixture { client, ns } = fixture!("notbefore");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     let not_before = Timestamp::from_second(Timestamp::now().as_second() + 4).unwrap();
@@ -102,10 +99,10 @@ async fn set_cancel(jobs: &Api<LeasedJob>, name: &str) {
     .unwrap();
 }
 
+/// Cancelling a queued job ends it at once, and no one claims it.
 #[tokio::test]
-async fn cancelling_a_queued_job_ends_it_at_once_and_no_one_claims_it() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "cancel-queued").await;
+async fn cancel_a_queued_job() {
+    let Fixture { client, ns } = fixture!("cancel-queued");
     let _controller = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     create_job(
@@ -145,9 +142,8 @@ struct HeldJob {
     token: String,
 }
 
-async fn held_job(test: &str, name: &str) -> HeldJob {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, test).await;
+async fn held_job(fixture: Fixture, name: &str) -> HeldJob {
+    let Fixture { client, ns } = fixture;
     let controller = controller(&ns.name);
     let sidecar = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
@@ -167,10 +163,11 @@ async fn held_job(test: &str, name: &str) -> HeldJob {
     }
 }
 
+/// Cancelling a leased job stops its holder at the next heartbeat.
 #[tokio::test]
-async fn cancelling_a_leased_job_stops_its_holder_at_the_next_heartbeat() {
+async fn cancel_a_leased_job() {
     // Bind the whole HeldJob: its namespace and controller must live to the end.
-    let held = held_job("cancel-leased", "c").await;
+    let held = held_job(fixture!("cancel-leased"), "c").await;
     let (jobs, sc, token) = (&held.jobs, &held.sidecar, &held.token);
     set_cancel(jobs, "c").await;
     wait_for("Cancelled", Duration::from_secs(10), || async {
@@ -189,7 +186,7 @@ async fn cancelling_a_leased_job_stops_its_holder_at_the_next_heartbeat() {
 #[tokio::test]
 async fn deleting_a_leased_job_stops_its_holder() {
     // Bind the whole HeldJob: its namespace and controller must live to the end.
-    let held = held_job("delete-leased", "d").await;
+    let held = held_job(fixture!("delete-leased"), "d").await;
     let (jobs, sc, token) = (&held.jobs, &held.sidecar, &held.token);
     jobs.delete("d", &DeleteParams::default()).await.unwrap();
     let (s, r) = wait_for("the heartbeat refused", Duration::from_secs(10), || async {
@@ -203,10 +200,10 @@ async fn deleting_a_leased_job_stops_its_holder() {
     );
 }
 
+/// Finished jobs are deleted after ttlSecondsAfterFinished.
 #[tokio::test]
-async fn finished_jobs_are_deleted_after_ttl_seconds_after_finished() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "ttl").await;
+async fn ttl_deletes_finished_jobs() {
+    let Fixture { client, ns } = fixture!("ttl");
     let _controller = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;

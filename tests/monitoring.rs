@@ -12,7 +12,6 @@
 //! scripts/test does both and exports where they are.
 
 mod chart_support;
-mod common;
 mod monitoring_support;
 
 use std::collections::BTreeSet;
@@ -21,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chart_support::*;
-use common::*;
+use leasehold_testkit::*;
 use monitoring_support::*;
 use serde_json::{json, Value};
 
@@ -35,8 +34,10 @@ const ALERTS: [(&str, &str); 7] = [
     ("LeaseholdClaimConflicts", "claimConflicts"),
 ];
 
+/// The chart's alert rules pass `promtool check rules` and their unit tests.
 #[test]
-fn the_chart_alert_rules_pass_promtool_check_rules_and_their_unit_tests() {
+fn alert_rules_pass_promtool() {
+    require_control_plane!();
     let dir = scratch("check");
     let rules = rule_file("leasehold-system", &[]);
     std::fs::write(dir.join("rules.yaml"), &rules).unwrap();
@@ -75,10 +76,13 @@ fn the_chart_alert_rules_pass_promtool_check_rules_and_their_unit_tests() {
     );
 }
 
+/// Every alert unit test fails when the alert is gone or looser.
+///
 /// Each unit test can fail: without the alert its firing case fails, and with its threshold
 /// (or `for`, or minimum count) loosened its silent cases fire.
 #[test]
-fn every_alert_unit_test_fails_when_the_alert_is_gone_or_looser() {
+fn alert_tests_catch_looser_alerts() {
+    require_control_plane!();
     let loosened: &[(&str, &[&str])] = &[
         (
             "LeaseholdJobsPastLease",
@@ -128,8 +132,10 @@ fn every_alert_unit_test_fails_when_the_alert_is_gone_or_looser() {
     }
 }
 
+/// Every alert has a runbook section and unit tests that fire and stay silent.
 #[test]
-fn every_alert_has_a_runbook_section_and_unit_tests_that_fire_and_stay_silent() {
+fn every_alert_has_runbook_and_tests() {
+    require_control_plane!();
     let rules = rule_file("leasehold-system", &[]);
     let names = alert_names(&rules);
     let expected: Vec<String> = ALERTS.iter().map(|(a, _)| a.to_string()).collect();
@@ -188,8 +194,10 @@ fn every_alert_has_a_runbook_section_and_unit_tests_that_fire_and_stay_silent() 
     }
 }
 
+/// The dashboard ConfigMap carries the dashboard file and every panel has a query.
 #[test]
-fn the_dashboard_configmap_carries_the_dashboard_file_and_every_panel_has_a_query() {
+fn dashboard_configmap_is_complete() {
+    require_control_plane!();
     let file = repo("charts/leasehold/dashboards/leasehold.json");
     let dashboard: Value = serde_json::from_str(&file).expect("dashboard JSON");
     assert_eq!(dashboard["uid"], "leasehold");
@@ -249,8 +257,10 @@ fn the_dashboard_configmap_carries_the_dashboard_file_and_every_panel_has_a_quer
         .any(|d| d["metadata"]["name"] == "leasehold-dashboard"));
 }
 
+/// The monitors refuse settings under which they would scrape nothing.
 #[test]
-fn the_monitors_refuse_settings_under_which_they_would_scrape_nothing() {
+fn monitors_refuse_empty_scrapes() {
+    require_control_plane!();
     let chart = chart_dir();
     let chart = chart.to_str().unwrap();
     let (ok, out) = helm(&[
@@ -279,10 +289,13 @@ fn the_monitors_refuse_settings_under_which_they_would_scrape_nothing() {
     );
 }
 
+/// The monitoring objects pass a server-side dry run against their CRDs.
 #[tokio::test]
-async fn the_monitoring_objects_pass_a_server_side_dry_run_against_their_crds() {
-    let client = client().await;
-    let release_ns = TestNamespace::new(&client, "mon-dry").await;
+async fn monitoring_objects_pass_a_dry_run() {
+    let Fixture {
+        client,
+        ns: release_ns,
+    } = fixture!("mon-dry");
     let workers = TestNamespace::new(&client, "mon-dry-w").await;
     let _crds = MonitoringCrds::install();
     let chart = chart_dir();
@@ -441,13 +454,12 @@ async fn the_monitoring_objects_pass_a_server_side_dry_run_against_their_crds() 
     assert!(worker["spec"]["replicas"].is_null(), "{worker}");
 }
 
+/// A real Prometheus shows the queue depth and fires the stuck-job alerts for stuck jobs only.
 #[tokio::test]
-async fn a_real_prometheus_shows_the_queue_depth_and_fires_the_stuck_job_alerts_for_stuck_jobs_only(
-) {
-    let client = client().await;
+async fn prometheus_sees_depth_and_stuck_jobs() {
     // Two installations: a healthy one (two controller replicas, workers), and one whose
     // controller never leads, behind a leader Lease held by something else.
-    let ns = TestNamespace::new(&client, "prom").await;
+    let Fixture { client, ns } = fixture!("prom");
     let wedged = TestNamespace::new(&client, "prom-wedged").await;
     let stop = Arc::new(AtomicBool::new(false));
     let holder = hold_leadership(&client, &wedged.name, Arc::clone(&stop)).await;

@@ -10,26 +10,26 @@
 //! cannot run a node (not root).
 
 mod chart_support;
-mod common;
 mod node_support;
 
 use std::time::{Duration, Instant};
 
 use chart_support::*;
-use common::*;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::Api;
 use leasehold_core::crd::Phase;
+use leasehold_testkit::*;
 use node_support::*;
 use serde_json::{json, Value};
 
 /// One test at a time: they share the node (two cores) and the one CRD.
 static NODE_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// The chart runs two controllers, one leading, and workers finish the example jobs.
 #[tokio::test]
 #[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
-async fn the_chart_runs_two_controllers_one_leading_and_workers_finish_the_example_jobs() {
+async fn chart_runs_on_a_node() {
     let _lock = NODE_LOCK.lock().await;
     let inst = Install::new("node-demo", 2, &[]).await;
 
@@ -146,9 +146,10 @@ async fn the_chart_runs_two_controllers_one_leading_and_workers_finish_the_examp
     );
 }
 
+/// A force-deleted worker pod's job is requeued and finished by another pod.
 #[tokio::test]
 #[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
-async fn a_force_deleted_worker_pods_job_is_requeued_and_finished_by_another_pod() {
+async fn force_deleted_pods_job_is_requeued() {
     let _lock = NODE_LOCK.lock().await;
     let inst = Install::new("node-force", 2, &[]).await;
     inst.slow_job("slow", 0.5).await;
@@ -179,9 +180,10 @@ async fn a_force_deleted_worker_pods_job_is_requeued_and_finished_by_another_pod
     );
 }
 
+/// A deleted worker pod drains worker first, then sidecar, within its grace period.
 #[tokio::test]
 #[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
-async fn a_deleted_worker_pod_drains_worker_first_then_sidecar_within_its_grace_period() {
+async fn deleted_pod_drains_in_order() {
     let _lock = NODE_LOCK.lock().await;
     let inst = Install::new("node-drain", 2, &[]).await;
     inst.slow_job("slow", 0.5).await;
@@ -314,9 +316,10 @@ async fn a_deleted_worker_pod_drains_worker_first_then_sidecar_within_its_grace_
     }
 }
 
+/// Deleting the leading controller pod hands the lead to another replica within seconds.
 #[tokio::test]
 #[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
-async fn deleting_the_leading_controller_pod_hands_the_lead_to_another_replica_within_seconds() {
+async fn leading_controller_pod_deleted() {
     let _lock = NODE_LOCK.lock().await;
     let inst = Install::new("node-leader", 1, &[]).await;
     let leader = wait_for("a leader", Duration::from_secs(30), || inst.leader()).await;
@@ -372,9 +375,10 @@ async fn deleting_the_leading_controller_pod_hands_the_lead_to_another_replica_w
         .await;
 }
 
+/// A worker pod's projected token may claim and write its own job but no other.
 #[tokio::test]
 #[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
-async fn a_worker_pods_projected_token_may_claim_and_write_its_own_job_but_no_other() {
+async fn projected_token_writes_only_its_job() {
     let _lock = NODE_LOCK.lock().await;
     let node = Node::get();
     let inst = Install::new("node-token", 1, &[]).await;
@@ -446,9 +450,10 @@ async fn a_worker_pods_projected_token_may_claim_and_write_its_own_job_but_no_ot
     assert!(theirs.result.is_none());
 }
 
+/// Helm upgrade across a CRD change and uninstall lose no job and leave no orphans.
 #[tokio::test]
 #[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
-async fn helm_upgrade_across_a_crd_change_and_uninstall_lose_no_job_and_leave_no_orphans() {
+async fn helm_upgrade_and_uninstall_on_a_node() {
     let _lock = NODE_LOCK.lock().await;
     let inst = Install::new("node-upgrade", 2, &[]).await;
     let names: Vec<String> = (0..6).map(|i| format!("job-{i}")).collect();

@@ -8,13 +8,11 @@
 //!   operation, every body of the documented schema and Content-Type (so every error is a
 //!   documented JSON error), and invalid requests refused with a 4xx.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use leasehold_testkit::*;
 use serde_json::json;
 
 /// The venv's `st` (schemathesis), from tests/tools/schemathesis/venv.sh via scripts/test.
@@ -62,13 +60,14 @@ async fn fill_queue(client: &kube::Client, ns: &str, queue: &str, n: usize) {
     futures::future::join_all(creates).await;
 }
 
+/// The live sidecar answers as its OpenAPI document says under fuzzing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_live_sidecar_answers_as_its_openapi_document_says_under_fuzzing() {
+async fn sidecar_matches_its_openapi_document() {
+    require_control_plane!();
     let st = schemathesis();
     let python = st.with_file_name("python");
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "openapi").await;
+    let Fixture { client, ns } = fixture!("openapi");
     let _controller = controller(&ns.name);
     // --worker-timeout 1: jobs the fuzzer claims and forgets are no longer renewed after
     // max(1, 5) s, and the controller requeues them 5 s later.

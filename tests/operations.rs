@@ -2,17 +2,15 @@
 //! one), health that tells the truth, JSON logs, and a sidecar that shuts down without losing
 //! or doubling a job.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Patch, PatchParams};
 use kube::Api;
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::lease;
 use leasehold_metrics::{JobLabels, Metrics, OutcomeLabels, QueueLabel};
+use leasehold_testkit::*;
 use serde_json::json;
 
 /// Every metric the tests below prove to move when what it counts happens. Adding a metric
@@ -47,8 +45,7 @@ async fn metrics_of(port: u16) -> String {
 
 #[tokio::test]
 async fn metrics_move_when_the_events_they_count_happen() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "metrics").await;
+    let Fixture { client, ns } = fixture!("metrics");
     let ctl = controller(&ns.name);
     let ctl_port = ctl.port.unwrap();
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
@@ -199,8 +196,9 @@ async fn metrics_move_when_the_events_they_count_happen() {
     assert_eq!(sample(&m, &ended("succeeded")), Some(1.0), "{m}");
 }
 
+/// Every metric registered and documented is one the tests move.
 #[test]
-fn every_metric_registered_and_documented_is_one_the_tests_move() {
+fn every_metric_is_exercised() {
     let mut moved: Vec<String> = MOVED.iter().map(|m| m.to_string()).collect();
     moved.sort();
     // docs/protocol.md, "Metrics and health": one table row per metric.
@@ -293,10 +291,10 @@ async fn apiserver_claim_conflicts(client: &kube::Client) -> f64 {
         .sum()
 }
 
+/// Claim writes answered 409 are counted as claim conflicts.
 #[tokio::test]
-async fn claim_writes_answered_409_are_counted_as_claim_conflicts() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "conflicts").await;
+async fn claim_conflicts_are_counted() {
+    let Fixture { client, ns } = fixture!("conflicts");
     let _ctl = controller(&ns.name);
     // Strict FIFO: every claimer goes for the same oldest job, so all but one lose.
     let mut sidecars = Vec::new();
@@ -350,10 +348,10 @@ async fn claim_writes_answered_409_are_counted_as_claim_conflicts() {
     assert_eq!(claims, f64::from(claimed));
 }
 
+/// Readiness follows the watch and shutdown, and logs can be JSON.
 #[tokio::test]
-async fn readiness_follows_the_watch_and_shutdown_and_logs_can_be_json() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "health").await;
+async fn readiness_and_json_logs() {
+    let Fixture { client, ns } = fixture!("health");
     let ctl = controller_with(&ns.name, "json-controller", &["--log-format", "json"]);
     let port = ctl.port.unwrap();
     wait_for("controller ready", Duration::from_secs(20), || async {
@@ -445,10 +443,10 @@ async fn jobs_phase(client: &kube::Client, ns: &str, name: &str) -> Phase {
     jobs.get(name).await.unwrap().phase()
 }
 
+/// On SIGTERM, the sidecar lets its worker finish and the result is accepted.
 #[tokio::test]
-async fn on_sigterm_the_sidecar_lets_its_worker_finish_and_the_result_is_accepted() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "drain").await;
+async fn sigterm_lets_the_worker_finish() {
+    let Fixture { client, ns } = fixture!("drain");
     let _ctl = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let mut sc = Sidecar::start(&ns.name, "q", "pod-a", &["--drain-timeout", "30"]).await;
@@ -481,10 +479,10 @@ async fn on_sigterm_the_sidecar_lets_its_worker_finish_and_the_result_is_accepte
     assert!(job.status.unwrap().failures.is_empty());
 }
 
+/// A native sidecar stopped after its worker requeues the job at once.
 #[tokio::test]
-async fn a_native_sidecar_stopped_after_its_worker_requeues_the_job_at_once() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "native").await;
+async fn native_sidecar_stop_requeues_at_once() {
+    let Fixture { client, ns } = fixture!("native");
     let _ctl = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let a = Sidecar::start(&ns.name, "q", "pod-a", &["--release-on-shutdown"]).await;

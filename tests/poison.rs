@@ -4,16 +4,14 @@
 //! freshly started controller and sidecar sync, every other job keeps moving, and the odd
 //! object is skipped and reported.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::fence::REASON_LEASE_EXPIRED;
 use leasehold_core::lease;
+use leasehold_testkit::*;
 use serde_json::{json, Value};
 
 /// `kubectl create` of an object given as JSON text, as an admin would (the typed client
@@ -101,10 +99,10 @@ async fn killed_holders_job_is_requeued(ns: &str, queue: &str, job: &str, poison
     assert_eq!(failure.reason, REASON_LEASE_EXPIRED);
 }
 
+/// A job too deep to decode is skipped and reported while every other job moves.
 #[tokio::test]
-async fn a_job_too_deep_to_decode_is_skipped_and_reported_while_every_other_job_moves() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "poison-job").await;
+async fn undecodable_job_is_skipped() {
+    let Fixture { client, ns } = fixture!("poison-job");
     let ns = ns.name.clone();
     // A payload nested 130 levels deep: valid JSON the API server stores, deeper than
     // serde_json's recursion limit of 128.
@@ -185,10 +183,10 @@ async fn a_job_too_deep_to_decode_is_skipped_and_reported_while_every_other_job_
     assert!(text.contains("recursion limit"), "{text}");
 }
 
+/// A Lease renewed in year 9999 does not stop the controller.
 #[tokio::test]
-async fn a_lease_renewed_in_year_9999_does_not_stop_the_controller() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "poison-lease").await;
+async fn lease_renewed_in_year_9999() {
+    let Fixture { client, ns } = fixture!("poison-lease");
     let ns = ns.name.clone();
     let _cleanup = DeleteOnDrop(vec![
         [ns.clone(), "lease".into(), "odd".into()],

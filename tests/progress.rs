@@ -3,20 +3,18 @@
 //! drives them, and the plugin run through the real kubectl, found on PATH as
 //! `kubectl-leasehold` (a symlink to the leasehold binary, as users install it).
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::lease;
 use leasehold_core::progress::{MESSAGE_ANNOTATION, PROGRESS_ANNOTATION};
+use leasehold_testkit::*;
 use serde_json::json;
 
 /// A directory holding only `kubectl-leasehold`, a symlink to the leasehold binary under test.
@@ -63,10 +61,10 @@ fn row<'a>(table: &'a str, name: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no row for {name} in:\n{table}"))
 }
 
+/// GET shows the progress a heartbeat sent, and the job is not written.
 #[tokio::test]
-async fn get_shows_the_progress_a_heartbeat_sent_and_the_job_is_not_written() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "progress-get").await;
+async fn get_shows_heartbeat_progress() {
+    let Fixture { client, ns } = fixture!("progress-get");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "media", "pod-a", &[]).await;
     create_job(
@@ -199,10 +197,10 @@ async fn get_shows_the_progress_a_heartbeat_sent_and_the_job_is_not_written() {
     let _ = watch.wait();
 }
 
+/// Bad progress or message is refused with 400 and nothing is written.
 #[tokio::test]
-async fn bad_progress_or_message_is_refused_with_400_and_nothing_is_written() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "progress-bad").await;
+async fn bad_progress_is_refused() {
+    let Fixture { client, ns } = fixture!("progress-bad");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
@@ -273,10 +271,10 @@ async fn bad_progress_or_message_is_refused_with_400_and_nothing_is_written() {
     assert_eq!(s, 200, "{r}");
 }
 
+/// Retry of a failed job runs a new attempt and keeps its failures.
 #[tokio::test]
-async fn retry_of_a_failed_job_runs_a_new_attempt_and_keeps_its_failures() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "progress-retry").await;
+async fn retry_keeps_past_failures() {
+    let Fixture { client, ns } = fixture!("progress-retry");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
@@ -360,8 +358,7 @@ async fn retry_of_a_failed_job_runs_a_new_attempt_and_keeps_its_failures() {
 
 #[tokio::test]
 async fn cancel_ends_a_leased_job_and_retry_brings_it_back() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "progress-cancel").await;
+    let Fixture { client, ns } = fixture!("progress-cancel");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(

@@ -5,21 +5,20 @@
 //! stops and cancels them: lease loss under SIGSTOP of the worker and of the sidecar,
 //! cancellation, resume from a checkpoint, SIGTERM, and every documented error code.
 
-mod common;
-
 use std::path::Path;
 use std::process::Command;
 
-use common::*;
+use leasehold_testkit::*;
 
+/// The Python client passes its pytest suite against the real sidecar.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn python_client_passes_its_pytest_suite_against_the_real_sidecar() {
+async fn python_client_pytest_suite() {
+    require_control_plane!();
     let python = std::env::var_os("LEASEHOLD_PYTHON").expect(
         "LEASEHOLD_PYTHON is not set: the venv with pytest comes from tests/tools/python/venv.sh; \
          run `scripts/test`",
     );
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "python-client").await;
+    let Fixture { ns, .. } = fixture!("python-client");
     let _controller = controller(&ns.name);
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let kubectl = kubectl_path();

@@ -2,14 +2,12 @@
 //! and comes back for the next claim (crates/kube/src/queue_watch.rs); the jobs it holds stay watched all
 //! along. Real processes (controller, sidecars) against the real control plane.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::Api;
 use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_testkit::*;
 use serde_json::json;
 
 /// `leasehold_queue_watch_running` and `leasehold_queue_watch_stops_total` of `sc`.
@@ -38,10 +36,10 @@ async fn create_queued(client: &kube::Client, ns: &str, names: impl Iterator<Ite
     }
 }
 
+/// A busy sidecar stops watching its queue and still hears of its own job.
 #[tokio::test]
-async fn a_busy_sidecar_stops_watching_its_queue_and_still_hears_of_its_own_job() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "queue-watch-busy").await;
+async fn busy_sidecar_still_hears_its_own_job() {
+    let Fixture { client, ns } = fixture!("queue-watch-busy");
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let _controller = controller(&ns.name);
     let busy = Sidecar::start(&ns.name, "q", "pod-busy", &[]).await;
@@ -97,10 +95,10 @@ async fn a_busy_sidecar_stops_watching_its_queue_and_still_hears_of_its_own_job(
     assert_eq!(s, 200, "{r}");
 }
 
+/// A waiting claim keeps the queue watch however busy the queue.
 #[tokio::test]
-async fn a_waiting_claim_keeps_the_queue_watch_however_busy_the_queue() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "queue-watch-wait").await;
+async fn waiting_claim_keeps_the_queue_watch() {
+    let Fixture { client, ns } = fixture!("queue-watch-wait");
     let _controller = controller(&ns.name);
     let waiting = Sidecar::start(&ns.name, "w", "pod-waiting", &[]).await;
     let claim = {
@@ -150,14 +148,15 @@ async fn a_waiting_claim_keeps_the_queue_watch_however_busy_the_queue() {
     assert_eq!((s, got["name"].as_str()), (200, Some("now")), "{got}");
 }
 
+/// A superseded attempt is refused though its lease still names it.
+///
 /// A job claimed by another holder leaves this sidecar's held-jobs watch; its heartbeat must
 /// then read the job and be refused, even while the Lease still names the old token (here the
 /// new attempt is written straight to the status, as if its holder had not taken the Lease
 /// over yet).
 #[tokio::test]
-async fn a_superseded_attempt_is_refused_though_its_lease_still_names_it() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "queue-watch-superseded").await;
+async fn superseded_attempt_is_refused() {
+    let Fixture { client, ns } = fixture!("queue-watch-superseded");
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let a = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_queued(&client, &ns.name, std::iter::once("s".to_string())).await;

@@ -1,29 +1,28 @@
 //! Expiry after real kube-apiserver restarts: kept in its own test binary, since every test
 //! sharing the control plane would see the restarts.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::fence::REASON_LEASE_EXPIRED;
 use leasehold_core::lease::lease_name;
+use leasehold_testkit::*;
 use serde_json::json;
 
+/// After API-server restarts, a dead holder is requeued within its lease plus one second.
+///
 /// Expiry after kube-apiserver restarts, and after a compaction and restart (issue: "expiry <= LD + 1 s once the API server is
 /// ready, for TERM and KILL, in the controller, leader and standbys"). Two controller replicas
 /// and a sidecar ride through each restart; then a job is claimed and its holder killed, and
 /// the time from the Lease's last renewTime to the requeue must stay within
 /// leaseDurationSeconds + 1 s.
 #[tokio::test]
-async fn after_apiserver_restarts_a_dead_holder_is_requeued_within_its_lease_plus_one_second() {
+async fn dead_holder_requeued_after_apiserver_restarts() {
     const LD: u64 = 5;
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "restart-expiry").await;
+    let Fixture { ns, .. } = fixture!("restart-expiry");
     let election = [
         "--leader-lease-duration",
         "3",
@@ -55,7 +54,7 @@ async fn after_apiserver_restarts_a_dead_holder_is_requeued_within_its_lease_plu
             assert!(c.old_read_error.contains("compacted"), "{c:?}");
         }
         restart_apiserver(signal, Duration::from_secs(down));
-        let client = common::client().await;
+        let client = leasehold_testkit::client().await;
         let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
         let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
         let name = format!("j{round}");

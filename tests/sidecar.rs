@@ -1,25 +1,23 @@
 //! The sidecar and the controller as real processes, driven over HTTP as a worker drives them,
 //! with real faults: SIGKILL and SIGSTOP.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::*;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
 use kube::{Api, ResourceExt};
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::fence::REASON_LEASE_EXPIRED;
 use leasehold_core::lease;
+use leasehold_testkit::*;
 use serde_json::{json, Value};
 
+/// The sidecar refuses bad tokens, unknown jobs and bad bodies, and keeps serving.
 #[tokio::test]
-async fn sidecar_refuses_bad_tokens_unknown_jobs_and_bad_bodies_and_keeps_serving() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "refusals").await;
+async fn refuses_bad_requests_and_keeps_serving() {
+    let Fixture { client, ns } = fixture!("refusals");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
@@ -173,10 +171,10 @@ async fn sidecar_refuses_bad_tokens_unknown_jobs_and_bad_bodies_and_keeps_servin
     );
 }
 
+/// Heartbeats keep a 30 s job alive without touching the job.
 #[tokio::test]
-async fn heartbeats_keep_a_30s_job_alive_without_touching_the_job() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "alive").await;
+async fn heartbeats_keep_a_job_alive() {
+    let Fixture { client, ns } = fixture!("alive");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     create_job(
@@ -234,15 +232,16 @@ async fn lease_now(leases: &Api<Lease>, job: &str) -> (Option<String>, String, O
     )
 }
 
+/// An ended attempt's lease is left as is and its token stays refused.
+///
 /// An attempt its holder ended leaves its Lease naming the ended token (no Lease write after a
 /// complete or a release: the job's status fences the attempt), and that Lease fences nothing:
 /// the ended token's heartbeats are refused without a write, by the sidecar that ended it and
 /// by one that never held it, the controller leaves the Lease alone past its old release grace,
 /// and the next claim takes the Lease over.
 #[tokio::test]
-async fn an_ended_attempts_lease_is_left_as_is_and_its_token_stays_refused() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "ended-lease").await;
+async fn ended_attempts_lease_is_left_alone() {
+    let Fixture { client, ns } = fixture!("ended-lease");
     let _controller = controller(&ns.name);
     let a = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
@@ -319,14 +318,15 @@ async fn an_ended_attempts_lease_is_left_as_is_and_its_token_stays_refused() {
     assert_eq!((s, r["phase"].as_str()), (200, Some("Succeeded")), "{r}");
 }
 
+/// The first renewal writes the lease and a quick job writes none.
+///
 /// The claim's write starts the lease and the attempt's first renewal writes its Lease
 /// (docs/protocol.md, "The Lease is written by the first renewal"): a job done before then
 /// leaves no Lease (two writes in all), and the background renewal a third of the lease after
 /// the claim writes it when the worker does not heartbeat.
 #[tokio::test]
-async fn the_first_renewal_writes_the_lease_and_a_quick_job_writes_none() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "first-renewal").await;
+async fn first_renewal_writes_the_lease() {
+    let Fixture { client, ns } = fixture!("first-renewal");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
@@ -395,14 +395,15 @@ async fn the_first_renewal_writes_the_lease_and_a_quick_job_writes_none() {
     assert_eq!(s, 200, "{r}");
 }
 
+/// An attempt without a lease yet expires a lease after its claim.
+///
 /// Before its first renewal the claim is the attempt's only renewal: a worker killed then loses
 /// its job a lease duration after the claim (the controller's clock starts when it sees the
 /// claim), and a sidecar frozen past the lease before its first renewal never writes a Lease
 /// for the attempt that ended meanwhile.
 #[tokio::test]
-async fn an_attempt_without_a_lease_yet_expires_a_lease_after_its_claim() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "no-lease-yet").await;
+async fn leaseless_attempt_expires() {
+    let Fixture { client, ns } = fixture!("no-lease-yet");
     let _controller = controller(&ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
@@ -459,12 +460,13 @@ async fn an_attempt_without_a_lease_yet_expires_a_lease_after_its_claim() {
     );
 }
 
+/// A restarted sidecar writes the lease at the first heartbeat.
+///
 /// A sidecar restarted before its attempt's first renewal (the worker kept its token) writes
 /// the Lease at the worker's first heartbeat: the job names it as the holder.
 #[tokio::test]
-async fn a_restarted_sidecar_writes_the_lease_at_the_first_heartbeat() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "restart-first").await;
+async fn restarted_sidecar_writes_the_lease() {
+    let Fixture { client, ns } = fixture!("restart-first");
     let _controller = controller(&ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     create_job(
@@ -498,10 +500,10 @@ async fn kill_holder(sc: Sidecar, leases: &Api<Lease>, job: &str) -> Timestamp {
     l.spec.unwrap().renew_time.unwrap().0
 }
 
+/// A killed worker loses its job within the lease and maxAttempts deaths fail it.
 #[tokio::test]
-async fn a_killed_worker_loses_its_job_within_the_lease_and_max_attempts_deaths_fail_it() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "death").await;
+async fn killed_worker_loses_its_job() {
+    let Fixture { client, ns } = fixture!("death");
     let _controller = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
@@ -550,8 +552,7 @@ async fn a_killed_worker_loses_its_job_within_the_lease_and_max_attempts_deaths_
 
 #[tokio::test]
 async fn a_checkpoint_written_by_attempt_1_reaches_attempt_2() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "checkpoint").await;
+    let Fixture { client, ns } = fixture!("checkpoint");
     let _controller = controller(&ns.name);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
     create_job(
@@ -612,10 +613,10 @@ async fn next_event(
     }
 }
 
+/// A zombie worker woken after its lease cannot overwrite the new owner.
 #[tokio::test]
-async fn a_zombie_worker_woken_after_its_lease_cannot_overwrite_the_new_owner() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "zombie").await;
+async fn zombie_worker_cannot_overwrite() {
+    let Fixture { client, ns } = fixture!("zombie");
     // Every transition as an Event: the test counts the Completed ones.
     let _controller = controller_with(&ns.name, "test-controller", &["--events", "all"]);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
@@ -723,8 +724,7 @@ async fn a_zombie_worker_woken_after_its_lease_cannot_overwrite_the_new_owner() 
 
 #[tokio::test]
 async fn a_silent_worker_stops_being_renewed_and_loses_its_job() {
-    let client = client().await;
-    let ns = TestNamespace::new(&client, "silent").await;
+    let Fixture { client, ns } = fixture!("silent");
     let _controller = controller(&ns.name);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     // The effective silence limit is max(--worker-timeout, leaseDurationSeconds) = 5 s.

@@ -7,6 +7,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
+use leasehold_testkit::{ControllerArgs, SidecarArgs};
 use tokio::process::{Child, Command};
 
 /// What `/proc/PID/{stat,status}` says about one process.
@@ -148,7 +149,7 @@ impl Proc {
     /// Starts `bin args`, with KUBECONFIG set and stderr to `logs/name.log`.
     pub fn spawn(
         bin: &Path,
-        args: &[&str],
+        args: &[impl AsRef<std::ffi::OsStr>],
         kubeconfig: &Path,
         logs: &Path,
         name: &str,
@@ -242,15 +243,10 @@ pub fn controller_at(
 ) -> anyhow::Result<Proc> {
     Proc::spawn(
         bin,
-        &[
-            "controller",
-            "--namespace",
-            ns,
-            "--identity",
-            "bench-controller",
-            "--metrics-addr",
-            metrics_addr,
-        ],
+        &ControllerArgs::new(ns)
+            .identity("bench-controller")
+            .metrics_addr(metrics_addr)
+            .to_args(),
         kubeconfig,
         logs,
         &format!("{ns}-{name}"),
@@ -286,20 +282,11 @@ pub fn sidecar(
     let listen = free_addr()?;
     let proc = Proc::spawn(
         bin,
-        &[
-            "sidecar",
-            "--queue",
-            queue,
-            "--namespace",
-            ns,
-            "--listen",
-            &listen,
-            "--identity",
-            identity,
-            // The benchmark's workers stay silent while they hold jobs; keep renewing.
-            "--worker-timeout",
-            "3600",
-        ],
+        // The benchmark's workers stay silent while they hold jobs; keep renewing.
+        &SidecarArgs::new(ns, queue, identity)
+            .listen(&listen)
+            .worker_timeout(3600)
+            .to_args(),
         kubeconfig,
         logs,
         &format!("{ns}-{identity}"),

@@ -14,7 +14,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 use serde_json::{json, Value};
 
-use crate::common::{kubeconfig_path, kubectl, leasehold_bin, run, wait_for, Proc};
+use leasehold_testkit::{kubeconfig_path, kubectl, leasehold_bin, run, wait_for, Proc};
 
 /// The chart's directory in the repository.
 pub fn chart_dir() -> PathBuf {
@@ -202,7 +202,11 @@ pub async fn client_from(path: &Path) -> Client {
 }
 
 /// Starts `leasehold args` with the kubeconfig at `kubeconfig` (never the admin one).
-pub fn spawn_leasehold(name: &str, args: &[&str], kubeconfig: &Path) -> Proc {
+pub fn spawn_leasehold<A: AsRef<std::ffi::OsStr>>(
+    name: &str,
+    args: &[A],
+    kubeconfig: &Path,
+) -> Proc {
     Proc::spawn_as(name, &leasehold_bin(), args, Stdio::null(), kubeconfig)
 }
 

@@ -15,7 +15,9 @@ use kube::Api;
 use serde_json::{json, Value};
 
 use crate::chart_support::{chart_dir, helm_ok};
-use crate::common::{free_port, http_client, http_get, kubectl, wait_for, Proc};
+use leasehold_testkit::{
+    documents, free_port, http_client, http_get, kubectl, repo, wait_for, Proc,
+};
 
 /// The directory of prometheus and promtool, which scripts/test builds.
 pub fn prometheus_bin() -> PathBuf {
@@ -49,11 +51,6 @@ pub fn monitoring_crds() -> PathBuf {
     }
 }
 
-pub fn repo(path: &str) -> String {
-    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path))
-        .unwrap_or_else(|e| panic!("{path}: {e}"))
-}
-
 /// A fresh scratch directory under the test target's tmpdir.
 pub fn scratch(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
@@ -63,17 +60,6 @@ pub fn scratch(name: &str) -> PathBuf {
     ));
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// Parses a multi-document YAML stream into JSON values (skipping empty documents).
-pub fn documents(yaml: &str) -> Vec<Value> {
-    use serde::Deserialize;
-    serde_yaml::Deserializer::from_str(yaml)
-        .filter_map(|d| {
-            let v = Value::deserialize(d).expect("rendered YAML");
-            (!v.is_null()).then_some(v)
-        })
-        .collect()
 }
 
 /// `helm template` of the chart as release `leasehold` in `namespace`, with `sets`.

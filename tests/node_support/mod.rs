@@ -16,7 +16,7 @@ use leasehold_core::crd::{LeasedJob, Phase};
 use serde_json::json;
 
 use crate::chart_support::Release;
-use crate::common::*;
+use leasehold_testkit::*;
 
 /// The node `tests/node/start.sh` started (its state directory, from scripts/test).
 pub struct Node {

@@ -1,13 +1,13 @@
 //! Fault injection against the real control plane, for the chaos test: a TCP relay that can
-//! stall a sidecar's connections to the API server, etcd restarts, a forced etcd compaction
-//! (so that watches resumed from an old resourceVersion get 410 Gone), and sidecars started on
-//! a chosen port with a chosen kubeconfig (to restart one where its worker expects it, or to
-//! route it through the relay).
+//! stall a sidecar's connections to the API server, etcd restarts, and a forced etcd compaction
+//! (so that watches resumed from an old resourceVersion get 410 Gone). Sidecars started on a
+//! chosen port with a chosen kubeconfig (to restart one where its worker expects it, or to
+//! route it through the relay) are [`crate::Sidecar::start_at`].
 //!
 //! Every process-level fault touches the one control plane that `scripts/test` started, so
 //! every test sharing it sees the fault: keep tests that use these in their own test binary.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -19,7 +19,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-use super::{kubeconfig_path, leasehold_bin, log_dir, Proc, Sidecar};
+use crate::{kubeconfig_path, log_dir, repo_root};
 
 /// The state directory of the running control plane (tests/controlplane/start.sh).
 pub fn state_dir() -> PathBuf {
@@ -184,96 +184,10 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut stalled: watc
     }
 }
 
-impl Sidecar {
-    /// Starts `leasehold sidecar` on 127.0.0.1:`port` with the credentials and server of
-    /// `kubeconfig`, and waits up to `ready_within` for its /readyz. Used to restart a killed
-    /// sidecar where its worker expects it, and to route one through a [`Relay`].
-    pub async fn start_at(
-        ns: &str,
-        queue: &str,
-        id: &str,
-        port: u16,
-        kubeconfig: &Path,
-        extra: &[&str],
-        ready_within: Duration,
-    ) -> Sidecar {
-        let listen = format!("127.0.0.1:{port}");
-        let mut args = vec![
-            "sidecar",
-            "--queue",
-            queue,
-            "--namespace",
-            ns,
-            "--listen",
-            &listen,
-            "--identity",
-            id,
-        ];
-        args.extend_from_slice(extra);
-        let mut proc = Proc::spawn_as(
-            &format!("{ns}-{id}"),
-            &leasehold_bin(),
-            &args,
-            Stdio::null(),
-            kubeconfig,
-        );
-        proc.port = Some(port);
-        let sidecar = Sidecar {
-            proc,
-            base: format!("http://{listen}"),
-            http: super::http_client(),
-        };
-        // Each probe has its own deadline, and a timeout says what the last probe saw and
-        // what the sidecar logged, so that a sidecar that never gets ready can be told from a
-        // probe that never got through.
-        let url = format!("{}/readyz", sidecar.base);
-        let deadline = std::time::Instant::now() + ready_within;
-        loop {
-            let probe = sidecar
-                .http
-                .get(&url)
-                .timeout(Duration::from_secs(2))
-                .send();
-            let last = match probe.await {
-                Ok(r) if r.status().is_success() => break,
-                Ok(r) => {
-                    let status = r.status();
-                    format!("{status} {}", r.text().await.unwrap_or_default().trim())
-                }
-                Err(e) => format!("{e:?}"),
-            };
-            if std::time::Instant::now() > deadline {
-                let log = sidecar.proc.log_text();
-                let tail: Vec<&str> = log.lines().rev().take(20).collect();
-                panic!(
-                    "sidecar {id} was not ready on port {port} within {ready_within:?}; last \
-                     probe of {url}: {last}; its log ends:\n{}",
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        sidecar
-    }
-
-    /// GET /healthz: true when the sidecar answers 200 (no background task has died).
-    pub async fn healthy(&self) -> bool {
-        let r = self
-            .http
-            .get(format!("{}/healthz", self.base))
-            .timeout(Duration::from_secs(5))
-            .send()
-            .await;
-        matches!(r, Ok(r) if r.status().is_success())
-    }
-}
-
 /// Runs a script of tests/controlplane with the state directory and `signal`, after
 /// `downtime` seconds down; panics with its output when it fails.
 fn run_restart_script(script: &str, signal: &str, downtime: Duration) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/controlplane")
-        .join(script);
+    let path = repo_root().join("tests/controlplane").join(script);
     let out = Command::new("bash")
         .arg(&path)
         .arg(state_dir())

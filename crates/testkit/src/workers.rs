@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use serde_json::Value;
 
-use super::Proc;
+use crate::{repo_root, Proc};
 
 /// One line of a worker's stdout.
 #[derive(Clone, Debug)]
@@ -67,8 +67,14 @@ pub fn spawn_worker(
     extra: &[&str],
     log: &EventLog,
 ) -> Proc {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/worker.py");
-    let mut args = vec![script, "--sidecar", sidecar_base, "--name", name];
+    let script = repo_root().join("examples/worker.py");
+    let mut args = vec![
+        script.to_str().unwrap(),
+        "--sidecar",
+        sidecar_base,
+        "--name",
+        name,
+    ];
     args.extend_from_slice(extra);
     let mut proc = Proc::spawn(log_name, Path::new("python3"), &args, Stdio::piped());
     let stdout = proc.child.stdout.take().expect("worker stdout");

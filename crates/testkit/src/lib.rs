@@ -1,19 +1,32 @@
-//! Shared harness of the integration tests: a client for the local control plane, a namespace
-//! per test, and the real `leasehold` binary run as controller and sidecar processes.
+//! What leasehold's integration tests (tests/*.rs) and its benchmark (bench/) share: a client
+//! for the local control plane and a namespace per test ([`Fixture`], [`TestNamespace`]), the
+//! real `leasehold` binary run as controller and sidecar processes ([`Proc`], [`Sidecar`]),
+//! the command lines of those two roles ([`ControllerArgs`], [`SidecarArgs`]), fault
+//! injection ([`faults`]), the example Python worker ([`workers`]), and the repository's
+//! files and YAML ([`repo`], [`documents`]).
 //!
 //! The control plane is started by `scripts/test`, which exports LEASEHOLD_TEST_KUBECONFIG (and
 //! LEASEHOLD_CONTROLPLANE_BIN, the directory of its kubectl). The tests never read KUBECONFIG,
-//! so they never touch whatever cluster the user's kubeconfig points at.
-#![allow(dead_code)]
+//! so they never touch whatever cluster the user's kubeconfig points at. Without
+//! LEASEHOLD_TEST_KUBECONFIG (a plain `cargo test`) the tests that need the control plane
+//! return at once ([`fixture!`], [`require_control_plane!`]) and one line per test binary says
+//! how to run them.
 
+mod args;
 pub mod faults;
+mod process;
+mod sidecar;
 pub mod workers;
 
-use std::fs::File;
+pub use args::{ControllerArgs, SidecarArgs};
+pub use process::{leasehold_bin, log_dir, signal, target_tmpdir, Proc};
+pub use sidecar::{controller, controller_with, Sidecar};
+
 use std::io::Write;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
+use std::sync::Once;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Namespace;
@@ -23,6 +36,123 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 use leasehold_core::crd::LeasedJob;
 use serde_json::{json, Value};
+
+/// The environment variable through which `scripts/test` hands the tests its control plane.
+pub const KUBECONFIG_VAR: &str = "LEASEHOLD_TEST_KUBECONFIG";
+
+/// True when a control plane is configured (LEASEHOLD_TEST_KUBECONFIG is set, as `scripts/test`
+/// does). When it is not, says once per test binary, on stderr (past the test harness's
+/// capture), that the tests needing it are skipped and how to run them.
+pub fn control_plane_configured() -> bool {
+    static NOTICE: Once = Once::new();
+    if std::env::var_os(KUBECONFIG_VAR).is_some() {
+        return true;
+    }
+    NOTICE.call_once(|| {
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED the integration tests of this binary: {KUBECONFIG_VAR} is unset; they run \
+             against a local control plane that `scripts/test` starts (e.g. `scripts/test \
+             --test fencing`)"
+        );
+    });
+    false
+}
+
+/// Returns from the calling test when no control plane is configured (see
+/// [`control_plane_configured`]); does nothing when one is, so a test under `scripts/test` never
+/// skips.
+#[macro_export]
+macro_rules! require_control_plane {
+    () => {
+        if !$crate::control_plane_configured() {
+            return;
+        }
+    };
+}
+
+/// `fixture!("name")`: the test's [`Fixture`] (a client and a fresh namespace named after
+/// `name`), or a return from the calling test when no control plane is configured.
+#[macro_export]
+macro_rules! fixture {
+    ($test:expr) => {
+        match $crate::Fixture::try_new($test).await {
+            Some(fixture) => fixture,
+            None => return,
+        }
+    };
+}
+
+/// What an integration test starts with: a client for the test control plane and a fresh
+/// namespace of its own, deleted when it drops. Made by [`fixture!`], which skips the test
+/// without a control plane; destructure it to name the parts:
+/// `let Fixture { client, ns } = fixture!("fencing");`.
+pub struct Fixture {
+    /// An admin client for the test control plane.
+    pub client: Client,
+    /// The test's namespace.
+    pub ns: TestNamespace,
+}
+
+impl Fixture {
+    /// A client and a namespace named after `test` (the CRD installed); None when no control
+    /// plane is configured.
+    pub async fn try_new(test: &str) -> Option<Fixture> {
+        if !control_plane_configured() {
+            return None;
+        }
+        Some(Fixture::new(test).await)
+    }
+
+    /// As [`Fixture::try_new`], panicking when no control plane is configured.
+    pub async fn new(test: &str) -> Fixture {
+        let client = client().await;
+        let ns = TestNamespace::new(&client, test).await;
+        Fixture { client, ns }
+    }
+
+    /// The namespace's name.
+    pub fn name(&self) -> &str {
+        &self.ns.name
+    }
+
+    /// The LeasedJobs of the namespace.
+    pub fn jobs(&self) -> Api<LeasedJob> {
+        Api::namespaced(self.client.clone(), &self.ns.name)
+    }
+
+    /// Starts a controller for the namespace ([`controller`]).
+    pub fn controller(&self) -> Proc {
+        controller(&self.ns.name)
+    }
+
+    /// Starts a sidecar for `queue` in the namespace as `id`, ready when this returns
+    /// ([`Sidecar::start`]).
+    pub async fn sidecar(&self, queue: &str, id: &str, extra: &[&str]) -> Sidecar {
+        Sidecar::start(&self.ns.name, queue, id, extra).await
+    }
+}
+
+/// The root of the repository (the workspace), for its committed files.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The text of the repository's file at `path` (relative to its root).
+pub fn repo(path: &str) -> String {
+    std::fs::read_to_string(repo_root().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// Parses a multi-document YAML stream into JSON values (skipping empty documents).
+pub fn documents(yaml: &str) -> Vec<Value> {
+    use serde::Deserialize;
+    serde_yaml::Deserializer::from_str(yaml)
+        .filter_map(|d| {
+            let v = Value::deserialize(d).expect("rendered YAML");
+            (!v.is_null()).then_some(v)
+        })
+        .collect()
+}
 
 /// Path of the test control plane's kubeconfig.
 pub fn kubeconfig_path() -> PathBuf {
@@ -53,10 +183,8 @@ pub async fn client() -> Client {
 
 /// Installs the committed CRD (server-side apply; idempotent) and waits until it is Established.
 pub async fn install_crd(client: &Client) {
-    let text = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/leasehold/crds/leasedjob.yaml"),
-    )
-    .expect("charts/leasehold/crds/leasedjob.yaml");
+    let text = std::fs::read_to_string(repo_root().join("charts/leasehold/crds/leasedjob.yaml"))
+        .expect("charts/leasehold/crds/leasedjob.yaml");
     let crd: CustomResourceDefinition = serde_yaml::from_str(&text).expect("CRD YAML");
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     api.patch(
@@ -90,11 +218,13 @@ pub async fn install_crd(client: &Client) {
 /// A namespace for one test, named after it plus a random suffix; deleted on drop (the
 /// namespace controller removes its contents).
 pub struct TestNamespace {
+    /// The namespace's name.
     pub name: String,
     client: Client,
 }
 
 impl TestNamespace {
+    /// Installs the CRD and creates a namespace named `test-XXXXXXXX`.
     pub async fn new(client: &Client, test: &str) -> TestNamespace {
         install_crd(client).await;
         let suffix: u32 = rand::random();
@@ -155,128 +285,6 @@ pub async fn create_job(client: &Client, ns: &str, manifest: Value) -> LeasedJob
         .expect("create job")
 }
 
-/// Directory for the logs of processes the tests start.
-pub fn log_dir() -> PathBuf {
-    let dir = std::env::var_os("LEASEHOLD_TEST_LOGS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_TARGET_TMPDIR")).join("logs"));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// A process the test started; killed on drop.
-pub struct Proc {
-    pub child: Child,
-    pub name: String,
-    pub log: PathBuf,
-    /// The HTTP port it serves on, when the test chose one.
-    pub port: Option<u16>,
-}
-
-impl Proc {
-    /// Starts `program args` with the test kubeconfig, logging to a file named `name`.
-    pub fn spawn(name: &str, program: &Path, args: &[&str], stdout: Stdio) -> Proc {
-        Proc::spawn_as(name, program, args, stdout, &kubeconfig_path())
-    }
-
-    /// As [`Proc::spawn`], with the credentials of `kubeconfig`. The pod's downward-API
-    /// variables of the test runner's own environment are never passed on.
-    pub fn spawn_as(
-        name: &str,
-        program: &Path,
-        args: &[&str],
-        stdout: Stdio,
-        kubeconfig: &Path,
-    ) -> Proc {
-        let log = log_dir().join(format!("{name}.log"));
-        let err = File::create(&log).unwrap();
-        let child = Command::new(program)
-            .args(args)
-            .env("KUBECONFIG", kubeconfig)
-            .env(
-                "RUST_LOG",
-                // More detail for one run: LEASEHOLD_TEST_RUST_LOG=info,kube_runtime=debug
-                std::env::var("LEASEHOLD_TEST_RUST_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            .env_remove("POD_NAME")
-            .env_remove("POD_NAMESPACE")
-            .stdin(Stdio::null())
-            .stdout(stdout)
-            .stderr(err)
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {name}: {e}"));
-        Proc {
-            child,
-            name: name.to_string(),
-            log,
-            port: None,
-        }
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Sends a signal (STOP, CONT, KILL, TERM) with kill(1).
-    pub fn signal(&self, sig: &str) {
-        signal(self.pid(), sig);
-    }
-
-    pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        signal(self.pid(), "CONT");
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Sends `sig` to `pid` with kill(1).
-pub fn signal(pid: u32, sig: &str) {
-    let _ = Command::new("kill")
-        .args([&format!("-{sig}"), &pid.to_string()])
-        .stderr(Stdio::null())
-        .status();
-}
-
-pub fn leasehold_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_leasehold"))
-}
-
-/// Starts `leasehold controller` for one namespace, serving its metrics on a free port
-/// (`Proc::port`).
-pub fn controller(ns: &str) -> Proc {
-    controller_with(ns, "test-controller", &[])
-}
-
-/// Starts `leasehold controller` for one namespace with `identity` and extra arguments.
-pub fn controller_with(ns: &str, identity: &str, extra: &[&str]) -> Proc {
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut args = vec![
-        "controller",
-        "--namespace",
-        ns,
-        "--identity",
-        identity,
-        "--metrics-addr",
-        &addr,
-    ];
-    args.extend_from_slice(extra);
-    let mut p = Proc::spawn(
-        &format!("{ns}-{identity}"),
-        &leasehold_bin(),
-        &args,
-        Stdio::null(),
-    );
-    p.port = Some(port);
-    p
-}
-
 /// GETs `http://127.0.0.1:{port}{path}`: (status, body), or None when nothing answers.
 pub async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let r = reqwest::get(format!("http://127.0.0.1:{port}{path}"))
@@ -320,94 +328,6 @@ pub fn token_of(claim: &Value) -> String {
         .to_string()
 }
 
-/// A running `leasehold sidecar` and an HTTP client for it.
-pub struct Sidecar {
-    pub proc: Proc,
-    pub base: String,
-    http: reqwest::Client,
-}
-
-impl Sidecar {
-    /// Starts a sidecar for `queue` in `ns` with identity `id` and waits until it is ready.
-    pub async fn start(ns: &str, queue: &str, id: &str, extra: &[&str]) -> Sidecar {
-        Sidecar::start_as(ns, queue, id, extra, &kubeconfig_path()).await
-    }
-
-    /// As [`Sidecar::start`], reaching the API server with `kubeconfig`.
-    pub async fn start_as(
-        ns: &str,
-        queue: &str,
-        id: &str,
-        extra: &[&str],
-        kubeconfig: &Path,
-    ) -> Sidecar {
-        let port = free_port();
-        let ready_within = Duration::from_secs(30);
-        Sidecar::start_at(ns, queue, id, port, kubeconfig, extra, ready_within).await
-    }
-
-    /// POSTs a raw body; returns the status and the JSON body (Null when empty).
-    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> (u16, Value) {
-        let r = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .body(body)
-            .send()
-            .await
-            .expect("sidecar reachable");
-        let status = r.status().as_u16();
-        let bytes = r.bytes().await.unwrap();
-        let value = if bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&bytes)
-                .unwrap_or_else(|_| json!({"raw": String::from_utf8_lossy(&bytes)}))
-        };
-        (status, value)
-    }
-
-    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        self.post_raw(path, serde_json::to_vec(&body).unwrap())
-            .await
-    }
-
-    /// Claims (waiting up to `wait` s), asserting it answers 200; returns the claim's answer
-    /// and its token.
-    pub async fn claim_ok(&self, wait: u64) -> (Value, String) {
-        let (status, claimed) = self.claim(wait).await;
-        assert_eq!(status, 200, "{claimed}");
-        let token = token_of(&claimed);
-        (claimed, token)
-    }
-
-    /// Claims a job, as [`Sidecar::claim_ok`], then heartbeats once, as a worker does before
-    /// its first expensive call: the attempt's first renewal writes its Lease.
-    pub async fn claim_leased(&self, wait: u64) -> (Value, String) {
-        let (claimed, token) = self.claim_ok(wait).await;
-        let name = claimed["name"].as_str().expect("claimed name");
-        let (s, r) = self.heartbeat(name, json!({"token": token})).await;
-        assert_eq!(s, 200, "the first heartbeat of {name}: {r}");
-        (claimed, token)
-    }
-
-    pub async fn claim(&self, wait: u64) -> (u16, Value) {
-        self.post(&format!("/v1/claim?wait={wait}"), json!(null))
-            .await
-    }
-
-    pub async fn heartbeat(&self, name: &str, body: Value) -> (u16, Value) {
-        self.post(&format!("/v1/jobs/{name}/heartbeat"), body).await
-    }
-
-    pub async fn complete(&self, name: &str, token: &str, result: Value) -> (u16, Value) {
-        self.post(
-            &format!("/v1/jobs/{name}/complete"),
-            json!({"token": token, "result": result}),
-        )
-        .await
-    }
-}
-
 /// Runs `program args` with the admin kubeconfig, feeding `stdin`; returns success and the
 /// combined output.
 pub fn run(program: &Path, args: &[&str], stdin: &str, env: &[(&str, &Path)]) -> (bool, String) {
@@ -449,8 +369,7 @@ pub fn kubectl(args: &[&str], stdin: &str) -> (bool, String) {
 pub fn restart_apiserver(signal: &str, downtime: Duration) {
     let state = std::env::var_os("LEASEHOLD_CONTROLPLANE_STATE")
         .expect("LEASEHOLD_CONTROLPLANE_STATE is not set; run `scripts/test`");
-    let script =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/controlplane/restart-apiserver.sh");
+    let script = repo_root().join("tests/controlplane/restart-apiserver.sh");
     let status = Command::new("bash")
         .arg(script)
         .arg(&state)
