@@ -347,7 +347,6 @@ print(json.dumps({
     assert!(help.contains("--sidecar"), "{help}");
 }
 
-
 /// The image's controller and sidecar run as 65532 read-only through a job lifecycle.
 #[tokio::test]
 async fn image_runs_a_job_lifecycle() {
