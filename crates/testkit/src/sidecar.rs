@@ -144,7 +144,7 @@ impl Sidecar {
 impl Sidecar {
     /// Starts `leasehold sidecar` on 127.0.0.1:`port` with the credentials and server of
     /// `kubeconfig`, and waits up to `ready_within` for its /readyz. Used to restart a killed
-    /// sidecar where its worker expects it, and to route one through a [`Relay`].
+    /// sidecar where its worker expects it, and to route one through a `Relay`.
     pub async fn start_at(
         ns: &str,
         queue: &str,
