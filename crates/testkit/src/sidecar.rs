@@ -76,14 +76,31 @@ impl Sidecar {
     }
 
     /// POSTs a raw body; returns the status and the JSON body (Null when empty).
+    ///
+    /// A body the sidecar refuses before reading it (too large) races its answer: the sidecar
+    /// answers 413 and closes the connection while the client may still be writing, and the
+    /// client then sees a broken pipe instead of the answer (RFC 9112, section 9.6). Such a
+    /// send is tried again on a fresh connection, at most five times; any other error fails.
     pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> (u16, Value) {
-        let r = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .body(body)
-            .send()
-            .await
-            .expect("sidecar reachable");
+        let mut tries = 0;
+        let r = loop {
+            tries += 1;
+            let client = if tries == 1 {
+                self.http.clone()
+            } else {
+                reqwest::Client::new()
+            };
+            match client
+                .post(format!("{}{path}", self.base))
+                .body(body.clone())
+                .send()
+                .await
+            {
+                Ok(r) => break r,
+                Err(e) if tries < 5 && format!("{e:?}").contains("BodyWrite") => continue,
+                Err(e) => panic!("sidecar reachable: {e:?}"),
+            }
+        };
         let status = r.status().as_u16();
         let bytes = r.bytes().await.unwrap();
         let value = if bytes.is_empty() {
