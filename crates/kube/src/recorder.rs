@@ -2,8 +2,6 @@
 //! (leasehold-metrics) to count. The worker library does not depend on Prometheus: a process
 //! that embeds it without metrics passes [`NoRecorder`].
 
-use std::sync::Arc;
-
 /// Receives the events the watches and the worker report. Every method has an empty default,
 /// so an implementation counts only what it wants.
 pub trait Recorder: Send + Sync {
@@ -41,6 +39,3 @@ pub trait Recorder: Send + Sync {
 pub struct NoRecorder;
 
 impl Recorder for NoRecorder {}
-
-/// A shared recorder, as the watches and the worker hold it.
-pub type SharedRecorder = Arc<dyn Recorder>;
