@@ -230,6 +230,18 @@ impl ClaimIndex {
         self.entries.is_empty()
     }
 
+    /// True when the job `name` is one of the queue's Queued jobs that are not cancelled or
+    /// being deleted (claimable now or later).
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// The resourceVersion last seen of the job `name`, if [`ClaimIndex::contains`] it.
+    pub fn resource_version(&self, name: &str) -> Option<&str> {
+        let place = self.entries.get(name)?;
+        self.order.get(place).map(|s| s.resource_version.as_str())
+    }
+
     /// The names of at most `limit` jobs claimable at `now` that `skip` (name, resourceVersion)
     /// lets through, all of the highest priority among those, oldest first: the candidates of
     /// [`claim::pick`] (what a linear scan of the queue would find), without reading the whole

@@ -13,6 +13,7 @@
 //! - [`token`]: the fencing token a claim issues.
 //! - [`claim`]: which job a claimer picks and the Leased status a claim writes.
 //! - [`claim_index`]: a queue's claimable jobs in claim order, kept from watch events.
+//! - [`dispatch`]: which waiting job the dispatcher offers to which waiting worker.
 //! - [`share`]: which job a claimer tries, so that the claimers of a queue do not race.
 //! - [`fence`]: the conditional writes that end an attempt; where a stale token is refused.
 //! - [`lease`]: the per-job `coordination.k8s.io/v1` Lease: its name, whose it is, its patches.
@@ -25,6 +26,7 @@ pub mod category;
 pub mod claim;
 pub mod claim_index;
 pub mod crd;
+pub mod dispatch;
 pub mod expiry;
 pub mod fence;
 pub mod lease;

@@ -1,0 +1,377 @@
+//! The dispatcher's decisions: which waiting job is offered to which waiting worker, so that
+//! no two workers are offered the same job while an offer stands.
+//!
+//! The dispatcher keeps one view of every queue's claimable jobs, in claim order (the
+//! [`ClaimIndex`] of each queue: priority, highest first, then age, honouring notBefore and
+//! retryAfter), and answers a worker that asks for work with a [`Hint`]: the first job in that
+//! order that stands offered to nobody else. The offer stands for [`OFFER_TTL_MS`]; it ends
+//! early when the job leaves the queue's claimable jobs (the worker's claim arrived in the
+//! watch, or anyone else's change did) or when the worker says it could not claim it
+//! ([`Dispatch::declined`]). A lapsed offer is offered again.
+//!
+//! A hint is advice, never a grant. The worker claims the job itself, with the claim write
+//! of [`crate::claim`] made from a copy it reads from the API server, guarded by that copy's
+//! resourceVersion. A stale, doubled or invented hint therefore costs the worker at most one
+//! read and one refused write, never a second holder: every safety argument of
+//! docs/protocol.md holds with a dispatcher that is wrong, slow or lying. The shape is that of
+//! Temporal's matching service, which hands a task to a long-polling worker ("sync match"),
+//! with the API server's conditional write as the arbiter instead of the matching service's
+//! own.
+//!
+//! Pure: the caller passes the time, and feeds the watch events of every job it sees with
+//! [`Dispatch::observe`] (the jobs of every queue of every namespace it watches).
+
+use std::collections::HashMap;
+
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+use crate::claim_index::{Change, ClaimIndex};
+use crate::crd::LeasedJob;
+
+/// How long an offer withholds its job from every other worker, in milliseconds: long enough
+/// for the worker to read the job and write its claim (two API calls, tens of milliseconds;
+/// a second on a loaded API server), short enough that a worker that vanished with its hint
+/// delays the job by little.
+pub const OFFER_TTL_MS: i64 = 2_000;
+
+/// A queue, as the dispatcher names it: its namespace and `spec.queue`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct QueueKey {
+    /// The jobs' namespace.
+    pub namespace: String,
+    /// Their `spec.queue`.
+    pub queue: String,
+}
+
+/// A job offered to a worker: its name and the resourceVersion the dispatcher saw. The worker
+/// claims from the copy it reads itself; the resourceVersion only lets it tell that the
+/// dispatcher's view was older than its read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hint {
+    /// metadata.name of the job, in the queue's namespace.
+    pub name: String,
+    /// metadata.resourceVersion of the job as the dispatcher saw it.
+    pub resource_version: String,
+}
+
+/// One standing offer.
+#[derive(Clone, Debug)]
+struct Offer {
+    /// The worker (its identity) the job was offered to.
+    worker: String,
+    /// Until when the offer withholds the job from the others.
+    until: Timestamp,
+}
+
+/// One queue's view: its claimable jobs and the offers standing on them.
+#[derive(Debug)]
+struct QueueView {
+    index: ClaimIndex,
+    /// Job name -> the offer standing on it.
+    offers: HashMap<String, Offer>,
+}
+
+impl QueueView {
+    fn new(queue: &str) -> QueueView {
+        QueueView {
+            index: ClaimIndex::new(queue),
+            offers: HashMap::new(),
+        }
+    }
+
+    /// Forgets offers on jobs that are no longer claimable candidates of the queue.
+    fn prune(&mut self) {
+        let index = &self.index;
+        self.offers.retain(|name, _| index.contains(name));
+    }
+}
+
+/// Every queue's view, and the offers standing on their jobs (see the module doc).
+#[derive(Debug, Default)]
+pub struct Dispatch {
+    queues: HashMap<QueueKey, QueueView>,
+    /// Whether a (re-)list is under way: queues first seen during it start one too.
+    relisting: bool,
+}
+
+impl Dispatch {
+    /// An empty view.
+    pub fn new() -> Dispatch {
+        Dispatch::default()
+    }
+
+    /// Follows one watch event of the jobs the dispatcher watches (every queue). A job that
+    /// stops being a claimable candidate (claimed, cancelled, deleted) takes its offer with it.
+    pub fn observe(&mut self, change: Change<'_>) {
+        match change {
+            Change::Deleted(job) => {
+                let Some(view) = key_of(job).and_then(|k| self.queues.get_mut(&k)) else {
+                    return;
+                };
+                view.index.observe(change);
+                if let Some(name) = job.metadata.name.as_deref() {
+                    view.offers.remove(name);
+                }
+            }
+            Change::Applied(job) | Change::Relisted(job) => {
+                let Some(key) = key_of(job) else {
+                    return;
+                };
+                let relisting = self.relisting;
+                let view = self.queues.entry(key).or_insert_with(|| {
+                    let mut view = QueueView::new(&job.spec.queue);
+                    if relisting {
+                        view.index.observe(Change::RelistBegan);
+                    }
+                    view
+                });
+                view.index.observe(change);
+                if let Some(name) = job.metadata.name.as_deref() {
+                    if !view.index.contains(name) {
+                        view.offers.remove(name);
+                    }
+                }
+            }
+            Change::RelistBegan => {
+                self.relisting = true;
+                for view in self.queues.values_mut() {
+                    view.index.observe(change);
+                }
+            }
+            Change::RelistDone => {
+                self.relisting = false;
+                for view in self.queues.values_mut() {
+                    view.index.observe(change);
+                    view.prune();
+                }
+                // Queues left with no job and no offer cost nothing to forget.
+                self.queues
+                    .retain(|_, v| !v.index.is_empty() || !v.offers.is_empty());
+            }
+        }
+    }
+
+    /// The job to offer `worker` from `queue` at `now`, and the offer recorded: the first
+    /// claimable job in claim order that stands offered to no other worker. A job offered to
+    /// this same worker and not yet claimed is offered to it again (its answer may have been
+    /// lost), with the offer renewed. `None` when every claimable job stands offered to
+    /// others, or none is claimable.
+    pub fn offer(&mut self, queue: &QueueKey, worker: &str, now: Timestamp) -> Option<Hint> {
+        let view = self.queues.get_mut(queue)?;
+        let offers = &view.offers;
+        let taken = |name: &str, _rv: &str| {
+            offers
+                .get(name)
+                .is_some_and(|o| o.worker != worker && o.until > now)
+        };
+        let name = view.index.candidates(now, 1, taken).first()?.to_string();
+        let resource_version = view.index.resource_version(&name)?.to_string();
+        view.offers.insert(
+            name.clone(),
+            Offer {
+                worker: worker.to_string(),
+                until: now + SignedDuration::from_millis(OFFER_TTL_MS),
+            },
+        );
+        Some(Hint {
+            name,
+            resource_version,
+        })
+    }
+
+    /// `worker` could not claim the job `name` of `queue` it was offered (it was no longer
+    /// claimable when read, or the claim was refused): the offer ends, so the job is offered
+    /// to others at once. An offer standing for another worker is left alone (a worker can
+    /// only give back its own).
+    pub fn declined(&mut self, queue: &QueueKey, name: &str, worker: &str) {
+        if let Some(view) = self.queues.get_mut(queue) {
+            if view.offers.get(name).is_some_and(|o| o.worker == worker) {
+                view.offers.remove(name);
+            }
+        }
+    }
+
+    /// When a worker of `queue` that got no offer at `now` should ask again, if before its
+    /// wait ends: when a job not claimable yet becomes claimable (notBefore, retryAfter), or
+    /// when an offer to another worker lapses. New jobs are not foreseen: the caller wakes its
+    /// waiting workers on every change of the queue.
+    pub fn next_offer_at(&self, queue: &QueueKey, now: Timestamp) -> Option<Timestamp> {
+        let view = self.queues.get(queue)?;
+        let lapse = view
+            .offers
+            .values()
+            .filter(|o| o.until > now)
+            .map(|o| o.until)
+            .min();
+        match (view.index.next_claimable_at(now), lapse) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Claimable candidates of `queue` (Queued, not cancelled or being deleted), claimable now
+    /// or later.
+    pub fn queued(&self, queue: &QueueKey) -> usize {
+        self.queues.get(queue).map_or(0, |v| v.index.len())
+    }
+
+    /// Offers standing or lapsed but not yet forgotten, over every queue.
+    pub fn offers(&self) -> usize {
+        self.queues.values().map(|v| v.offers.len()).sum()
+    }
+}
+
+/// The queue of `job`: its namespace and `spec.queue` (`None` without a namespace, which a
+/// namespaced object always has).
+pub fn key_of(job: &LeasedJob) -> Option<QueueKey> {
+    Some(QueueKey {
+        namespace: job.metadata.namespace.clone()?,
+        queue: job.spec.queue.clone(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    use super::*;
+    use crate::crd::{LeasedJobSpec, LeasedJobStatus, Phase};
+
+    fn at_ms(ms: i64) -> Timestamp {
+        Timestamp::from_millisecond(1_800_000_000_000 + ms).unwrap()
+    }
+
+    fn job(ns: &str, name: &str, priority: i32, created_s: i64, phase: Phase) -> LeasedJob {
+        let mut j = LeasedJob::new(
+            name,
+            LeasedJobSpec {
+                queue: "q".into(),
+                priority,
+                ..LeasedJobSpec::default()
+            },
+        );
+        j.metadata.namespace = Some(ns.into());
+        j.metadata.creation_timestamp = Some(Time(at_ms(created_s * 1000)));
+        j.metadata.resource_version = Some(format!("rv-{name}-{phase:?}"));
+        j.status = Some(LeasedJobStatus {
+            phase: Some(phase),
+            ..LeasedJobStatus::default()
+        });
+        j
+    }
+
+    fn q(ns: &str) -> QueueKey {
+        QueueKey {
+            namespace: ns.into(),
+            queue: "q".into(),
+        }
+    }
+
+    fn names(hint: Option<Hint>) -> Option<String> {
+        hint.map(|h| h.name)
+    }
+
+    #[test]
+    fn offers_go_in_claim_order_and_never_twice_while_they_stand() {
+        let mut d = Dispatch::new();
+        d.observe(Change::Applied(&job("ns", "old", 0, 1, Phase::Queued)));
+        d.observe(Change::Applied(&job("ns", "new", 0, 2, Phase::Queued)));
+        d.observe(Change::Applied(&job("ns", "urgent", 5, 3, Phase::Queued)));
+        let now = at_ms(10_000);
+        assert_eq!(names(d.offer(&q("ns"), "w1", now)), Some("urgent".into()));
+        assert_eq!(names(d.offer(&q("ns"), "w2", now)), Some("old".into()));
+        assert_eq!(names(d.offer(&q("ns"), "w3", now)), Some("new".into()));
+        // Every job stands offered to someone else.
+        assert_eq!(d.offer(&q("ns"), "w4", now), None);
+        // The same worker asking again gets its own offer back (its answer may be lost).
+        assert_eq!(names(d.offer(&q("ns"), "w2", now)), Some("old".into()));
+        assert_eq!(d.next_offer_at(&q("ns"), now), Some(at_ms(12_000)));
+    }
+
+    #[test]
+    fn an_offer_lapses_after_its_ttl_and_ends_with_a_claim_or_a_decline() {
+        let mut d = Dispatch::new();
+        d.observe(Change::Applied(&job("ns", "a", 0, 1, Phase::Queued)));
+        d.observe(Change::Applied(&job("ns", "b", 0, 2, Phase::Queued)));
+        let now = at_ms(0);
+        assert_eq!(names(d.offer(&q("ns"), "w1", now)), Some("a".into()));
+        // w1 vanished with its hint: a lapses after the TTL and goes to the next worker.
+        let later = now + SignedDuration::from_millis(OFFER_TTL_MS - 1);
+        assert_eq!(names(d.offer(&q("ns"), "w2", later)), Some("b".into()));
+        let lapsed = now + SignedDuration::from_millis(OFFER_TTL_MS);
+        assert_eq!(names(d.offer(&q("ns"), "w3", lapsed)), Some("a".into()));
+        // w3 says it could not claim a: it is offered at once to the next one.
+        d.declined(&q("ns"), "a", "w3");
+        assert_eq!(names(d.offer(&q("ns"), "w4", lapsed)), Some("a".into()));
+        // Another worker cannot end w4's offer.
+        d.declined(&q("ns"), "a", "w3");
+        assert_eq!(d.offer(&q("ns"), "w5", lapsed), None);
+        // w4's claim arrives in the watch: a is no longer claimable, its offer is gone.
+        d.observe(Change::Applied(&job("ns", "a", 0, 1, Phase::Leased)));
+        assert_eq!(d.offers(), 1, "only b's offer stands");
+        assert_eq!(d.queued(&q("ns")), 1);
+    }
+
+    #[test]
+    fn queues_and_namespaces_are_kept_apart() {
+        let mut d = Dispatch::new();
+        d.observe(Change::Applied(&job("team-a", "a1", 0, 1, Phase::Queued)));
+        let mut other = job("team-a", "x1", 0, 0, Phase::Queued);
+        other.spec.queue = "other".into();
+        d.observe(Change::Applied(&other));
+        let now = at_ms(5_000);
+        assert_eq!(d.offer(&q("team-b"), "w", now), None);
+        assert_eq!(names(d.offer(&q("team-a"), "w", now)), Some("a1".into()));
+        assert_eq!(d.queued(&q("team-a")), 1);
+    }
+
+    #[test]
+    fn not_before_and_retry_after_hold_a_job_back_until_their_time() {
+        let mut d = Dispatch::new();
+        let mut later = job("ns", "later", 9, 1, Phase::Queued);
+        later.spec.not_before = Some(Time(at_ms(60_000)));
+        d.observe(Change::Applied(&later));
+        d.observe(Change::Applied(&job("ns", "now", 0, 2, Phase::Queued)));
+        let now = at_ms(10_000);
+        assert_eq!(names(d.offer(&q("ns"), "w", now)), Some("now".into()));
+        assert_eq!(d.offer(&q("ns"), "w2", now), None);
+        assert_eq!(d.next_offer_at(&q("ns"), now), Some(at_ms(12_000)));
+        let due = at_ms(60_000);
+        assert_eq!(names(d.offer(&q("ns"), "w2", due)), Some("later".into()));
+    }
+
+    #[test]
+    fn a_relist_replaces_the_view_and_forgets_offers_on_jobs_gone_meanwhile() {
+        let mut d = Dispatch::new();
+        d.observe(Change::Applied(&job("ns", "a", 0, 1, Phase::Queued)));
+        d.observe(Change::Applied(&job("ns", "b", 0, 2, Phase::Queued)));
+        let now = at_ms(10_000);
+        assert_eq!(names(d.offer(&q("ns"), "w1", now)), Some("a".into()));
+        assert_eq!(names(d.offer(&q("ns"), "w2", now)), Some("b".into()));
+        // The watch expired (410) and re-listed: a was claimed meanwhile, c is new, and a
+        // queue of another namespace appears during the list.
+        d.observe(Change::RelistBegan);
+        d.observe(Change::Relisted(&job("ns", "a", 0, 1, Phase::Leased)));
+        d.observe(Change::Relisted(&job("ns", "b", 0, 2, Phase::Queued)));
+        d.observe(Change::Relisted(&job("ns", "c", 0, 3, Phase::Queued)));
+        d.observe(Change::Relisted(&job("ns2", "z", 0, 3, Phase::Queued)));
+        // Until the list ends, the old view answers.
+        assert_eq!(d.queued(&q("ns")), 2);
+        d.observe(Change::RelistDone);
+        assert_eq!(d.queued(&q("ns")), 2);
+        assert_eq!(d.queued(&q("ns2")), 1);
+        assert_eq!(d.offers(), 1, "b's offer stands, a's went with it");
+        assert_eq!(names(d.offer(&q("ns"), "w3", now)), Some("c".into()));
+        assert_eq!(names(d.offer(&q("ns2"), "w3", now)), Some("z".into()));
+    }
+
+    #[test]
+    fn a_queue_emptied_by_a_relist_is_forgotten() {
+        let mut d = Dispatch::new();
+        d.observe(Change::Applied(&job("ns", "a", 0, 1, Phase::Queued)));
+        d.observe(Change::RelistBegan);
+        d.observe(Change::RelistDone);
+        assert_eq!(d.queued(&q("ns")), 0);
+        assert!(d.queues.is_empty());
+    }
+}
