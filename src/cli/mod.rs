@@ -149,13 +149,7 @@ fn identity_or_hostname(identity: Option<String>) -> anyhow::Result<String> {
 
 /// Checks that `value` of `flag` is a DNS label (RFC 1123).
 fn check_dns_label(flag: &str, value: &str) -> anyhow::Result<()> {
-    let ok = (1..=63).contains(&value.len())
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !value.starts_with('-')
-        && !value.ends_with('-');
-    if !ok {
+    if !leasehold_core::crd::is_dns_label(value) {
         bail!("{flag} {value:?} is not a DNS label: 1 to 63 lowercase letters, digits and '-', starting and ending with a letter or digit");
     }
     Ok(())

@@ -334,14 +334,24 @@ pub struct AttemptFailure {
 /// characters (Kubernetes' `IsDNS1123Subdomain`).
 pub fn is_dns_subdomain(name: &str) -> bool {
     name.len() <= 253
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
+        && name
+            .split('.')
+            .all(|label| label_chars(label) && !label.is_empty())
+}
+
+/// True when `name` is a lowercase RFC 1123 label of 1 to 63 characters (Kubernetes'
+/// `IsDNS1123Label`): what a namespace's or a queue's name must be.
+pub fn is_dns_label(name: &str) -> bool {
+    (1..=63).contains(&name.len()) && label_chars(name)
+}
+
+/// Lowercase letters, digits and '-', not starting or ending with '-'.
+fn label_chars(label: &str) -> bool {
+    label
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !label.starts_with('-')
+        && !label.ends_with('-')
 }
 
 /// Reads an optional time, taking an unreadable one (a date the API server's schema accepted

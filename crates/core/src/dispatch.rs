@@ -152,18 +152,15 @@ impl Dispatch {
     }
 
     /// The job to offer `worker` from `queue` at `now`, and the offer recorded: the first
-    /// claimable job in claim order that stands offered to no other worker. A job offered to
-    /// this same worker and not yet claimed is offered to it again (its answer may have been
-    /// lost), with the offer renewed. `None` when every claimable job stands offered to
-    /// others, or none is claimable.
+    /// claimable job in claim order on which no offer stands. Not even the worker a job stands
+    /// offered to gets it again: a worker asks again right after claiming its offer, before
+    /// the claim has come through the watch, and would be offered the job it has just
+    /// claimed. (An offer whose answer was lost lapses after [`OFFER_TTL_MS`].) `None` when
+    /// every claimable job stands offered, or none is claimable.
     pub fn offer(&mut self, queue: &QueueKey, worker: &str, now: Timestamp) -> Option<Hint> {
         let view = self.queues.get_mut(queue)?;
         let offers = &view.offers;
-        let taken = |name: &str, _rv: &str| {
-            offers
-                .get(name)
-                .is_some_and(|o| o.worker != worker && o.until > now)
-        };
+        let taken = |name: &str, _rv: &str| offers.get(name).is_some_and(|o| o.until > now);
         let name = view.index.candidates(now, 1, taken).first()?.to_string();
         let resource_version = view.index.resource_version(&name)?.to_string();
         view.offers.insert(
@@ -281,10 +278,11 @@ mod tests {
         assert_eq!(names(d.offer(&q("ns"), "w1", now)), Some("urgent".into()));
         assert_eq!(names(d.offer(&q("ns"), "w2", now)), Some("old".into()));
         assert_eq!(names(d.offer(&q("ns"), "w3", now)), Some("new".into()));
-        // Every job stands offered to someone else.
+        // Every job stands offered.
         assert_eq!(d.offer(&q("ns"), "w4", now), None);
-        // The same worker asking again gets its own offer back (its answer may be lost).
-        assert_eq!(names(d.offer(&q("ns"), "w2", now)), Some("old".into()));
+        // Not even to the worker it stands offered to: it asks again right after its claim,
+        // before the claim has come through the watch.
+        assert_eq!(d.offer(&q("ns"), "w2", now), None);
         assert_eq!(d.next_offer_at(&q("ns"), now), Some(at_ms(12_000)));
     }
 
