@@ -21,6 +21,7 @@
 //! - [`memory`]: freed heap memory handed back to the kernel.
 //! - [`shutdown`]: the process's shutdown signal.
 
+pub mod access;
 pub mod api;
 pub mod claim;
 pub mod events;
