@@ -16,6 +16,7 @@
 
 pub mod admission;
 pub mod cli;
+pub mod dispatch;
 pub mod http;
 pub mod observe;
 pub mod plugin;

@@ -33,6 +33,18 @@ pub struct ControllerArgs {
     http: HttpArgs,
     #[command(flatten)]
     admission: AdmissionArgs,
+    /// Offer waiting jobs to waiting sidecars (the dispatcher; docs/protocol.md, "Dispatch").
+    /// `false` leaves every sidecar to choose on its own.
+    #[arg(long, env = "LEASEHOLD_DISPATCH", default_value_t = true, action = clap::ArgAction::Set)]
+    dispatch: bool,
+    /// Address the dispatcher listens on; port 0 (the default) takes a free port, which the
+    /// leading replica advertises to sidecars in the Lease `leasehold-dispatcher`.
+    #[arg(long, env = "LEASEHOLD_DISPATCH_LISTEN", default_value = "0.0.0.0:0")]
+    dispatch_listen: SocketAddr,
+    /// Host sidecars reach the dispatcher at (default: POD_IP, else the listen address's IP
+    /// when it names one, else 127.0.0.1).
+    #[arg(long, env = "LEASEHOLD_DISPATCH_ADVERTISE")]
+    dispatch_advertise: Option<String>,
     /// Which transitions get an Event: `problems` (failures, expiries, Lease conflicts,
     /// cancellations) or `all` (also every claim, completion and release: two more writes
     /// per job).
@@ -53,6 +65,9 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         election,
         http,
         admission,
+        dispatch,
+        dispatch_listen,
+        dispatch_advertise,
         events,
     } = args;
     let limits = http.limits()?;
@@ -101,6 +116,50 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             None => std::future::pending().await,
         }
     };
+    let (dispatch, dispatched) = if dispatch {
+        let listener = tokio::net::TcpListener::bind(dispatch_listen)
+            .await
+            .with_context(|| format!("--dispatch-listen {dispatch_listen}: cannot bind"))?;
+        let bound = listener.local_addr().unwrap_or(dispatch_listen);
+        let host = advertised_host(dispatch_advertise, bound)?;
+        let address = format!("{host}:{}", bound.port());
+        let advert_namespace = election
+            .as_ref()
+            .map(|e| e.namespace.clone())
+            .or_else(|| namespace.clone())
+            .or_else(|| std::env::var("POD_NAMESPACE").ok())
+            .unwrap_or_else(|| "default".into());
+        tracing::info!(dispatch_listen = %bound, address = %address, "Serving the dispatcher at http://{bound}, advertised as {address} in Lease {advert_namespace}/{}", controller::dispatch::ADVERT_LEASE);
+        let dispatcher = Arc::new(controller::dispatch::Dispatcher::new());
+        let shared = crate::dispatch::Shared {
+            dispatcher: Arc::clone(&dispatcher),
+            access: Arc::new(leasehold_kube::access::Access::new(
+                clients.requests.clone(),
+            )),
+        };
+        let served = tokio::spawn(http::serve(
+            listener,
+            crate::dispatch::router(shared),
+            limits,
+            std::future::pending(),
+        ));
+        (
+            Some(controller::dispatch::Setup {
+                dispatcher,
+                advert_namespace,
+                address,
+            }),
+            Some(served),
+        )
+    } else {
+        (None, None)
+    };
+    let dispatched = async {
+        match dispatched {
+            Some(task) => task.await,
+            None => std::future::pending().await,
+        }
+    };
     let draining = Arc::clone(&health);
     tokio::spawn(async move {
         leasehold_kube::shutdown::signal().await;
@@ -117,6 +176,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             } else {
                 controller::EventPolicy::Problems
             },
+            dispatch,
         },
         metrics,
         Arc::clone(&health),
@@ -124,9 +184,46 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     tokio::select! {
     () = controller => {}
     served = server => served.context("metrics server failed")?,
+    dispatched = dispatched => {
+        dispatched.context("the dispatcher's server panicked")?.context("dispatcher server failed")?;
+    }
     admitted = admitted => {
         admitted.context("the admission webhook server panicked")?.context("admission webhook server failed")?;
     }
     }
     Ok(())
+}
+
+/// The host sidecars reach the dispatcher at: `flag` if given (checked), else POD_IP, else the
+/// listen address's IP when it names one, else 127.0.0.1.
+fn advertised_host(flag: Option<String>, bound: SocketAddr) -> anyhow::Result<String> {
+    if let Some(host) = flag {
+        let valid = host.parse::<std::net::IpAddr>().is_ok()
+            || leasehold_core::crd::is_dns_subdomain(&host);
+        anyhow::ensure!(
+            valid,
+            "--dispatch-advertise {host:?} is neither an IP address nor a DNS name (a lowercase RFC 1123 subdomain)"
+        );
+        return Ok(host);
+    }
+    if let Some(ip) = std::env::var("POD_IP")
+        .ok()
+        .and_then(|ip| ip.parse::<std::net::IpAddr>().ok())
+    {
+        return Ok(host_of(ip));
+    }
+    let ip = bound.ip();
+    Ok(if ip.is_unspecified() {
+        "127.0.0.1".into()
+    } else {
+        host_of(ip)
+    })
+}
+
+/// An IP as the host part of `host:port` (IPv6 in brackets).
+fn host_of(ip: std::net::IpAddr) -> String {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.to_string(),
+        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+    }
 }

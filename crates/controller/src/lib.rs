@@ -5,6 +5,7 @@
 //!
 //! - this file: [`run`] and [`reconcile`]'s shape, its [`Config`] and [`ReconcileError`];
 //! - [`leader`]: leader election among replicas, fenced like workers;
+//! - [`dispatch`]: the dispatcher, which offers waiting jobs to waiting workers;
 //! - [`crd_check`]: the start-up check that the installed CRD is up to date;
 //! - `expire`: the expiry look at one Leased job and its requeue;
 //! - `report`: per-queue metrics and the Undecodable Events.
@@ -39,6 +40,7 @@ use thiserror::Error;
 use tracing::{info, warn};
 
 pub mod crd_check;
+pub mod dispatch;
 mod expire;
 pub mod leader;
 mod report;
@@ -129,6 +131,9 @@ pub struct Config {
     pub election: Option<leader::ElectionConfig>,
     /// Which transitions get an Event.
     pub events: EventPolicy,
+    /// The dispatcher fed from the job watch, answering while this replica leads, and where
+    /// it is advertised; None dispatches nothing (sidecars then choose on their own).
+    pub dispatch: Option<dispatch::Setup>,
 }
 
 /// Which transitions the controller records as Events. Events are for people and for
@@ -234,6 +239,21 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
             async move { leader::run(api, election, &leadership, shutdown::signal()).await },
         )
     });
+    let advert = config.dispatch.clone().map(|setup| {
+        setup.dispatcher.lead_with(Arc::clone(&leadership));
+        let leases = Api::namespaced(client.clone(), &setup.advert_namespace);
+        let (identity, leadership) = (config.identity.clone(), Arc::clone(&leadership));
+        tokio::spawn(async move {
+            dispatch::advertise(
+                leases,
+                identity,
+                setup.address,
+                leadership,
+                shutdown::signal(),
+            )
+            .await;
+        })
+    });
     let ctx = Arc::new(Context {
         event_policy: config.events,
         client,
@@ -260,6 +280,14 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
         job.drop_payload_and_result();
         if let Some(status) = job.status.as_mut() {
             status.checkpoint = None;
+        }
+    })
+    .inspect({
+        let dispatcher = config.dispatch.as_ref().map(|d| Arc::clone(&d.dispatcher));
+        move |event| {
+            if let (Some(dispatcher), Ok(event)) = (&dispatcher, event) {
+                dispatcher.observe(event);
+            }
         }
     })
     .reflect(job_writer);
@@ -321,6 +349,9 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
     tokio::join!(wait_synced, run);
     pruner.abort();
     undecodable_events.abort();
+    if let Some(advert) = advert {
+        advert.abort();
+    }
     // The elector gives the leader Lease up on the same signal; let it finish.
     if let Some(elector) = elector {
         let _ = elector.await;

@@ -1,0 +1,195 @@
+//! The dispatcher's HTTP edge, served by the controller: a sidecar's long poll for a job of
+//! its queue, and its word that it could not claim one it was offered.
+//!
+//! Routes (JSON; every caller presents a bearer token, checked by
+//! [`leasehold_kube::access::Access`] for the right to claim in the namespace asked about):
+//! - `POST /v1/dispatch/poll` `{namespace, queue, worker, waitMs}` -> 200 `{name,
+//!   resourceVersion}`, or 204 when no job came within the wait;
+//! - `POST /v1/dispatch/declined` `{namespace, queue, worker, name}` -> 204.
+//!
+//! Errors are `{"error": "<code>", "message": "..."}`: 400 `invalid_request`; 413
+//! `too_large` (a body over [`MAX_BODY_BYTES`]); 401
+//! `unauthenticated`; 403 `forbidden`; 503 `not_leading` (ask the leader, or choose on your
+//! own), `unavailable` (a review could not be made). A refusal names the rule and the caller,
+//! never a job.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{FromRequest, Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+
+use leasehold_controller::dispatch::{Answer, Dispatcher};
+use leasehold_core::crd::is_dns_label;
+use leasehold_core::dispatch::QueueKey;
+use leasehold_kube::access::{Access, Refusal};
+
+/// Largest request body accepted, in bytes: a poll is a few hundred.
+pub const MAX_BODY_BYTES: usize = 4096;
+
+/// What the routes share.
+#[derive(Clone)]
+pub struct Shared {
+    /// The replica's dispatcher.
+    pub dispatcher: Arc<Dispatcher>,
+    /// The reviews of callers.
+    pub access: Arc<Access>,
+}
+
+/// The dispatcher's routes.
+pub fn router(shared: Shared) -> Router {
+    Router::new()
+        .route("/v1/dispatch/poll", post(poll))
+        .route("/v1/dispatch/declined", post(declined))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(shared)
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct PollBody {
+    namespace: String,
+    queue: String,
+    worker: String,
+    wait_ms: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct DeclinedBody {
+    namespace: String,
+    queue: String,
+    worker: String,
+    name: String,
+}
+
+fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+    (
+        status,
+        Json(json!({"error": code, "message": message.into()})),
+    )
+        .into_response()
+}
+
+/// Reads a JSON body, refusing a bad one with a message naming the field and the rule.
+async fn body<T: serde::de::DeserializeOwned>(request: Request) -> Result<T, Response> {
+    let bytes = axum::body::Bytes::from_request(request, &())
+        .await
+        .map_err(|e| {
+            let code = if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                "too_large"
+            } else {
+                "invalid_request"
+            };
+            error(
+                e.status(),
+                code,
+                format!("{} (at most {MAX_BODY_BYTES} bytes)", e.body_text()),
+            )
+        })?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            format!("the body is not the expected JSON object: {e}"),
+        )
+    })
+}
+
+/// Checks a namespace and queue name, and the caller's right to claim in the namespace.
+async fn admit(
+    shared: &Shared,
+    token: Option<String>,
+    namespace: &str,
+    queue: &str,
+) -> Result<QueueKey, Response> {
+    if !is_dns_label(namespace) {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            format!("namespace {namespace:?} is not a namespace name: a lowercase RFC 1123 label of at most 63 characters"),
+        ));
+    }
+    if !is_dns_label(queue) {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            format!("queue {queue:?} is not a queue name: a lowercase RFC 1123 label of at most 63 characters, as spec.queue"),
+        ));
+    }
+    match shared.access.check(token.as_deref(), namespace).await {
+        Ok(Ok(())) => Ok(QueueKey {
+            namespace: namespace.to_string(),
+            queue: queue.to_string(),
+        }),
+        Ok(Err(refusal @ (Refusal::NoToken | Refusal::NotAuthenticated))) => Err(error(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            refusal.to_string(),
+        )),
+        Ok(Err(refusal @ Refusal::NotAllowed { .. })) => Err(error(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            refusal.to_string(),
+        )),
+        Err(failed) => Err(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            format!("{failed}: the caller's rights could not be checked"),
+        )),
+    }
+}
+
+fn bearer(request: &Request) -> Option<String> {
+    let value = request
+        .headers()
+        .get(header::AUTHORIZATION)?
+        .to_str()
+        .ok()?;
+    value.strip_prefix("Bearer ").map(|t| t.trim().to_string())
+}
+
+async fn poll(State(shared): State<Shared>, request: Request) -> Response {
+    let token = bearer(&request);
+    let body: PollBody = match body(request).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let queue = match admit(&shared, token, &body.namespace, &body.queue).await {
+        Ok(q) => q,
+        Err(r) => return r,
+    };
+    let wait = Duration::from_millis(body.wait_ms);
+    match shared.dispatcher.poll(&queue, &body.worker, wait).await {
+        Answer::Offer(hint) => (
+            StatusCode::OK,
+            Json(json!({"name": hint.name, "resourceVersion": hint.resource_version})),
+        )
+            .into_response(),
+        Answer::Empty => StatusCode::NO_CONTENT.into_response(),
+        Answer::NotLeading => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_leading",
+            "this controller replica does not lead: it offers no jobs",
+        ),
+    }
+}
+
+async fn declined(State(shared): State<Shared>, request: Request) -> Response {
+    let token = bearer(&request);
+    let body: DeclinedBody = match body(request).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let queue = match admit(&shared, token, &body.namespace, &body.queue).await {
+        Ok(q) => q,
+        Err(r) => return r,
+    };
+    shared.dispatcher.declined(&queue, &body.name, &body.worker);
+    StatusCode::NO_CONTENT.into_response()
+}
