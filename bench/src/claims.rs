@@ -85,6 +85,7 @@ pub async fn run(
                 identity: format!("claimer-{i}"),
                 spread: DEFAULT_SPREAD,
                 worker_timeout: DEFAULT_WORKER_TIMEOUT,
+                dispatch: None,
             },
             std::sync::Arc::new(leasehold_kube::recorder::NoRecorder),
         );

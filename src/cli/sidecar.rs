@@ -50,9 +50,24 @@ pub struct SidecarArgs {
     /// Prometheus and the kubelet's probes, which cannot reach the loopback --listen.
     #[arg(long, env = "LEASEHOLD_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
+    /// Claim through the controller's dispatcher when it advertises one (docs/protocol.md,
+    /// "Dispatch"); `false` always chooses on its own.
+    #[arg(long, env = "LEASEHOLD_DISPATCH", default_value_t = true, action = clap::ArgAction::Set)]
+    dispatch: bool,
+    /// The projected service-account token for the audience `leasehold-dispatcher` that
+    /// proves this sidecar to the dispatcher. Without it the sidecar chooses on its own.
+    #[arg(long, env = "LEASEHOLD_DISPATCH_TOKEN_FILE", default_value = DEFAULT_DISPATCH_TOKEN_FILE)]
+    dispatch_token_file: std::path::PathBuf,
+    /// Namespace of the controller's Lease `leasehold-dispatcher`, which says where the
+    /// dispatcher answers (default: the jobs' namespace).
+    #[arg(long, env = "LEASEHOLD_DISPATCH_NAMESPACE")]
+    dispatch_namespace: Option<String>,
     #[command(flatten)]
     http: HttpArgs,
 }
+
+/// Where the chart's pods mount the dispatcher token (a projected volume).
+pub const DEFAULT_DISPATCH_TOKEN_FILE: &str = "/var/run/secrets/leasehold.dev/dispatcher/token";
 
 /// Runs the sidecar until SIGTERM and its drain, or until a server or its watch fails.
 ///
@@ -70,6 +85,9 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<()> {
         drain_timeout,
         release_on_shutdown,
         metrics_addr,
+        dispatch,
+        dispatch_token_file,
+        dispatch_namespace,
         http,
     } = args;
     let limits = http.limits()?;
@@ -90,11 +108,17 @@ pub async fn run(args: SidecarArgs) -> anyhow::Result<()> {
     check_dns_label("--namespace", &namespace)?;
     let identity = identity_or_hostname(identity)?;
     let config = worker::WorkerConfig {
-        namespace,
+        namespace: namespace.clone(),
         queue,
         identity,
         spread,
         worker_timeout: Duration::from_secs(worker_timeout),
+        dispatch: dispatch_config(
+            dispatch,
+            dispatch_token_file,
+            dispatch_namespace,
+            &namespace,
+        )?,
     };
     let shutdown = Shutdown {
         drain_timeout: Duration::from_secs(drain_timeout),
@@ -200,4 +224,31 @@ async fn drain_on_signal(worker: worker::Worker, shutdown: Shutdown) {
         );
     }
     tracing::info!("Stopped leasehold sidecar");
+}
+
+/// The dispatcher's client configuration: None with `--dispatch false`, or without the token
+/// file (said once, at start).
+///
+/// # Errors
+/// A `--dispatch-namespace` that is not a namespace name.
+fn dispatch_config(
+    dispatch: bool,
+    token_file: std::path::PathBuf,
+    advert_namespace: Option<String>,
+    namespace: &str,
+) -> anyhow::Result<Option<worker::dispatched::DispatchConfig>> {
+    if let Some(ns) = &advert_namespace {
+        check_dns_label("--dispatch-namespace", ns)?;
+    }
+    if !dispatch {
+        return Ok(None);
+    }
+    if !token_file.is_file() {
+        tracing::info!(token_file = %token_file.display(), "No dispatcher token at {}: this sidecar chooses jobs on its own", token_file.display());
+        return Ok(None);
+    }
+    Ok(Some(worker::dispatched::DispatchConfig {
+        token_file,
+        advert_namespace: advert_namespace.unwrap_or_else(|| namespace.to_string()),
+    }))
 }

@@ -36,6 +36,7 @@
 //! accepted only when the job is also still Leased to the token: this process remembers the
 //! attempts it ended, checks its watch cache before and after the renewal, and reads the job
 
+pub mod dispatched;
 mod end;
 mod heartbeat;
 mod pick;
@@ -107,6 +108,9 @@ pub struct WorkerConfig {
     /// How long the worker may stay silent (no heartbeat or other call) before background
     /// renewal stops for its jobs. The effective limit is at least the job's lease duration.
     pub worker_timeout: Duration,
+    /// Claim through the dispatcher when one is advertised ([`dispatched`]); None chooses on
+    /// its own always.
+    pub dispatch: Option<dispatched::DispatchConfig>,
 }
 
 /// A job just claimed: what the worker needs to do it and prove it.
@@ -309,6 +313,8 @@ struct Inner {
     /// The queue's claimable jobs in claim order, and its recent claimers, kept from the same
     /// watch as `store` (which is never older than it).
     index: Arc<Mutex<ClaimIndex>>,
+    /// The dispatcher's client, when claims go through it ([`WorkerConfig::dispatch`]).
+    dispatched: Option<dispatched::Dispatched>,
 }
 
 /// A claimer of one queue. Cheap to clone.
@@ -330,6 +336,18 @@ impl Worker {
         let clients = clients.into();
         let jobs: Api<LeasedJob> = Api::namespaced(clients.requests.clone(), &config.namespace);
         let leases: Api<Lease> = Api::namespaced(clients.requests, &config.namespace);
+        let (dispatched, follow_advert) = match config.dispatch.clone() {
+            Some(dispatch) => {
+                let adverts: Api<Lease> =
+                    Api::namespaced(clients.watches.clone(), &dispatch.advert_namespace);
+                let (d, follow) = dispatched::Dispatched::start(adverts, dispatch);
+                (Some(d), futures::future::Either::Left(follow))
+            }
+            None => (
+                None,
+                futures::future::Either::Right(std::future::pending::<()>()),
+            ),
+        };
         let watched: Api<LeasedJob> = Api::namespaced(clients.watches, &config.namespace);
         let metrics = recorder;
         // Two watches, both filtered by the API server on selectable fields of the CRD: the
@@ -391,6 +409,7 @@ impl Worker {
                 () = queue_task => {}
                 () = held_task => {}
                 () = ready => {}
+                () = follow_advert => {}
             }
         });
         let window = config.spread;
@@ -413,6 +432,7 @@ impl Worker {
             window: AtomicUsize::new(window),
             claim_write_ms: AtomicU64::new(0),
             index,
+            dispatched,
         };
         (
             Worker {

@@ -49,6 +49,16 @@ enum Pick {
     Defer(Instant),
 }
 
+/// How a claim through the dispatcher ended.
+enum Dispatch {
+    /// A job was claimed.
+    Claimed(Claimed),
+    /// None in time, or the caller went away.
+    Nothing,
+    /// The dispatcher is not usable: choose on our own.
+    FallBack,
+}
+
 /// The claim window never widens past this many times [`WorkerConfig::spread`](crate::WorkerConfig::spread).
 const MAX_WINDOW_FACTOR: usize = 64;
 
@@ -98,6 +108,17 @@ impl Worker {
             () = &mut gone => return Ok(None),
             _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
         }
+        if self.inner.dispatched.is_some() {
+            match self
+                .claim_dispatched(deadline, &mut gone, &mut draining)
+                .await?
+            {
+                Dispatch::Claimed(claimed) => return Ok(Some(claimed)),
+                Dispatch::Nothing => return Ok(None),
+                // Choose on our own from here on, as without a dispatcher.
+                Dispatch::FallBack => {}
+            }
+        }
         loop {
             changes.borrow_and_update();
             let picked = self.pick();
@@ -115,7 +136,7 @@ impl Worker {
                 if *draining.borrow() {
                     return Err(WorkerError::ShuttingDown);
                 }
-                let claimed = self.try_claim(&snapshot).await?;
+                let claimed = self.try_claim(&snapshot, false).await?;
                 // try_claim marked the fresh copy stale (claimed, 409, or no longer
                 // claimable); the cache holds the older snapshot until the watch brings the
                 // fresh one and then the change, so both are skipped (claim::Stale keeps two).
@@ -154,6 +175,144 @@ impl Worker {
                 }
                 () = tokio::time::sleep_until(deadline) => return Ok(None),
             }
+        }
+    }
+
+    /// Claims through the dispatcher ([`crate::dispatched`]) until `deadline`: asks it for a
+    /// job, claims the one offered from a copy the API server gave (the queue watch's, or one
+    /// read afresh), and tells it when that failed. Falls back when no dispatcher is usable,
+    /// when a poll fails, or when the oldest claimable job of the sidecar's own view has
+    /// waited [`crate::dispatched::FALLBACK_AFTER`] without an offer.
+    async fn claim_dispatched(
+        &self,
+        deadline: Instant,
+        gone: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+        draining: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> Result<Dispatch, WorkerError> {
+        let Some(dispatched) = self.inner.dispatched.as_ref() else {
+            return Ok(Dispatch::FallBack);
+        };
+        let config = &self.inner.config;
+        // One watchdog for the whole claim: a dispatcher that answers at once with jobs that
+        // cannot be claimed must not keep restarting it.
+        let stalled = self.own_view_stalled();
+        let mut stalled = std::pin::pin!(stalled);
+        let mut declined = 0u32;
+        loop {
+            if declined > 0 {
+                // A dispatcher offering job after job that cannot be claimed is asked again
+                // more slowly (10 ms, doubling to 160 ms), so it cannot drive this sidecar to
+                // read the API server in a tight loop.
+                tokio::time::sleep(Duration::from_millis(10 << declined.min(4))).await;
+            }
+            let Some(address) = dispatched.usable() else {
+                return Ok(Dispatch::FallBack);
+            };
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Ok(Dispatch::Nothing);
+            }
+            let poll = dispatched.poll(
+                &address,
+                &config.namespace,
+                &config.queue,
+                &config.identity,
+                remaining,
+            );
+            let hint = tokio::select! {
+                answer = poll => match answer {
+                    Ok(Some(hint)) => hint,
+                    // The dispatcher's own wait ended first: ask again.
+                    Ok(None) => continue,
+                    Err(_) => return Ok(Dispatch::FallBack),
+                },
+                () = stalled.as_mut() => {
+                    dispatched.set_aside(&format!(
+                        "left a job waiting {} ms in this sidecar's view without offering it",
+                        crate::dispatched::FALLBACK_AFTER.as_millis()
+                    ));
+                    return Ok(Dispatch::FallBack);
+                }
+                () = gone.as_mut() => return Ok(Dispatch::Nothing),
+                _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
+            };
+            if *draining.borrow() {
+                dispatched
+                    .declined(
+                        &address,
+                        &config.namespace,
+                        &config.queue,
+                        &config.identity,
+                        &hint.name,
+                    )
+                    .await;
+                return Err(WorkerError::ShuttingDown);
+            }
+            if let Some(claimed) = self.claim_hint(&hint).await? {
+                return Ok(Dispatch::Claimed(claimed));
+            }
+            dispatched
+                .declined(
+                    &address,
+                    &config.namespace,
+                    &config.queue,
+                    &config.identity,
+                    &hint.name,
+                )
+                .await;
+            declined += 1;
+        }
+    }
+
+    /// Claims the job a hint names, from the queue watch's copy when it is claimable and not
+    /// known stale, else from a copy read afresh. `Ok(None)` when it could not be claimed.
+    async fn claim_hint(
+        &self,
+        hint: &crate::dispatched::Hint,
+    ) -> Result<Option<Claimed>, WorkerError> {
+        let now = Timestamp::now();
+        let cached = self.cached(&[hint.name.as_str()]).pop().filter(|job| {
+            let rv = job.resource_version().unwrap_or_default();
+            claim::claimable(job, &self.inner.config.queue, now)
+                && !self.inner.tried.lock().unwrap().contains(&hint.name, &rv)
+        });
+        let snapshot = match cached {
+            Some(job) => job,
+            None => match self.read_claimable(&hint.name).await {
+                Some(fresh) => fresh,
+                None => return Ok(None),
+            },
+        };
+        self.try_claim(&snapshot, true).await
+    }
+
+    /// Resolves once the oldest claimable job of the sidecar's own view (the queue watch's)
+    /// has been the same for [`crate::dispatched::FALLBACK_AFTER`]: jobs wait that the
+    /// dispatcher does not offer. Looks every 100 ms.
+    async fn own_view_stalled(&self) {
+        let mut oldest: Option<(String, Instant)> = None;
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tick.tick().await;
+            let now = Timestamp::now();
+            let first = {
+                let index = self.inner.index.lock().unwrap();
+                let tried = self.inner.tried.lock().unwrap();
+                index
+                    .candidates(now, 1, |name, rv| tried.contains(name, rv))
+                    .first()
+                    .map(|n| n.to_string())
+            };
+            oldest = match (first, oldest) {
+                (Some(name), Some((was, since))) if name == was => {
+                    if since.elapsed() >= crate::dispatched::FALLBACK_AFTER {
+                        return;
+                    }
+                    Some((was, since))
+                }
+                (Some(name), _) => Some((name, Instant::now())),
+                (None, _) => None,
+            };
         }
     }
 
@@ -239,20 +398,36 @@ impl Worker {
             // again.
             return Pick::Nothing;
         };
-        if let Some(mut fresh) = found {
-            if claim::claimable(&fresh, &self.inner.config.queue, Timestamp::now()) {
-                // As in the watch cache: the claim's write sends neither managedFields nor the
-                // payload back (the status subresource ignores the spec; the claim's answer
-                // carries the payload).
-                fresh.metadata.managed_fields = None;
-                fresh.drop_payload_and_result();
-                return Pick::Job(Arc::new(fresh));
-            }
+        if let Some(fresh) = found.and_then(|f| self.if_claimable(f)) {
+            return Pick::Job(fresh);
         }
         let job_ref = cached.reference();
         tracing::debug!(job = %job_ref, "Skipped LeasedJob {job_ref}: read afresh for a turn, it is no longer claimable");
         self.mark_tried(&cached);
         Pick::Nothing
+    }
+
+    /// Reads the job `name` from the API server (one GET, bounded by [`MAX_CALL_BOUND`]) and
+    /// answers it if it is claimable; `None` if it is not, is gone, or the read failed.
+    async fn read_claimable(&self, name: &str) -> Option<Arc<LeasedJob>> {
+        let read = tokio::time::timeout(MAX_CALL_BOUND, self.inner.jobs.get_opt(name)).await;
+        let Ok(Ok(Some(found))) = read else {
+            return None;
+        };
+        self.if_claimable(found)
+    }
+
+    /// `job`, slimmed as the watch cache keeps it, if it is claimable now.
+    fn if_claimable(&self, mut job: LeasedJob) -> Option<Arc<LeasedJob>> {
+        if !claim::claimable(&job, &self.inner.config.queue, Timestamp::now()) {
+            return None;
+        }
+        // As in the watch cache: the claim's write sends neither managedFields nor the payload
+        // back (the status subresource ignores the spec; the claim's answer carries the
+        // payload).
+        job.metadata.managed_fields = None;
+        job.drop_payload_and_result();
+        Some(Arc::new(job))
     }
 
     /// The watch cache's copies of the jobs `names`, in that order (a job the cache no longer
@@ -314,10 +489,12 @@ impl Worker {
 
     /// Claims `snapshot`. `Ok(None)` when it was stale (409) or is no longer claimable. In
     /// both cases, and when the claim succeeds, `snapshot` is marked tried: it is known stale.
-    /// A write that failed or timed out is an error and marks nothing.
+    /// A write that failed or timed out is an error and marks nothing. `offered`: the job was
+    /// offered by the dispatcher (said in the log).
     pub(crate) async fn try_claim(
         &self,
         snapshot: &LeasedJob,
+        offered: bool,
     ) -> Result<Option<Claimed>, WorkerError> {
         let lease_duration = Duration::from_secs(
             u64::try_from(snapshot.spec.lease_duration_seconds.max(1)).unwrap_or(1),
@@ -400,7 +577,12 @@ impl Worker {
         // The Lease is not written here: the attempt's first renewal writes it (see the module
         // doc), so a job done before then costs the claim and its end only.
         let job_ref = job.reference();
-        info!(job = %job_ref, attempt = token.attempt(), "Claimed LeasedJob {job_ref} (attempt {})", token.attempt());
+        let via = if offered {
+            ", offered by the dispatcher"
+        } else {
+            ""
+        };
+        info!(job = %job_ref, attempt = token.attempt(), offered, "Claimed LeasedJob {job_ref} (attempt {}){via}", token.attempt());
         let waited = job.metadata.creation_timestamp.as_ref().map(|created| {
             Timestamp::now()
                 .duration_since(created.0)

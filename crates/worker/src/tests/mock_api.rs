@@ -59,6 +59,7 @@ fn worker(spread: usize) -> (Worker, Cluster) {
         identity: "w-1".into(),
         spread,
         worker_timeout: DEFAULT_WORKER_TIMEOUT,
+        dispatch: None,
     };
     let (worker, _task) = Worker::start(clients, config, Arc::new(NoRecorder));
     (
@@ -148,7 +149,7 @@ async fn a_claim_answered_409_marks_the_snapshot_stale_and_widens_the_window() {
         }
         let claim = tokio::spawn({
             let w = w.clone();
-            async move { w.try_claim(&queued("j0")).await }
+            async move { w.try_claim(&queued("j0"), false).await }
         });
         let send = cluster.expect("PUT", &format!("{JOBS}/j0/status")).await;
         answer(send, 409, &status(409, "Conflict"));

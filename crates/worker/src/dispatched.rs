@@ -1,0 +1,253 @@
+//! Claiming through the dispatcher: the sidecar asks the leading controller's dispatcher for a
+//! job of its queue (a long poll), and claims the job it is offered with its own
+//! resourceVersion-guarded write, from a copy of the job that came from the API server (its
+//! queue watch's, or one read afresh), never from the dispatcher's word. docs/protocol.md,
+//! "Dispatch".
+//!
+//! Finding it: the leading replica names its `host:port` in the annotation
+//! `leasehold.dev/dispatcher-address` of the Lease `leasehold-dispatcher` of the sidecar's
+//! namespace; a watch of that one Lease follows it across failovers. Proving who asks: a
+//! projected service-account token for the audience `leasehold-dispatcher`, read from
+//! [`DispatchConfig::token_file`] at every poll (the kubelet rotates it). Without the file, or
+//! while no dispatcher is advertised, the sidecar chooses on its own as before.
+//!
+//! Claims never wait on it: a dispatcher that fails, answers "not leading", or cannot be
+//! reached within [`CONNECT_BOUND`] is set aside for [`SET_ASIDE`]; and while its poll is
+//! pending, a job the sidecar's own watch has shown claimable for [`FALLBACK_AFTER`] without
+//! an offer is claimed the usual way (a frozen or stalled dispatcher is not told from a
+//! quiet one otherwise).
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::runtime::watcher;
+use kube::Api;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// Name of the Lease that advertises the dispatcher (written by the leading controller).
+pub const ADVERT_LEASE: &str = "leasehold-dispatcher";
+/// Its annotation holding the dispatcher's `host:port`.
+pub const ADDRESS_ANNOTATION: &str = "leasehold.dev/dispatcher-address";
+/// How long a connection to the dispatcher may take before it is set aside.
+pub const CONNECT_BOUND: Duration = Duration::from_millis(500);
+/// How long a dispatcher that failed is set aside before it is asked again.
+pub const SET_ASIDE: Duration = Duration::from_secs(5);
+/// How long a job may stand claimable in the sidecar's own view, while its dispatcher poll is
+/// pending without an offer, before the sidecar claims on its own.
+pub const FALLBACK_AFTER: Duration = Duration::from_secs(1);
+
+/// Where the sidecar's dispatcher token comes from.
+#[derive(Clone, Debug)]
+pub struct DispatchConfig {
+    /// The projected service-account token for the audience `leasehold-dispatcher`.
+    pub token_file: PathBuf,
+    /// Namespace of the advert Lease [`ADVERT_LEASE`] (the controller's leader namespace).
+    pub advert_namespace: String,
+}
+
+/// A job the dispatcher offered.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Hint {
+    /// The job's name.
+    pub name: String,
+    /// Its resourceVersion as the dispatcher saw it.
+    pub resource_version: String,
+}
+
+/// Why the dispatcher could not be used for this poll.
+#[derive(Debug, thiserror::Error)]
+#[error("the dispatcher at {address} {why}")]
+pub struct Unusable {
+    address: String,
+    why: String,
+}
+
+/// The sidecar's side of the dispatcher.
+pub struct Dispatched {
+    config: DispatchConfig,
+    address: watch::Receiver<Option<String>>,
+    http: reqwest::Client,
+    /// Until when the dispatcher is set aside after a failure.
+    aside_until: Mutex<Option<Instant>>,
+}
+
+impl Dispatched {
+    /// Follows the advert Lease through `leases` (the sidecar's namespace). Returns the client
+    /// and the future following the advert (runs forever: select it with the worker's other
+    /// watches).
+    pub fn start(
+        leases: Api<Lease>,
+        config: DispatchConfig,
+    ) -> (Dispatched, impl std::future::Future<Output = ()> + Send) {
+        let (tx, address) = watch::channel(None);
+        let follow = async move {
+            let events = watcher::watcher(
+                leases,
+                watcher::Config::default().fields(&format!("metadata.name={ADVERT_LEASE}")),
+            );
+            let mut events = std::pin::pin!(events);
+            while let Some(event) = events.next().await {
+                match event {
+                    Ok(watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)) => {
+                        let a = lease
+                            .metadata
+                            .annotations
+                            .and_then(|mut a| a.remove(ADDRESS_ANNOTATION));
+                        tx.send_if_modified(|was| {
+                            let changed = *was != a;
+                            *was = a;
+                            changed
+                        });
+                    }
+                    Ok(watcher::Event::Delete(_)) => {
+                        tx.send_replace(None);
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "Watch of Lease {ADVERT_LEASE} failed; retrying");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+        };
+        let http = reqwest::Client::builder()
+            .connect_timeout(CONNECT_BOUND)
+            .build()
+            .unwrap_or_default();
+        (
+            Dispatched {
+                config,
+                address,
+                http,
+                aside_until: Mutex::new(None),
+            },
+            follow,
+        )
+    }
+
+    /// The advertised address, unless none is or the dispatcher is set aside.
+    pub fn usable(&self) -> Option<String> {
+        if self
+            .aside_until
+            .lock()
+            .unwrap()
+            .is_some_and(|t| Instant::now() < t)
+        {
+            return None;
+        }
+        self.address.borrow().clone()
+    }
+
+    /// Sets the dispatcher aside for [`SET_ASIDE`] because it `why` (said in the log).
+    pub(crate) fn set_aside(&self, why: &str) {
+        let address = self.address.borrow().clone().unwrap_or_default();
+        tracing::info!(dispatcher = %address, "Choosing jobs on our own for {} s: the dispatcher at {address} {why}", SET_ASIDE.as_secs());
+        *self.aside_until.lock().unwrap() = Some(Instant::now() + SET_ASIDE);
+    }
+
+    fn token(&self, address: &str) -> Result<String, Unusable> {
+        std::fs::read_to_string(&self.config.token_file)
+            .map(|t| t.trim().to_string())
+            .map_err(|e| Unusable {
+                address: address.to_string(),
+                why: format!(
+                    "cannot be asked: the token file {} cannot be read ({e})",
+                    self.config.token_file.display()
+                ),
+            })
+    }
+
+    /// Asks for a job of `queue` in `namespace` for `worker`, waiting up to `wait`. `Ok(None)`
+    /// when none came in time; an error sets the dispatcher aside.
+    pub async fn poll(
+        &self,
+        address: &str,
+        namespace: &str,
+        queue: &str,
+        worker: &str,
+        wait: Duration,
+    ) -> Result<Option<Hint>, Unusable> {
+        let body = json!({"namespace": namespace, "queue": queue, "worker": worker,
+            "waitMs": u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)});
+        let answer = self.post(address, "/v1/dispatch/poll", body, wait).await;
+        match answer {
+            Ok(response) if response.status() == reqwest::StatusCode::NO_CONTENT => Ok(None),
+            Ok(response) if response.status().is_success() => {
+                response.json::<Hint>().await.map(Some).map_err(|e| {
+                    self.unusable(
+                        address,
+                        format!("answered a poll with a body that is not a job's name ({e})"),
+                    )
+                })
+            }
+            Ok(response) => {
+                let status = response.status();
+                let text: String = response
+                    .text()
+                    .await
+                    .unwrap_or_default()
+                    .chars()
+                    .take(300)
+                    .collect();
+                Err(self.unusable(address, format!("refused a poll with {status}: {text}")))
+            }
+            Err(e) => Err(self.unusable(address, format!("could not be asked ({e})"))),
+        }
+    }
+
+    /// Tells the dispatcher that `worker` could not claim the job `name` it was offered, so it
+    /// is offered to others at once. Best effort: a lost word costs the offer's time to lapse.
+    pub async fn declined(
+        &self,
+        address: &str,
+        namespace: &str,
+        queue: &str,
+        worker: &str,
+        name: &str,
+    ) {
+        let body = json!({"namespace": namespace, "queue": queue, "worker": worker, "name": name});
+        let _ = self
+            .post(address, "/v1/dispatch/declined", body, Duration::ZERO)
+            .await;
+    }
+
+    async fn post(
+        &self,
+        address: &str,
+        path: &str,
+        body: serde_json::Value,
+        wait: Duration,
+    ) -> Result<reqwest::Response, reqwest::Error> {
+        let token = match self.token(address) {
+            Ok(t) => t,
+            Err(e) => {
+                self.set_aside(&e.why);
+                // An empty token is refused by the dispatcher (401), which sets it aside too.
+                String::new()
+            }
+        };
+        self.http
+            .post(format!("http://{address}{path}"))
+            .bearer_auth(token)
+            .json(&body)
+            // The dispatcher answers a poll within its wait; a second more is its bound.
+            .timeout(wait + Duration::from_secs(1))
+            .send()
+            .await
+    }
+
+    fn unusable(&self, address: &str, why: String) -> Unusable {
+        self.set_aside(&why);
+        Unusable {
+            address: address.to_string(),
+            why,
+        }
+    }
+}
