@@ -380,3 +380,55 @@ pub fn restart_apiserver(signal: &str, downtime: Duration) {
         .expect("restart-apiserver.sh");
     assert!(status.success(), "restarting kube-apiserver failed");
 }
+
+/// A ServiceAccount `sa` of `ns` with a Role and RoleBinding `<sa>-claims` that lets it claim
+/// there (update `leasedjobs/status`) when `may_claim`, or only read them.
+pub fn service_account(ns: &str, sa: &str, may_claim: bool) {
+    let verbs = if may_claim {
+        serde_json::json!(["get", "update", "patch"])
+    } else {
+        serde_json::json!(["get"])
+    };
+    let role = format!("{sa}-claims");
+    let objects = [
+        serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": sa, "namespace": ns}}),
+        serde_json::json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": {"name": role, "namespace": ns},
+            "rules": [{"apiGroups": ["leasehold.dev"], "resources": ["leasedjobs/status"],
+                "verbs": verbs}]}),
+        serde_json::json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": role, "namespace": ns},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]}),
+    ];
+    for object in objects {
+        let (ok, out) = kubectl(
+            &["apply", "--server-side", "-f", "-"],
+            &serde_json::to_string(&object).unwrap(),
+        );
+        assert!(ok, "kubectl apply: {out}");
+    }
+}
+
+/// A token of ServiceAccount `sa` of `ns` (1 h), for `audience` (the API server's when None).
+pub fn sa_token(ns: &str, sa: &str, audience: Option<&str>) -> String {
+    let mut args = vec!["create", "token", sa, "--namespace", ns, "--duration", "1h"];
+    if let Some(a) = audience {
+        args.extend(["--audience", a]);
+    }
+    let (ok, out) = kubectl(&args, "");
+    assert!(ok, "kubectl create token: {out}");
+    out.trim().to_string()
+}
+
+/// What a sidecar pod of `ns` mounts for the dispatcher: a token of a ServiceAccount that may
+/// claim there, for the audience `leasehold-dispatcher`, written to a file; its path, for
+/// `--dispatch-token-file`.
+pub fn dispatch_token_file(ns: &str) -> PathBuf {
+    service_account(ns, "leasehold-sidecar", true);
+    let token = sa_token(ns, "leasehold-sidecar", Some("leasehold-dispatcher"));
+    let path = log_dir().join(format!("{ns}-dispatch-token"));
+    std::fs::write(&path, token).unwrap();
+    path
+}

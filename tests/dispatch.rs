@@ -1,0 +1,417 @@
+//! The dispatcher against the real control plane: the leading controller advertises where it
+//! answers, offers a queue's jobs in claim order and never one job to two workers while the
+//! offer stands, and answers only callers whose audience-bound service-account token the API
+//! server accepts and who may claim in the namespace asked about.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::PostParams;
+use kube::Api;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_testkit::*;
+use serde_json::{json, Value};
+
+const ADVERT_LEASE: &str = "leasehold-dispatcher";
+const ADDRESS: &str = "leasehold.dev/dispatcher-address";
+
+/// The address the controller advertises in `ns`, once it does.
+async fn advertised(client: &kube::Client, ns: &str) -> String {
+    let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(Some(lease)) = leases.get_opt(ADVERT_LEASE).await {
+            if let Some(a) = lease
+                .metadata
+                .annotations
+                .and_then(|a| a.get(ADDRESS).cloned())
+            {
+                return a;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no dispatcher advertised in {ns}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn create_job(client: &kube::Client, ns: &str, name: &str, priority: i32) {
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
+    let job: LeasedJob = serde_json::from_value(json!({
+        "apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedJob",
+        "metadata": {"name": name},
+        "spec": {"queue": "q", "priority": priority, "payload": {"n": name}},
+    }))
+    .unwrap();
+    jobs.create(&PostParams::default(), &job).await.unwrap();
+}
+
+async fn wait_queued(client: &kube::Client, ns: &str, names: &[&str]) {
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
+    for name in names {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while jobs.get(name).await.unwrap().status.and_then(|s| s.phase) != Some(Phase::Queued) {
+            assert!(Instant::now() < deadline, "{name} never Queued");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Polls the dispatcher at `address`; the answer's status and JSON body (Null when empty).
+async fn poll(
+    address: &str,
+    token: Option<&str>,
+    ns: &str,
+    worker: &str,
+    wait_ms: u64,
+) -> (u16, Value) {
+    post(
+        address,
+        "/v1/dispatch/poll",
+        token,
+        json!({"namespace": ns, "queue": "q", "worker": worker, "waitMs": wait_ms}),
+    )
+    .await
+}
+
+async fn post(address: &str, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
+    let mut request = reqwest::Client::new()
+        .post(format!("http://{address}{path}"))
+        .json(&body);
+    if let Some(t) = token {
+        request = request.bearer_auth(t);
+    }
+    let response = request.send().await.expect("dispatcher reachable");
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    let body = if text.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(&text).unwrap_or(Value::String(text))
+    };
+    (status, body)
+}
+
+fn name(answer: &(u16, Value)) -> &str {
+    assert_eq!(answer.0, 200, "an offer: {answer:?}");
+    answer.1["name"].as_str().expect("name")
+}
+
+#[tokio::test]
+async fn offers_go_in_claim_order_never_twice_and_only_to_those_who_may_claim() {
+    let Fixture { client, ns } = fixture!("dispatch");
+    let _controller = controller(&ns.name);
+    let address = advertised(&client, &ns.name).await;
+    service_account(&ns.name, "claimer", true);
+    service_account(&ns.name, "reader", false);
+    let claimer = sa_token(&ns.name, "claimer", Some("leasehold-dispatcher"));
+    create_job(&client, &ns.name, "low-old", 0).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    create_job(&client, &ns.name, "low-new", 0).await;
+    create_job(&client, &ns.name, "high", 5).await;
+    wait_queued(&client, &ns.name, &["low-old", "low-new", "high"]).await;
+
+    // Claim order: priority first, then age; each job to one worker while its offer stands.
+    let c = Some(claimer.as_str());
+    assert_eq!(name(&poll(&address, c, &ns.name, "w1", 2000).await), "high");
+    assert_eq!(
+        name(&poll(&address, c, &ns.name, "w2", 2000).await),
+        "low-old"
+    );
+    assert_eq!(
+        name(&poll(&address, c, &ns.name, "w3", 2000).await),
+        "low-new"
+    );
+    assert_eq!(poll(&address, c, &ns.name, "w4", 300).await.0, 204);
+    // w2 could not claim low-old: it goes to the next worker at once.
+    let declined = post(
+        &address,
+        "/v1/dispatch/declined",
+        c,
+        json!({"namespace": ns.name, "queue": "q", "worker": "w2", "name": "low-old"}),
+    )
+    .await;
+    assert_eq!(declined.0, 204, "{declined:?}");
+    assert_eq!(
+        name(&poll(&address, c, &ns.name, "w4", 2000).await),
+        "low-old"
+    );
+
+    // A waiting worker gets a job the moment it is created.
+    let waiting = {
+        let (address, token, ns) = (address.clone(), claimer.clone(), ns.name.clone());
+        tokio::spawn(async move { poll(&address, Some(&token), &ns, "w5", 20_000).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    create_job(&client, &ns.name, "fresh", 0).await;
+    let fresh = waiting.await.unwrap();
+    assert_eq!(name(&fresh), "fresh");
+
+    // Refusals name the rule and never a job.
+    let no_token = poll(&address, None, &ns.name, "x", 100).await;
+    assert_eq!(no_token.0, 401, "{no_token:?}");
+    let api_audience = sa_token(&ns.name, "claimer", None);
+    let wrong_audience = poll(&address, Some(&api_audience), &ns.name, "x", 100).await;
+    assert_eq!(wrong_audience.0, 401, "{wrong_audience:?}");
+    let reader = sa_token(&ns.name, "reader", Some("leasehold-dispatcher"));
+    let not_allowed = poll(&address, Some(&reader), &ns.name, "x", 100).await;
+    assert_eq!(not_allowed.0, 403, "{not_allowed:?}");
+    let other_ns = poll(&address, c, "kube-system", "x", 100).await;
+    assert_eq!(other_ns.0, 403, "{other_ns:?}");
+    for refusal in [&no_token, &wrong_audience, &not_allowed, &other_ns] {
+        let text = refusal.1.to_string();
+        for job in ["high", "low-old", "low-new", "fresh"] {
+            assert!(!text.contains(job), "a refusal named job {job}: {text}");
+        }
+    }
+    // Bad bodies: refused with the rule, nothing offered.
+    let bad_bodies = [
+        (
+            json!({"namespace": "Not A Namespace", "queue": "q", "worker": "x", "waitMs": 1}),
+            400,
+            "invalid_request",
+        ),
+        (
+            json!({"namespace": ns.name, "queue": "Q!", "worker": "x", "waitMs": 1}),
+            400,
+            "invalid_request",
+        ),
+        (
+            json!({"namespace": ns.name, "queue": "q", "worker": "x", "waitMs": 1, "extra": true}),
+            400,
+            "invalid_request",
+        ),
+        (
+            json!({"namespace": ns.name, "queue": "q", "waitMs": 1}),
+            400,
+            "invalid_request",
+        ),
+        (
+            json!({"namespace": ns.name, "queue": "q", "worker": "x".repeat(5000), "waitMs": 1}),
+            413,
+            "too_large",
+        ),
+    ];
+    for (body, status, code) in bad_bodies {
+        let answer = post(&address, "/v1/dispatch/poll", c, body.clone()).await;
+        assert_eq!(
+            (answer.0, answer.1["error"].as_str()),
+            (status, Some(code)),
+            "{body}: {answer:?}"
+        );
+    }
+
+    // The advert names the leading replica; nobody else writes it.
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    let advert = leases.get(ADVERT_LEASE).await.unwrap();
+    assert_eq!(
+        advert.spec.and_then(|s| s.holder_identity).as_deref(),
+        Some("test-controller")
+    );
+}
+
+/// Claims through `sidecar` and returns the job's name (completing it at once).
+async fn claim_name(sidecar: &Sidecar) -> String {
+    let (claim, token) = sidecar.claim_ok(10).await;
+    let name = claim["name"].as_str().unwrap().to_string();
+    let (status, body) = sidecar.complete(&name, &token, json!("done")).await;
+    assert_eq!(status, 200, "{body}");
+    name
+}
+
+#[tokio::test]
+async fn sidecars_claim_in_the_dispatchers_global_order() {
+    let Fixture { client, ns } = fixture!("dispatch-order");
+    let _controller = controller(&ns.name);
+    advertised(&client, &ns.name).await;
+    let token = dispatch_token_file(&ns.name);
+    let token = token.to_str().unwrap();
+    let mut sidecars = Vec::new();
+    for i in 0..3 {
+        sidecars.push(
+            Sidecar::start(
+                &ns.name,
+                "q",
+                &format!("pod-{i}"),
+                &["--dispatch-token-file", token],
+            )
+            .await,
+        );
+    }
+    // 12 jobs of three priorities, created while nobody claims: without the dispatcher each
+    // sidecar picks at random among the oldest 16 (--spread), so an exact order would be luck.
+    let mut names = Vec::new();
+    for i in 0..12 {
+        let name = format!("job-{i:02}");
+        create_job(&client, &ns.name, &name, [0, 3, 7][i % 3]).await;
+        names.push(name);
+    }
+    wait_queued(
+        &client,
+        &ns.name,
+        &names.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .await;
+    let expected = in_claim_order(&client, &ns.name, &names).await;
+    let mut claimed = Vec::new();
+    for i in 0..12 {
+        claimed.push(claim_name(&sidecars[i % 3]).await);
+    }
+    assert_eq!(
+        claimed, expected,
+        "claims follow the dispatcher's one order"
+    );
+}
+
+#[tokio::test]
+async fn claims_fall_back_while_the_dispatcher_is_frozen_and_use_it_again_after() {
+    let Fixture { client, ns } = fixture!("dispatch-frozen");
+    let controller = controller(&ns.name);
+    advertised(&client, &ns.name).await;
+    let token = dispatch_token_file(&ns.name);
+    let sidecar = Sidecar::start(
+        &ns.name,
+        "q",
+        "pod-0",
+        &["--dispatch-token-file", token.to_str().unwrap()],
+    )
+    .await;
+    create_job(&client, &ns.name, "before", 0).await;
+    wait_queued(&client, &ns.name, &["before"]).await;
+    assert_eq!(claim_name(&sidecar).await, "before");
+
+    // The dispatcher is frozen (SIGSTOP): its TCP port still accepts, nothing answers. (A
+    // job the frozen controller has not initialised has no status yet: it is Queued.)
+    controller.signal("STOP");
+    let started = Instant::now();
+    create_job(&client, &ns.name, "during", 0).await;
+    let during = tokio::spawn(async move {
+        let name = claim_name(&sidecar).await;
+        (name, sidecar)
+    });
+    let (name, sidecar) = during.await.unwrap();
+    assert_eq!(name, "during");
+    eprintln!(
+        "claimed with the dispatcher frozen after {} ms",
+        started.elapsed().as_millis()
+    );
+    controller.signal("CONT");
+    // Once the dispatcher's 5 s aside are over, claims go through it again: six jobs of one
+    // priority are claimed in exactly their order, which a sidecar choosing on its own (at
+    // random among the oldest 16) would do once in 720 runs.
+    tokio::time::sleep(Duration::from_millis(5500)).await;
+    let names: Vec<String> = (0..6).map(|i| format!("after-{i}")).collect();
+    for name in &names {
+        create_job(&client, &ns.name, name, 0).await;
+    }
+    wait_queued(
+        &client,
+        &ns.name,
+        &names.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .await;
+    let mut claimed = Vec::new();
+    for _ in &names {
+        claimed.push(claim_name(&sidecar).await);
+    }
+    assert_eq!(claimed, in_claim_order(&client, &ns.name, &names).await);
+}
+
+/// `names` sorted as the dispatcher offers them: priority (highest first), then creation
+/// time (whole seconds), then name.
+async fn in_claim_order(client: &kube::Client, ns: &str, names: &[String]) -> Vec<String> {
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
+    let mut found: Vec<LeasedJob> = Vec::new();
+    for name in names {
+        found.push(jobs.get(name).await.unwrap());
+    }
+    found.sort_by_key(|j| {
+        (
+            std::cmp::Reverse(j.spec.priority),
+            j.metadata.creation_timestamp.clone().map(|t| t.0),
+            j.metadata.name.clone(),
+        )
+    });
+    found
+        .into_iter()
+        .map(|j| j.metadata.name.unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_lying_dispatcher_costs_a_read_never_a_second_holder() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let Fixture { client, ns } = fixture!("dispatch-lies");
+    // The real controller initialises and expires; it advertises no dispatcher.
+    let _controller = controller_with(&ns.name, "test-controller", &["--dispatch", "false"]);
+    let holder = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    create_job(&client, &ns.name, "taken", 9).await;
+    let (claim, _token) = holder.claim_ok(10).await;
+    assert_eq!(claim["name"], "taken");
+    create_job(&client, &ns.name, "free", 0).await;
+    wait_queued(&client, &ns.name, &["free"]).await;
+
+    // A dispatcher that offers, by turns, the job another worker holds and a job that does
+    // not exist, whoever asks.
+    let polls = Arc::new(AtomicUsize::new(0));
+    let declines = Arc::new(AtomicUsize::new(0));
+    let router = {
+        let (polls, declines) = (Arc::clone(&polls), Arc::clone(&declines));
+        axum::Router::new()
+            .route(
+                "/v1/dispatch/poll",
+                axum::routing::post(move || {
+                    let n = polls.fetch_add(1, Ordering::SeqCst);
+                    let name = if n % 2 == 0 { "taken" } else { "invented" };
+                    async move { axum::Json(json!({"name": name, "resourceVersion": "1"})) }
+                }),
+            )
+            .route(
+                "/v1/dispatch/declined",
+                axum::routing::post(move || {
+                    declines.fetch_add(1, Ordering::SeqCst);
+                    async { axum::http::StatusCode::NO_CONTENT }
+                }),
+            )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    let advert: Lease = serde_json::from_value(json!({
+        "metadata": {"name": ADVERT_LEASE, "annotations": {ADDRESS: address}},
+        "spec": {"holderIdentity": "liar"},
+    }))
+    .unwrap();
+    leases
+        .create(&PostParams::default(), &advert)
+        .await
+        .unwrap();
+
+    let token = log_dir().join(format!("{}-any-token", ns.name));
+    std::fs::write(&token, "anything").unwrap();
+    let asker = Sidecar::start(
+        &ns.name,
+        "q",
+        "pod-b",
+        &["--dispatch-token-file", token.to_str().unwrap()],
+    )
+    .await;
+    let (claim, _token) = asker.claim_ok(10).await;
+    assert_eq!(
+        claim["name"], "free",
+        "the lies were declined, the real job claimed"
+    );
+    assert!(polls.load(Ordering::SeqCst) >= 2, "the liar was asked");
+    assert!(
+        declines.load(Ordering::SeqCst) >= 2,
+        "each lie was declined"
+    );
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let taken = jobs.get("taken").await.unwrap().status.unwrap();
+    assert_eq!(taken.holder.as_deref(), Some("pod-a"));
+    assert_eq!(taken.attempt, 1, "nobody else claimed the held job");
+}
