@@ -76,7 +76,8 @@ fn no_file_in_the_repository_is_a_copy_of_another() {
 /// The example worker runs its own image (examples/Dockerfile), from the values' repository,
 /// tag (default: the chart's appVersion) and pull policy: `python3 /app/worker.py`, where the
 /// Dockerfile puts examples/worker.py, with the client installed in the image, so the pod has
-/// no ConfigMap, no volume of its own and no PYTHONPATH.
+/// no ConfigMap, no PYTHONPATH and no volume but the sidecar's dispatcher token (a projected
+/// service-account token for the audience `leasehold-dispatcher`).
 #[test]
 fn example_worker_runs_its_own_image() {
     require_control_plane!();
@@ -105,7 +106,12 @@ fn example_worker_runs_its_own_image() {
             .expect("the example worker's Deployment")
             .clone();
         let pod = &deployment["spec"]["template"]["spec"];
-        assert!(pod.get("volumes").is_none(), "{pod}");
+        assert_eq!(
+            pod["volumes"],
+            json!([{"name": "dispatcher-token", "projected": {"sources": [{"serviceAccountToken":
+                {"audience": "leasehold-dispatcher", "expirationSeconds": 3600, "path": "token"}}]}}]),
+            "{pod}"
+        );
         let containers = pod["containers"].as_array().unwrap();
         assert_eq!(containers.len(), 1, "{pod}");
         containers[0].clone()

@@ -109,7 +109,7 @@ async fn chart_runs_on_a_node() {
     assert_eq!(result["words"].as_u64(), Some(words), "{result}");
 
     // `kubectl logs` reaches the kubelet: the sidecar logged the claims, Kubernetes style.
-    let mut claims = 0;
+    let (mut claims, mut offered) = (0, 0);
     for w in &worker_names {
         let (ok, log) = kubectl(
             &[
@@ -124,10 +124,17 @@ async fn chart_runs_on_a_node() {
         );
         assert!(ok, "kubectl logs {w}: {log}");
         claims += log.matches("Claimed LeasedJob").count();
+        offered += log.matches("offered by the dispatcher").count();
     }
     assert!(
         claims >= names.len(),
         "{claims} claims logged by the sidecars"
+    );
+    // The sidecars found the leading controller's dispatcher (its advert Lease, the projected
+    // token for its audience, pod to pod on the node) and claimed what it offered.
+    assert!(
+        offered > 0,
+        "no claim was offered by the dispatcher ({claims} claims logged)"
     );
 
     // The controller pods' size webhook answers the API server: an oversized job is refused
