@@ -1,5 +1,9 @@
 //! Claiming: which job to try, how wide the claim window is, and the claim write itself.
 //!
+//! With a dispatcher ([`crate::dispatched`]), a claim first asks it and claims the job it
+//! offers (`claim_dispatched`), from the queue watch's copy or one read afresh; it falls back
+//! to choosing on its own, as below, when the dispatcher is not usable.
+//!
 //! A claim chooses from the queue's
 //! [`ClaimIndex`](leasehold_core::claim_index::ClaimIndex) (kept by the queue watch): alone,
 //! at random among the oldest top-priority jobs of the adaptive window ([`claim::pick`]);
