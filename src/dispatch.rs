@@ -68,6 +68,18 @@ struct DeclinedBody {
     name: String,
 }
 
+impl PollBody {
+    fn queue(&self) -> (&str, &str) {
+        (&self.namespace, &self.queue)
+    }
+}
+
+impl DeclinedBody {
+    fn queue(&self) -> (&str, &str) {
+        (&self.namespace, &self.queue)
+    }
+}
+
 fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
     (
         status,
@@ -154,15 +166,24 @@ fn bearer(request: &Request) -> Option<String> {
     value.strip_prefix("Bearer ").map(|t| t.trim().to_string())
 }
 
-async fn poll(State(shared): State<Shared>, request: Request) -> Response {
+/// Reads a request's body and admits its caller for the queue the body names (`queue_of`):
+/// the body and the queue, or the refusal to answer.
+async fn admitted<T: serde::de::DeserializeOwned>(
+    shared: &Shared,
+    request: Request,
+    queue_of: fn(&T) -> (&str, &str),
+) -> Result<(T, QueueKey), Response> {
     let token = bearer(&request);
-    let body: PollBody = match body(request).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let queue = match admit(&shared, token, &body.namespace, &body.queue).await {
-        Ok(q) => q,
-        Err(r) => return r,
+    let body: T = body(request).await?;
+    let (namespace, queue) = queue_of(&body);
+    let queue = admit(shared, token, namespace, queue).await?;
+    Ok((body, queue))
+}
+
+async fn poll(State(shared): State<Shared>, request: Request) -> Response {
+    let (body, queue) = match admitted(&shared, request, PollBody::queue).await {
+        Ok(admitted) => admitted,
+        Err(refused) => return refused,
     };
     let wait = Duration::from_millis(body.wait_ms);
     match shared.dispatcher.poll(&queue, &body.worker, wait).await {
@@ -181,14 +202,9 @@ async fn poll(State(shared): State<Shared>, request: Request) -> Response {
 }
 
 async fn declined(State(shared): State<Shared>, request: Request) -> Response {
-    let token = bearer(&request);
-    let body: DeclinedBody = match body(request).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let queue = match admit(&shared, token, &body.namespace, &body.queue).await {
-        Ok(q) => q,
-        Err(r) => return r,
+    let (body, queue) = match admitted(&shared, request, DeclinedBody::queue).await {
+        Ok(admitted) => admitted,
+        Err(refused) => return refused,
     };
     shared.dispatcher.declined(&queue, &body.name, &body.worker);
     StatusCode::NO_CONTENT.into_response()

@@ -69,9 +69,21 @@ pub struct Unusable {
     why: String,
 }
 
+/// Who asks the dispatcher, for which queue: the same in every poll of one sidecar.
+#[derive(Clone, Debug)]
+pub struct Asker {
+    /// The jobs' namespace.
+    pub namespace: String,
+    /// Their `spec.queue`.
+    pub queue: String,
+    /// The worker's identity (the pod name).
+    pub worker: String,
+}
+
 /// The sidecar's side of the dispatcher.
 pub struct Dispatched {
     config: DispatchConfig,
+    asker: Asker,
     address: watch::Receiver<Option<String>>,
     http: reqwest::Client,
     /// Until when the dispatcher is set aside after a failure.
@@ -85,6 +97,7 @@ impl Dispatched {
     pub fn start(
         leases: Api<Lease>,
         config: DispatchConfig,
+        asker: Asker,
     ) -> (Dispatched, impl std::future::Future<Output = ()> + Send) {
         let (tx, address) = watch::channel(None);
         let follow = async move {
@@ -124,6 +137,7 @@ impl Dispatched {
         (
             Dispatched {
                 config,
+                asker,
                 address,
                 http,
                 aside_until: Mutex::new(None),
@@ -164,16 +178,14 @@ impl Dispatched {
             })
     }
 
-    /// Asks for a job of `queue` in `namespace` for `worker`, waiting up to `wait`. `Ok(None)`
-    /// when none came in time; an error sets the dispatcher aside.
-    pub async fn poll(
-        &self,
-        address: &str,
-        namespace: &str,
-        queue: &str,
-        worker: &str,
-        wait: Duration,
-    ) -> Result<Option<Hint>, Unusable> {
+    /// Asks the dispatcher at `address` for a job of the [`Asker`]'s queue, waiting up to
+    /// `wait`. `Ok(None)` when none came in time; an error sets the dispatcher aside.
+    pub async fn poll(&self, address: &str, wait: Duration) -> Result<Option<Hint>, Unusable> {
+        let Asker {
+            namespace,
+            queue,
+            worker,
+        } = &self.asker;
         let body = json!({"namespace": namespace, "queue": queue, "worker": worker,
             "waitMs": u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)});
         let answer = self.post(address, "/v1/dispatch/poll", body, wait).await;
@@ -202,16 +214,15 @@ impl Dispatched {
         }
     }
 
-    /// Tells the dispatcher that `worker` could not claim the job `name` it was offered, so it
-    /// is offered to others at once. Best effort: a lost word costs the offer's time to lapse.
-    pub async fn declined(
-        &self,
-        address: &str,
-        namespace: &str,
-        queue: &str,
-        worker: &str,
-        name: &str,
-    ) {
+    /// Tells the dispatcher at `address` that this worker could not claim the job `name` it
+    /// was offered, so it is offered to others at once. Best effort: a lost word costs the
+    /// offer's time to lapse.
+    pub async fn declined(&self, address: &str, name: &str) {
+        let Asker {
+            namespace,
+            queue,
+            worker,
+        } = &self.asker;
         let body = json!({"namespace": namespace, "queue": queue, "worker": worker, "name": name});
         let _ = self
             .post(address, "/v1/dispatch/declined", body, Duration::ZERO)

@@ -340,7 +340,12 @@ impl Worker {
             Some(dispatch) => {
                 let adverts: Api<Lease> =
                     Api::namespaced(clients.watches.clone(), &dispatch.advert_namespace);
-                let (d, follow) = dispatched::Dispatched::start(adverts, dispatch);
+                let asker = dispatched::Asker {
+                    namespace: config.namespace.clone(),
+                    queue: config.queue.clone(),
+                    worker: config.identity.clone(),
+                };
+                let (d, follow) = dispatched::Dispatched::start(adverts, dispatch, asker);
                 (Some(d), futures::future::Either::Left(follow))
             }
             None => (

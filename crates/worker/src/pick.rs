@@ -196,7 +196,6 @@ impl Worker {
         let Some(dispatched) = self.inner.dispatched.as_ref() else {
             return Ok(Dispatch::FallBack);
         };
-        let config = &self.inner.config;
         // One watchdog for the whole claim: a dispatcher that answers at once with jobs that
         // cannot be claimed must not keep restarting it.
         let stalled = self.own_view_stalled();
@@ -216,13 +215,7 @@ impl Worker {
             if remaining.is_zero() {
                 return Ok(Dispatch::Nothing);
             }
-            let poll = dispatched.poll(
-                &address,
-                &config.namespace,
-                &config.queue,
-                &config.identity,
-                remaining,
-            );
+            let poll = dispatched.poll(&address, remaining);
             let hint = tokio::select! {
                 answer = poll => match answer {
                     Ok(Some(hint)) => hint,
@@ -240,30 +233,16 @@ impl Worker {
                 () = gone.as_mut() => return Ok(Dispatch::Nothing),
                 _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
             };
-            if *draining.borrow() {
-                dispatched
-                    .declined(
-                        &address,
-                        &config.namespace,
-                        &config.queue,
-                        &config.identity,
-                        &hint.name,
-                    )
-                    .await;
+            let draining_now = *draining.borrow();
+            if !draining_now {
+                if let Some(claimed) = self.claim_hint(&hint).await? {
+                    return Ok(Dispatch::Claimed(claimed));
+                }
+            }
+            dispatched.declined(&address, &hint.name).await;
+            if draining_now {
                 return Err(WorkerError::ShuttingDown);
             }
-            if let Some(claimed) = self.claim_hint(&hint).await? {
-                return Ok(Dispatch::Claimed(claimed));
-            }
-            dispatched
-                .declined(
-                    &address,
-                    &config.namespace,
-                    &config.queue,
-                    &config.identity,
-                    &hint.name,
-                )
-                .await;
             declined += 1;
         }
     }
