@@ -129,7 +129,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             .or_else(|| namespace.clone())
             .or_else(|| std::env::var("POD_NAMESPACE").ok())
             .unwrap_or_else(|| "default".into());
-        tracing::info!(dispatch_listen = %bound, address = %address, "Serving the dispatcher at http://{bound}, advertised as {address} in Lease {advert_namespace}/{}", controller::dispatch::ADVERT_LEASE);
+        tracing::info!(dispatch_listen = %bound, address = %address, "Serving the dispatcher at http://{bound}, advertised as {address} in Lease {advert_namespace}/{}", leasehold_core::dispatch::ADVERT_LEASE);
         let dispatcher = Arc::new(controller::dispatch::Dispatcher::new());
         let shared = crate::dispatch::Shared {
             dispatcher: Arc::clone(&dispatcher),

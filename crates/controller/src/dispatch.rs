@@ -16,7 +16,9 @@ use tokio::time::Instant;
 
 use leasehold_core::claim_index::Change;
 use leasehold_core::crd::LeasedJob;
-use leasehold_core::dispatch::{key_of, Dispatch, Hint, QueueKey};
+use leasehold_core::dispatch::{
+    key_of, Dispatch, Hint, QueueKey, ADDRESS_ANNOTATION, ADVERT_LEASE,
+};
 
 use crate::leader::Leadership;
 
@@ -161,15 +163,6 @@ impl Dispatcher {
             .subscribe()
     }
 }
-
-/// Name of the Lease through which the leading replica tells sidecars where its dispatcher
-/// answers (in the leader Lease's namespace; with `--leader-elect false`, in the controller's
-/// namespace). Its annotation [`ADDRESS_ANNOTATION`] holds `host:port`, its holderIdentity
-/// the leading replica's identity. Sidecars read it; they never write it.
-pub const ADVERT_LEASE: &str = "leasehold-dispatcher";
-
-/// The annotation of [`ADVERT_LEASE`] holding the dispatcher's `host:port` (plain HTTP).
-pub const ADDRESS_ANNOTATION: &str = "leasehold.dev/dispatcher-address";
 
 /// How often the leader checks that the advert still names it (a deposed leader's late write
 /// could have replaced it), and a standby that it leads now.

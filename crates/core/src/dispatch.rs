@@ -28,6 +28,15 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use crate::claim_index::{Change, ClaimIndex};
 use crate::crd::LeasedJob;
 
+/// Name of the Lease through which the leading replica tells sidecars where its dispatcher
+/// answers (in the leader Lease's namespace; with `--leader-elect false`, in the controller's
+/// namespace). Its annotation [`ADDRESS_ANNOTATION`] holds `host:port`, its holderIdentity
+/// the leading replica's identity. Sidecars read it; they never write it.
+pub const ADVERT_LEASE: &str = "leasehold-dispatcher";
+
+/// The annotation of [`ADVERT_LEASE`] holding the dispatcher's `host:port` (plain HTTP).
+pub const ADDRESS_ANNOTATION: &str = "leasehold.dev/dispatcher-address";
+
 /// How long an offer withholds its job from every other worker, in milliseconds: long enough
 /// for the worker to read the job and write its claim (two API calls, tens of milliseconds;
 /// a second on a loaded API server), short enough that a worker that vanished with its hint

@@ -30,10 +30,8 @@ use serde_json::json;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-/// Name of the Lease that advertises the dispatcher (written by the leading controller).
-pub const ADVERT_LEASE: &str = "leasehold-dispatcher";
-/// Its annotation holding the dispatcher's `host:port`.
-pub const ADDRESS_ANNOTATION: &str = "leasehold.dev/dispatcher-address";
+use leasehold_core::dispatch::{ADDRESS_ANNOTATION, ADVERT_LEASE};
+
 /// How long a connection to the dispatcher may take before it is set aside.
 pub const CONNECT_BOUND: Duration = Duration::from_millis(500);
 /// How long a dispatcher that failed is set aside before it is asked again.
