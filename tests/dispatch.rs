@@ -415,3 +415,90 @@ async fn a_lying_dispatcher_costs_a_read_never_a_second_holder() {
     assert_eq!(taken.holder.as_deref(), Some("pod-a"));
     assert_eq!(taken.attempt, 1, "nobody else claimed the held job");
 }
+
+/// Resident memory of process `pid`, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS")
+}
+
+#[tokio::test]
+async fn a_dispatched_sidecar_keeps_no_copy_of_its_queue() {
+    use futures::StreamExt;
+    const JOBS: usize = 6000;
+    let Fixture { client, ns } = fixture!("dispatch-memory");
+    let _controller = controller(&ns.name);
+    advertised(&client, &ns.name).await;
+    let token = dispatch_token_file(&ns.name);
+    let dispatched = Sidecar::start(
+        &ns.name,
+        "q",
+        "pod-d",
+        &["--dispatch-token-file", token.to_str().unwrap()],
+    )
+    .await;
+    // The same sidecar without the dispatcher keeps its queue in a watch cache: the contrast
+    // shows the measure can fail.
+    let watching = Sidecar::start(&ns.name, "q", "pod-w", &["--dispatch", "false"]).await;
+    create_job(&client, &ns.name, "warm-0", 0).await;
+    create_job(&client, &ns.name, "warm-1", 0).await;
+    wait_queued(&client, &ns.name, &["warm-0", "warm-1"]).await;
+    claim_name(&dispatched).await;
+    claim_name(&watching).await;
+    let before = (rss_kib(dispatched.proc.pid()), rss_kib(watching.proc.pid()));
+
+    futures::stream::iter(0..JOBS)
+        .map(|i| {
+            let client = client.clone();
+            let ns = ns.name.clone();
+            async move { create_job(&client, &ns, &format!("bulk-{i:05}"), 0).await }
+        })
+        .buffer_unordered(16)
+        .collect::<Vec<()>>()
+        .await;
+    // Both sidecars are answered once the controller has initialised every job.
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let queued = jobs
+            .list_metadata(&kube::api::ListParams::default().fields("status.phase=Queued"))
+            .await
+            .unwrap()
+            .items
+            .len();
+        if queued >= JOBS {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{queued} of {JOBS} Queued");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let claimed = claim_name(&dispatched).await;
+    claim_name(&watching).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = (rss_kib(dispatched.proc.pid()), rss_kib(watching.proc.pid()));
+    let grew = (
+        after.0.saturating_sub(before.0),
+        after.1.saturating_sub(before.1),
+    );
+    eprintln!(
+        "with {JOBS} jobs queued: the dispatched sidecar grew {} KiB ({} -> {}), the watching \
+         one {} KiB ({} -> {})",
+        grew.0, before.0, after.0, grew.1, before.1, after.1
+    );
+    assert!(claimed.starts_with("bulk-"), "claimed {claimed}");
+    assert!(
+        grew.1 > 5 * 1024,
+        "the watching sidecar caches its queue (about 1.8 KiB per job): grew {} KiB",
+        grew.1
+    );
+    assert!(
+        grew.0 < 3 * 1024,
+        "the dispatched sidecar holds only its own jobs: grew {} KiB",
+        grew.0
+    );
+}

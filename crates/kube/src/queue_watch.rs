@@ -34,7 +34,7 @@ use tracing::info;
 use crate::recorder::Recorder;
 use crate::watch::Synced;
 use leasehold_core::claim_index::{Change, ClaimIndex};
-use leasehold_core::crd::LeasedJob;
+use leasehold_core::crd::{LeasedJob, Phase};
 
 /// The fixed part of what listing the queue again costs, counted in watch events: a LIST
 /// request and a new WATCH request, each about as costly for the API server as sending a few
@@ -186,6 +186,24 @@ impl QueueWatch {
 /// kept out of the cache by their TTL instead (`spec.ttlSecondsAfterFinished`).
 pub fn queue_selector(queue: &str) -> String {
     format!("spec.queue={}", escape_field_value(queue))
+}
+
+/// The field selector of a queue's Queued jobs (claimable now or later): what a sidecar with
+/// no copy of its queue lists when it chooses on its own. Written as "no other phase", so that
+/// a job the controller has not initialised yet (no status: Queued, [`LeasedJob::phase`]) is
+/// listed too.
+pub fn queued_selector(queue: &str) -> String {
+    let mut selector = queue_selector(queue);
+    for phase in [
+        Phase::Leased,
+        Phase::Succeeded,
+        Phase::Failed,
+        Phase::Cancelled,
+    ] {
+        selector.push_str(",status.phase!=");
+        selector.push_str(phase.as_str());
+    }
+    selector
 }
 
 /// The field selector of the watch of the jobs `identity` holds or last held in `queue`, in

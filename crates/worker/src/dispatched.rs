@@ -1,8 +1,8 @@
 //! Claiming through the dispatcher: the sidecar asks the leading controller's dispatcher for a
 //! job of its queue (a long poll), and claims the job it is offered with its own
-//! resourceVersion-guarded write, from a copy of the job that came from the API server (its
-//! queue watch's, or one read afresh), never from the dispatcher's word. docs/protocol.md,
-//! "Dispatch".
+//! resourceVersion-guarded write, from a copy of the job read from the API server, never from
+//! the dispatcher's word. docs/protocol.md, "Dispatch". Such a sidecar keeps no copy of its
+//! queue: only the jobs it holds.
 //!
 //! Finding it: the leading replica names its `host:port` in the annotation
 //! `leasehold.dev/dispatcher-address` of the Lease `leasehold-dispatcher` of the sidecar's
@@ -11,11 +11,12 @@
 //! [`DispatchConfig::token_file`] at every poll (the kubelet rotates it). Without the file, or
 //! while no dispatcher is advertised, the sidecar chooses on its own as before.
 //!
-//! Claims never wait on it: a dispatcher that fails, answers "not leading", or cannot be
-//! reached within [`CONNECT_BOUND`] is set aside for [`SET_ASIDE`]; and while its poll is
-//! pending, a job the sidecar's own watch has shown claimable for [`FALLBACK_AFTER`] without
-//! an offer is claimed the usual way (a frozen or stalled dispatcher is not told from a
-//! quiet one otherwise).
+//! Claims never wait on it: a poll waits at most [`POLL_WAIT`] and must be answered within
+//! [`ANSWER_GRACE`] more, so a frozen dispatcher, or a stalled path to it, is noticed within
+//! [`FALLBACK_AFTER`]; one that fails, answers "not leading", cannot be reached within
+//! [`CONNECT_BOUND`], or is not answering in time is set aside for [`SET_ASIDE`] (that address
+//! only: a new leader's is asked at once), and meanwhile the sidecar chooses on its own from a
+//! bounded list (`listed.rs`).
 
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -36,9 +37,14 @@ use leasehold_core::dispatch::{ADDRESS_ANNOTATION, ADVERT_LEASE};
 pub const CONNECT_BOUND: Duration = Duration::from_millis(500);
 /// How long a dispatcher that failed is set aside before it is asked again.
 pub const SET_ASIDE: Duration = Duration::from_secs(5);
-/// How long a job may stand claimable in the sidecar's own view, while its dispatcher poll is
-/// pending without an offer, before the sidecar claims on its own.
-pub const FALLBACK_AFTER: Duration = Duration::from_secs(1);
+/// The longest wait of one poll: a sidecar whose claim waits longer asks again.
+pub const POLL_WAIT: Duration = Duration::from_millis(500);
+/// How much longer than its wait a poll may take to be answered before the dispatcher is set
+/// aside.
+pub const ANSWER_GRACE: Duration = Duration::from_millis(400);
+/// The longest a sidecar waits on a dispatcher that stopped answering ([`POLL_WAIT`] +
+/// [`ANSWER_GRACE`]) before it chooses on its own.
+pub const FALLBACK_AFTER: Duration = POLL_WAIT.saturating_add(ANSWER_GRACE);
 
 /// Where the sidecar's dispatcher token comes from.
 #[derive(Clone, Debug)]
@@ -84,8 +90,8 @@ pub struct Dispatched {
     asker: Asker,
     address: watch::Receiver<Option<String>>,
     http: reqwest::Client,
-    /// Until when the dispatcher is set aside after a failure.
-    aside_until: Mutex<Option<Instant>>,
+    /// The address set aside after a failure, and until when.
+    aside: Mutex<Option<(String, Instant)>>,
 }
 
 impl Dispatched {
@@ -138,30 +144,37 @@ impl Dispatched {
                 asker,
                 address,
                 http,
-                aside_until: Mutex::new(None),
+                aside: Mutex::new(None),
             },
             follow,
         )
     }
 
-    /// The advertised address, unless none is or the dispatcher is set aside.
+    /// The advertised address, unless none is or that address is set aside.
     pub fn usable(&self) -> Option<String> {
-        if self
-            .aside_until
-            .lock()
-            .unwrap()
-            .is_some_and(|t| Instant::now() < t)
-        {
-            return None;
+        let address = self.address.borrow().clone()?;
+        let aside = self.aside.lock().unwrap();
+        match &*aside {
+            Some((a, until)) if *a == address && Instant::now() < *until => None,
+            _ => Some(address),
         }
-        self.address.borrow().clone()
     }
 
-    /// Sets the dispatcher aside for [`SET_ASIDE`] because it `why` (said in the log).
-    pub(crate) fn set_aside(&self, why: &str) {
-        let address = self.address.borrow().clone().unwrap_or_default();
+    /// Resolves when the advertised address changes (a new leader): a sidecar choosing on its
+    /// own asks the new one at once.
+    pub(crate) async fn advert_changed(&self) {
+        let mut address = self.address.clone();
+        address.borrow_and_update();
+        if address.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Sets the dispatcher at `address` aside for [`SET_ASIDE`] because it `why` (said in the
+    /// log).
+    pub(crate) fn set_aside(&self, address: &str, why: &str) {
         tracing::info!(dispatcher = %address, "Choosing jobs on our own for {} s: the dispatcher at {address} {why}", SET_ASIDE.as_secs());
-        *self.aside_until.lock().unwrap() = Some(Instant::now() + SET_ASIDE);
+        *self.aside.lock().unwrap() = Some((address.to_string(), Instant::now() + SET_ASIDE));
     }
 
     fn token(&self, address: &str) -> Result<String, Unusable> {
@@ -177,8 +190,10 @@ impl Dispatched {
     }
 
     /// Asks the dispatcher at `address` for a job of the [`Asker`]'s queue, waiting up to
-    /// `wait`. `Ok(None)` when none came in time; an error sets the dispatcher aside.
+    /// `wait` (at most [`POLL_WAIT`]). `Ok(None)` when none came in time; an error (including
+    /// no answer within the wait and [`ANSWER_GRACE`]) sets the dispatcher aside.
     pub async fn poll(&self, address: &str, wait: Duration) -> Result<Option<Hint>, Unusable> {
+        let wait = wait.min(POLL_WAIT);
         let Asker {
             namespace,
             queue,
@@ -237,7 +252,7 @@ impl Dispatched {
         let token = match self.token(address) {
             Ok(t) => t,
             Err(e) => {
-                self.set_aside(&e.why);
+                self.set_aside(address, &e.why);
                 // An empty token is refused by the dispatcher (401), which sets it aside too.
                 String::new()
             }
@@ -246,14 +261,14 @@ impl Dispatched {
             .post(format!("http://{address}{path}"))
             .bearer_auth(token)
             .json(&body)
-            // The dispatcher answers a poll within its wait; a second more is its bound.
-            .timeout(wait + Duration::from_secs(1))
+            // The dispatcher answers a poll within its wait: ANSWER_GRACE more is its bound.
+            .timeout(wait + ANSWER_GRACE)
             .send()
             .await
     }
 
     fn unusable(&self, address: &str, why: String) -> Unusable {
-        self.set_aside(&why);
+        self.set_aside(address, &why);
         Unusable {
             address: address.to_string(),
             why,

@@ -1,7 +1,8 @@
 //! The worker client: the library a Rust worker uses, and what the sidecar serves over HTTP.
 //!
-//! A [`Worker`] watches one queue of one namespace, claims jobs from that watch cache
-//! ([`leasehold_core::claim`]), keeps every held lease renewed in the background, and forwards the
+//! A [`Worker`] claims the jobs of one queue of one namespace: those its dispatcher offers
+//! ([`dispatched`]), or, without one, those it chooses from its watch cache of the queue
+//! ([`leasehold_core::claim`]). It keeps every held lease renewed in the background, and forwards the
 //! worker's heartbeats, results, failures and releases as conditional writes.
 //!
 //! The claim's own write starts the lease: an attempt's Lease is written by its first renewal
@@ -39,6 +40,7 @@
 pub mod dispatched;
 mod end;
 mod heartbeat;
+mod listed;
 mod pick;
 mod renew;
 #[cfg(test)]
@@ -279,10 +281,11 @@ struct Inner {
     jobs: Api<LeasedJob>,
     leases: Api<Lease>,
     /// The queue's jobs, for claiming: empty while the queue watch
-    /// is stopped ([`leasehold_kube::queue_watch`]).
+    /// is stopped ([`leasehold_kube::queue_watch`]), and always with a dispatcher.
     store: Store<LeasedJob>,
-    /// Whether the queue watch runs, is complete, and who is claiming.
-    queue_watch: Arc<QueueWatch>,
+    /// Whether the queue watch runs, is complete, and who is claiming; `None` with a
+    /// dispatcher: then the sidecar keeps no copy of its queue (see [`listed`]).
+    queue_watch: Option<Arc<QueueWatch>>,
     /// The jobs this process's identity holds or last held, in any phase: what heartbeats and
     /// ends of attempts check.
     held_store: Store<LeasedJob>,
@@ -356,24 +359,31 @@ impl Worker {
         let watched: Api<LeasedJob> = Api::namespaced(clients.watches, &config.namespace);
         let metrics = recorder;
         // Two watches, both filtered by the API server on selectable fields of the CRD: the
-        // queue's jobs, for claiming, kept only while claims come (leasehold_kube::queue_watch),
-        // and the jobs this process holds, always.
+        // jobs this process holds, always, and, only without a dispatcher, the queue's jobs for
+        // claiming, kept while claims come (leasehold_kube::queue_watch). With a dispatcher
+        // the sidecar keeps no copy of its queue: it claims what it is offered, and falls back
+        // to a bounded list (listed.rs).
         let (store, writer) = reflector::store();
         let (tx, changes) = watch::channel(0u64);
-        let queue_watch = Arc::new(QueueWatch::default());
         let index = Arc::new(Mutex::new(ClaimIndex::new(&config.queue)));
-        let queue_task = queue_watch::run(
-            watched.clone(),
-            config.queue.clone(),
-            Arc::clone(&metrics),
-            queue_watch::Cache {
-                writer,
-                store: store.clone(),
-                index: Arc::clone(&index),
-                changes: tx,
-            },
-            Arc::clone(&queue_watch),
-        );
+        let (queue_watch, queue_task) = if dispatched.is_some() {
+            (None, futures::future::Either::Left(std::future::pending()))
+        } else {
+            let queue_watch = Arc::new(QueueWatch::default());
+            let task = queue_watch::run(
+                watched.clone(),
+                config.queue.clone(),
+                Arc::clone(&metrics),
+                queue_watch::Cache {
+                    writer,
+                    store: store.clone(),
+                    index: Arc::clone(&index),
+                    changes: tx,
+                },
+                Arc::clone(&queue_watch),
+            );
+            (Some(queue_watch), futures::future::Either::Right(task))
+        };
         let (held_store, held_writer) = reflector::store();
         let held_stream = leasehold_kube::watch::watch(
             &watched,
@@ -399,11 +409,13 @@ impl Worker {
             let (health, held_synced, queue_watch) = (
                 Arc::clone(&health),
                 held_synced.clone(),
-                Arc::clone(&queue_watch),
+                queue_watch.clone(),
             );
             async move {
                 held_synced.wait().await;
-                queue_watch.wait_ever_synced().await;
+                if let Some(queue_watch) = queue_watch {
+                    queue_watch.wait_ever_synced().await;
+                }
                 health.set_synced();
                 std::future::pending::<()>().await;
             }
@@ -452,10 +464,16 @@ impl Worker {
         &self.inner.config
     }
 
-    /// True once the watch of the jobs this process holds has listed them, and the queue's
-    /// watch has listed the queue once (it may have stopped since: [`leasehold_kube::queue_watch`]).
+    /// True once the watch of the jobs this process holds has listed them, and (without a
+    /// dispatcher) the queue's watch has listed the queue once (it may have stopped since:
+    /// [`leasehold_kube::queue_watch`]).
     pub fn is_ready(&self) -> bool {
-        self.inner.held_synced.is_synced() && self.inner.queue_watch.ever_synced()
+        self.inner.held_synced.is_synced()
+            && self
+                .inner
+                .queue_watch
+                .as_ref()
+                .is_none_or(|q| q.ever_synced())
     }
 
     /// This worker's health (readiness, dead background tasks).

@@ -1,10 +1,11 @@
 //! Claiming: which job to try, how wide the claim window is, and the claim write itself.
 //!
-//! With a dispatcher ([`crate::dispatched`]), a claim first asks it and claims the job it
-//! offers (`claim_dispatched`), from the queue watch's copy or one read afresh; it falls back
-//! to choosing on its own, as below, when the dispatcher is not usable.
+//! With a dispatcher ([`crate::dispatched`]) a sidecar keeps no copy of its queue: a claim asks
+//! the dispatcher and claims the job it offers (`claim_dispatched`), from a copy read afresh,
+//! and while the dispatcher is not usable chooses on its own from bounded lists
+//! ([`crate::listed`]).
 //!
-//! A claim chooses from the queue's
+//! Without one, a claim chooses from the queue's
 //! [`ClaimIndex`](leasehold_core::claim_index::ClaimIndex) (kept by the queue watch): alone,
 //! at random among the oldest top-priority jobs of the adaptive window ([`claim::pick`]);
 //! beside other claimers, by the rendezvous turn of [`share::choose`], reading a job afresh
@@ -23,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
+use kube::api::GetParams;
 use kube::runtime::reflector::ObjectRef;
 use kube::ResourceExt;
 use tokio::time::Instant;
@@ -63,6 +65,10 @@ enum Dispatch {
     FallBack,
 }
 
+/// Offers in a row that could not be claimed, in one claim, after which the dispatcher is set
+/// aside: a sound one's offers fail only in a race with another claim or a change.
+const MAX_DECLINED: u32 = 5;
+
 /// The claim window never widens past this many times [`WorkerConfig::spread`](crate::WorkerConfig::spread).
 const MAX_WINDOW_FACTOR: usize = 64;
 
@@ -92,15 +98,21 @@ impl Worker {
             return Err(WorkerError::ShuttingDown);
         }
         let deadline = Instant::now() + wait;
+        let mut draining = self.inner.draining.subscribe();
+        let Some(queue_watch) = self.inner.queue_watch.as_ref() else {
+            // A sidecar with a dispatcher keeps no copy of its queue.
+            return self
+                .claim_without_queue(deadline, &mut gone, &mut draining)
+                .await;
+        };
         let mut changes = self.inner.changes.clone();
         // The queue watch runs while this claim is in progress (and starts again if it had
         // stopped): a stopped one lists the queue first, waited for as long as `wait` and at
         // least RELIST_WAIT.
-        let _claiming = self.inner.queue_watch.claiming();
-        let mut draining = self.inner.draining.subscribe();
+        let _claiming = queue_watch.claiming();
         let listed = deadline.max(Instant::now() + queue_watch::RELIST_WAIT);
         tokio::select! {
-            synced = tokio::time::timeout_at(listed, self.inner.queue_watch.wait_synced()) => {
+            synced = tokio::time::timeout_at(listed, queue_watch.wait_synced()) => {
                 if synced.is_err() {
                     // Not an empty queue: this sidecar cannot see the queue yet.
                     return Err(WorkerError::unavailable(
@@ -111,17 +123,6 @@ impl Worker {
             }
             () = &mut gone => return Ok(None),
             _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
-        }
-        if self.inner.dispatched.is_some() {
-            match self
-                .claim_dispatched(deadline, &mut gone, &mut draining)
-                .await?
-            {
-                Dispatch::Claimed(claimed) => return Ok(Some(claimed)),
-                Dispatch::Nothing => return Ok(None),
-                // Choose on our own from here on, as without a dispatcher.
-                Dispatch::FallBack => {}
-            }
         }
         loop {
             changes.borrow_and_update();
@@ -182,11 +183,33 @@ impl Worker {
         }
     }
 
+    /// Claims with no copy of the queue: the job the dispatcher offers, or, while it cannot be
+    /// used, one chosen from bounded lists of the queue ([`crate::listed`]), until `deadline`.
+    async fn claim_without_queue(
+        &self,
+        deadline: Instant,
+        gone: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+        draining: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> Result<Option<Claimed>, WorkerError> {
+        loop {
+            match self.claim_dispatched(deadline, gone, draining).await? {
+                Dispatch::Claimed(claimed) => return Ok(Some(claimed)),
+                Dispatch::Nothing => return Ok(None),
+                Dispatch::FallBack => {}
+            }
+            if let Some(claimed) = self.claim_listed(deadline, gone, draining).await? {
+                return Ok(Some(claimed));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+        }
+    }
+
     /// Claims through the dispatcher ([`crate::dispatched`]) until `deadline`: asks it for a
-    /// job, claims the one offered from a copy the API server gave (the queue watch's, or one
-    /// read afresh), and tells it when that failed. Falls back when no dispatcher is usable,
-    /// when a poll fails, or when the oldest claimable job of the sidecar's own view has
-    /// waited [`crate::dispatched::FALLBACK_AFTER`] without an offer.
+    /// job, claims the one offered from a copy read from the API server, and tells it when
+    /// that failed. Falls back when no dispatcher is usable or a poll fails (which includes
+    /// one not answered within [`crate::dispatched::FALLBACK_AFTER`]).
     async fn claim_dispatched(
         &self,
         deadline: Instant,
@@ -196,11 +219,8 @@ impl Worker {
         let Some(dispatched) = self.inner.dispatched.as_ref() else {
             return Ok(Dispatch::FallBack);
         };
-        // One watchdog for the whole claim: a dispatcher that answers at once with jobs that
-        // cannot be claimed must not keep restarting it.
-        let stalled = self.own_view_stalled();
-        let mut stalled = std::pin::pin!(stalled);
         let mut declined = 0u32;
+        let mut asked = false;
         loop {
             if declined > 0 {
                 // A dispatcher offering job after job that cannot be claimed is asked again
@@ -212,24 +232,19 @@ impl Worker {
                 return Ok(Dispatch::FallBack);
             };
             let remaining = deadline.saturating_duration_since(Instant::now());
-            if remaining.is_zero() {
+            // A claim that will not wait (wait=0) still asks once.
+            if remaining.is_zero() && asked {
                 return Ok(Dispatch::Nothing);
             }
+            asked = true;
             let poll = dispatched.poll(&address, remaining);
             let hint = tokio::select! {
                 answer = poll => match answer {
                     Ok(Some(hint)) => hint,
-                    // The dispatcher's own wait ended first: ask again.
+                    // The poll's wait ended first: ask again.
                     Ok(None) => continue,
                     Err(_) => return Ok(Dispatch::FallBack),
                 },
-                () = stalled.as_mut() => {
-                    dispatched.set_aside(&format!(
-                        "left a job waiting {} ms in this sidecar's view without offering it",
-                        crate::dispatched::FALLBACK_AFTER.as_millis()
-                    ));
-                    return Ok(Dispatch::FallBack);
-                }
                 () = gone.as_mut() => return Ok(Dispatch::Nothing),
                 _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
             };
@@ -244,58 +259,31 @@ impl Worker {
                 return Err(WorkerError::ShuttingDown);
             }
             declined += 1;
+            if declined >= MAX_DECLINED {
+                // Its view is far from the API server's, or it lies: choose on our own.
+                dispatched.set_aside(
+                    &address,
+                    &format!("offered {declined} jobs in a row that could not be claimed"),
+                );
+                return Ok(Dispatch::FallBack);
+            }
         }
     }
 
-    /// Claims the job a hint names, from the queue watch's copy when it is claimable and not
-    /// known stale, else from a copy read afresh. `Ok(None)` when it could not be claimed.
+    /// Claims the job a hint names, from a copy read from the API server: one GET not older
+    /// than the hint's resourceVersion, which the API server answers from its watch cache.
+    /// `Ok(None)` when it could not be claimed. The hint's word is never used in the write: a
+    /// lying resourceVersion costs a read that fails or a copy that is stale (409).
     async fn claim_hint(
         &self,
         hint: &crate::dispatched::Hint,
     ) -> Result<Option<Claimed>, WorkerError> {
-        let now = Timestamp::now();
-        let cached = self.cached(&[hint.name.as_str()]).pop().filter(|job| {
-            let rv = job.resource_version().unwrap_or_default();
-            claim::claimable(job, &self.inner.config.queue, now)
-                && !self.inner.tried.lock().unwrap().contains(&hint.name, &rv)
-        });
-        let snapshot = match cached {
-            Some(job) => job,
-            None => match self.read_claimable(&hint.name).await {
-                Some(fresh) => fresh,
-                None => return Ok(None),
-            },
-        };
-        self.try_claim(&snapshot, true).await
-    }
-
-    /// Resolves once the oldest claimable job of the sidecar's own view (the queue watch's)
-    /// has been the same for [`crate::dispatched::FALLBACK_AFTER`]: jobs wait that the
-    /// dispatcher does not offer. Looks every 100 ms.
-    async fn own_view_stalled(&self) {
-        let mut oldest: Option<(String, Instant)> = None;
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
-        loop {
-            tick.tick().await;
-            let now = Timestamp::now();
-            let first = {
-                let index = self.inner.index.lock().unwrap();
-                let tried = self.inner.tried.lock().unwrap();
-                index
-                    .candidates(now, 1, |name, rv| tried.contains(name, rv))
-                    .first()
-                    .map(|n| n.to_string())
-            };
-            oldest = match (first, oldest) {
-                (Some(name), Some((was, since))) if name == was => {
-                    if since.elapsed() >= crate::dispatched::FALLBACK_AFTER {
-                        return;
-                    }
-                    Some((was, since))
-                }
-                (Some(name), _) => Some((name, Instant::now())),
-                (None, _) => None,
-            };
+        match self
+            .read_claimable(&hint.name, &hint.resource_version)
+            .await
+        {
+            Some(snapshot) => self.try_claim(&snapshot, true).await,
+            None => Ok(None),
         }
     }
 
@@ -390,11 +378,16 @@ impl Worker {
         Pick::Nothing
     }
 
-    /// Reads the job `name` from the API server (one GET, bounded by [`MAX_CALL_BOUND`]) and
-    /// answers it if it is claimable; `None` if it is not, is gone, or the read failed.
-    async fn read_claimable(&self, name: &str) -> Option<Arc<LeasedJob>> {
-        let read = tokio::time::timeout(MAX_CALL_BOUND, self.inner.jobs.get_opt(name)).await;
-        let Ok(Ok(Some(found))) = read else {
+    /// Reads the job `name` from the API server (one GET not older than the resourceVersion
+    /// `not_older_than`, bounded by [`MAX_CALL_BOUND`]) and answers it if it is claimable;
+    /// `None` if it is not, is gone, or the read failed.
+    async fn read_claimable(&self, name: &str, not_older_than: &str) -> Option<Arc<LeasedJob>> {
+        let params = GetParams {
+            resource_version: Some(not_older_than.to_string()),
+        };
+        let read =
+            tokio::time::timeout(MAX_CALL_BOUND, self.inner.jobs.get_with(name, &params)).await;
+        let Ok(Ok(found)) = read else {
             return None;
         };
         self.if_claimable(found)
