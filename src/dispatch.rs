@@ -10,7 +10,8 @@
 //! Errors are `{"error": "<code>", "message": "..."}`: 400 `invalid_request`; 413
 //! `too_large` (a body over [`MAX_BODY_BYTES`]); 401
 //! `unauthenticated`; 403 `forbidden`; 503 `not_leading` (ask the leader, or choose on your
-//! own), `unavailable` (a review could not be made). A refusal names the rule and the caller,
+//! own), `not_listed` (the leader has just started and is still listing the jobs: choose on
+//! your own), `unavailable` (a review could not be made). A refusal names the rule and the caller,
 //! never a job.
 
 use std::sync::Arc;
@@ -197,6 +198,11 @@ async fn poll(State(shared): State<Shared>, request: Request) -> Response {
             StatusCode::SERVICE_UNAVAILABLE,
             "not_leading",
             "this controller replica does not lead: it offers no jobs",
+        ),
+        Answer::NotListed => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_listed",
+            "this controller has not listed the jobs yet since it started: it offers none until it has",
         ),
     }
 }

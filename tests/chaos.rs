@@ -1,8 +1,12 @@
 //! Chaos: many jobs run by real Python workers (examples/worker.py) beside real sidecars, under
 //! two controller replicas, while workers, sidecars and the leader are frozen (SIGSTOP) and
 //! killed (SIGKILL), the API server restarts after SIGTERM and after SIGKILL, etcd restarts,
-//! etcd is compacted so that watches resumed from an old resourceVersion get 410 Gone, and one
-//! sidecar's connection to the API server stalls (bytes held, no reset) for longer than a lease.
+//! etcd is compacted so that watches resumed from an old resourceVersion get 410 Gone, one
+//! sidecar's connection to the API server stalls (bytes held, no reset) for longer than a lease,
+//! and the dispatcher is hit: the sidecars claim through it (each controller's dispatcher is
+//! reached through a relay), so the leader's SIGSTOP and SIGKILL are its faults too, and besides
+//! them its path from the sidecars stalls, and both controllers are killed and restarted, so
+//! the new leader starts with an empty view.
 //!
 //! It asserts: no job lost (every job Succeeded), no result accepted twice, no write accepted
 //! from a superseded attempt (each attempt ends exactly once: one accepted complete, fail or
@@ -10,7 +14,9 @@
 //! naming a token its job still holds or a newer attempt than its job's (nothing blocks a claim),
 //! every process still healthy; and after each fault ends, once the API
 //! server is ready: dispatch (create -> claimed by a worker waiting in a long poll) <= 1 s and
-//! expiry (last renewTime of a killed holder -> requeue seen) <= leaseDurationSeconds + 1 s.
+//! expiry (last renewTime of a killed holder -> requeue seen) <= leaseDurationSeconds + 1 s;
+//! and while a dispatcher fault holds (the leader frozen or killed, the dispatcher's path
+//! stalled, both replicas dead), dispatch <= 1 s too: claims do not wait on the dispatcher.
 //!
 //! Sizes: by default (CI) 80 jobs, four pods, one pass over the fault schedule, about three
 //! and a half minutes. LEASEHOLD_CHAOS_LONG=1: 1200 jobs, six pods, three passes. LEASEHOLD_CHAOS_JOBS
@@ -125,6 +131,8 @@ enum Fault {
     EtcdRestart,
     Compaction,
     RelayStall,
+    DispatcherStall,
+    DispatchersRestart,
 }
 
 const ALL_FAULTS: &[Fault] = &[
@@ -139,6 +147,8 @@ const ALL_FAULTS: &[Fault] = &[
     Fault::EtcdRestart,
     Fault::Compaction,
     Fault::RelayStall,
+    Fault::DispatcherStall,
+    Fault::DispatchersRestart,
 ];
 
 impl Fault {
@@ -155,6 +165,8 @@ impl Fault {
             Fault::EtcdRestart => "etcd restart",
             Fault::Compaction => "compaction+410",
             Fault::RelayStall => "relay stall",
+            Fault::DispatcherStall => "dispatcher stall",
+            Fault::DispatchersRestart => "dispatchers restart",
         }
     }
 }
@@ -170,6 +182,8 @@ struct Figure {
     recover: Option<Duration>,
     /// Create -> claimed, for the probe job created once the fault had ended.
     dispatch: Option<Duration>,
+    /// Create -> claimed, for a probe job created while a dispatcher fault held.
+    during: Option<Duration>,
     /// Last renewTime of a killed holder -> its job's requeue seen.
     expiry: Option<Duration>,
 }
@@ -193,6 +207,11 @@ struct Chaos {
     leases: Api<Lease>,
     /// (identity, process) of each controller replica.
     controllers: Vec<(String, Proc)>,
+    /// Per controller replica (same index): the port its dispatcher listens on, and the relay
+    /// in front of it, which is the address it advertises.
+    dispatchers: Vec<(u16, Relay)>,
+    /// Every sidecar's flags (the dispatcher token among them).
+    sidecar_flags: Vec<String>,
     controller_restarts: usize,
     pods: Vec<Pod>,
     relay: Relay,
@@ -209,6 +228,8 @@ struct Chaos {
     /// A compaction's log check still to make once its probes ran: the count of 410 lines
     /// per process before it, and the revision compacted.
     pending_gone_check: Option<(std::collections::BTreeMap<String, usize>, i64)>,
+    /// The dispatch probe made during the fault being injected, for its row.
+    during: Option<Duration>,
     /// Busy `--insist` workers frozen past their lease (each should write as a zombie).
     zombies: usize,
     /// Writes of superseded attempts refused with 409.
@@ -292,24 +313,25 @@ impl Chaos {
         let mut t = String::new();
         let _ = writeln!(
             t,
-            "{:<16} {:>8} {:>11} {:>12} {:>9}  detail",
-            "fault", "lasted s", "recover s", "dispatch ms", "expiry s"
+            "{:<19} {:>8} {:>11} {:>12} {:>10} {:>9}  detail",
+            "fault", "lasted s", "recover s", "dispatch ms", "during ms", "expiry s"
         );
         for f in &self.figures {
             let _ = writeln!(
                 t,
-                "{:<16} {:>8} {:>11} {:>12} {:>9}  {}",
+                "{:<19} {:>8} {:>11} {:>12} {:>10} {:>9}  {}",
                 f.fault,
                 secs(f.lasted),
                 opt_s(f.recover),
                 opt_ms(f.dispatch),
+                opt_ms(f.during),
                 opt_s(f.expiry),
                 f.detail
             );
         }
         let _ = writeln!(
             t,
-            "bounds: dispatch <= {} ms, expiry <= {} s (leaseDurationSeconds {} + {} s)",
+            "bounds: dispatch (after a fault, and during a dispatcher fault) <= {} ms, expiry <= {} s (leaseDurationSeconds {} + {} s)",
             DISPATCH_BOUND.as_millis(),
             LEASE_SECONDS as u64 + EXPIRY_SLACK.as_secs(),
             LEASE_SECONDS,
@@ -317,6 +339,21 @@ impl Chaos {
         );
         t
     }
+}
+
+/// Starts the controller replica `id`, its dispatcher listening on `dispatcher`'s port and
+/// advertising its relay.
+fn spawn_controller(ns: &str, id: &str, dispatcher: &(u16, Relay)) -> Proc {
+    let listen = format!("127.0.0.1:{}", dispatcher.0);
+    let advertise = format!("127.0.0.1:{}", dispatcher.1.port);
+    let mut args: Vec<&str> = ELECTION.to_vec();
+    args.extend([
+        "--dispatch-listen",
+        &listen,
+        "--dispatch-advertise",
+        &advertise,
+    ]);
+    controller_with(ns, id, &args)
 }
 
 /// Under chaos, no job is lost or accepted twice, and dispatch and expiry recover.
@@ -340,16 +377,21 @@ async fn no_job_lost_or_accepted_twice_under_chaos() {
         schedule.iter().map(|f| f.label()).collect::<Vec<_>>()
     );
 
-    let controllers = vec![
-        (
-            "ctl-a".to_string(),
-            controller_with(&ns.name, "ctl-a", ELECTION),
-        ),
-        (
-            "ctl-b".to_string(),
-            controller_with(&ns.name, "ctl-b", ELECTION),
-        ),
-    ];
+    let dispatchers: Vec<(u16, Relay)> = (0..2)
+        .map(|_| {
+            let port = free_port();
+            (port, Relay::start(port))
+        })
+        .collect();
+    let controllers = ["ctl-a", "ctl-b"]
+        .iter()
+        .zip(&dispatchers)
+        .map(|(id, d)| (id.to_string(), spawn_controller(&ns.name, id, d)))
+        .collect();
+    let token = dispatch_token_file(&ns.name);
+    let mut sidecar_flags: Vec<String> = SIDECAR_FLAGS.iter().map(|f| f.to_string()).collect();
+    sidecar_flags.extend(["--dispatch-token-file".into(), token.display().to_string()]);
+    let flags: Vec<&str> = sidecar_flags.iter().map(String::as_str).collect();
     let relay = Relay::start(leasehold_testkit::faults::apiserver_port());
     let events = EventLog::default();
     let mut pods = Vec::new();
@@ -368,7 +410,7 @@ async fn no_job_lost_or_accepted_twice_under_chaos() {
             &id,
             port,
             &kubeconfig,
-            SIDECAR_FLAGS,
+            &flags,
             Duration::from_secs(30),
         )
         .await;
@@ -397,13 +439,15 @@ async fn no_job_lost_or_accepted_twice_under_chaos() {
             restarts: 0,
         });
     }
-    let probe = Sidecar::start(&ns.name, "dispatch-probe", "probe-dispatch", &[]).await;
+    let probe = Sidecar::start(&ns.name, "dispatch-probe", "probe-dispatch", &flags[2..]).await;
     let mut chaos = Chaos {
         jobs: Api::namespaced(client.clone(), &ns.name),
         leases: Api::namespaced(client.clone(), &ns.name),
         client: client.clone(),
         ns: ns.name.clone(),
         controllers,
+        dispatchers,
+        sidecar_flags,
         controller_restarts: 0,
         pods,
         relay,
@@ -416,6 +460,7 @@ async fn no_job_lost_or_accepted_twice_under_chaos() {
         violations: Vec::new(),
         gone_checks: Vec::new(),
         pending_gone_check: None,
+        during: None,
         zombies: 0,
         superseded_refused: 0,
         started: Instant::now(),

@@ -41,8 +41,10 @@ pub struct ControllerArgs {
     /// leading replica advertises to sidecars in the Lease `leasehold-dispatcher`.
     #[arg(long, env = "LEASEHOLD_DISPATCH_LISTEN", default_value = "0.0.0.0:0")]
     dispatch_listen: SocketAddr,
-    /// Host sidecars reach the dispatcher at (default: POD_IP, else the listen address's IP
-    /// when it names one, else 127.0.0.1).
+    /// Where sidecars reach the dispatcher: `HOST` or `HOST:PORT`, HOST an IP address or a DNS
+    /// name; the port defaults to the one listened on (give one when something in between,
+    /// such as a proxy, listens elsewhere). Default host: POD_IP, else the listen address's IP
+    /// when it names one, else 127.0.0.1.
     #[arg(long, env = "LEASEHOLD_DISPATCH_ADVERTISE")]
     dispatch_advertise: Option<String>,
     /// Which transitions get an Event: `problems` (failures, expiries, Lease conflicts,
@@ -121,8 +123,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("--dispatch-listen {dispatch_listen}: cannot bind"))?;
         let bound = listener.local_addr().unwrap_or(dispatch_listen);
-        let host = advertised_host(dispatch_advertise, bound)?;
-        let address = format!("{host}:{}", bound.port());
+        let address = advertised_address(dispatch_advertise, bound)?;
         let advert_namespace = election
             .as_ref()
             .map(|e| e.namespace.clone())
@@ -194,29 +195,47 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The host sidecars reach the dispatcher at: `flag` if given (checked), else POD_IP, else the
-/// listen address's IP when it names one, else 127.0.0.1.
-fn advertised_host(flag: Option<String>, bound: SocketAddr) -> anyhow::Result<String> {
-    if let Some(host) = flag {
-        let valid = host.parse::<std::net::IpAddr>().is_ok()
-            || leasehold_core::crd::is_dns_subdomain(&host);
+/// The `host:port` sidecars reach the dispatcher at: `flag` if given (checked: `HOST` or
+/// `HOST:PORT`, the port defaulting to the bound one), else POD_IP, else the listen address's
+/// IP when it names one, else 127.0.0.1, with the bound port.
+fn advertised_address(flag: Option<String>, bound: SocketAddr) -> anyhow::Result<String> {
+    let port = bound.port();
+    if let Some(flag) = flag {
+        if let Ok(address) = flag.parse::<SocketAddr>() {
+            return Ok(address.to_string());
+        }
+        if let Ok(ip) = flag.parse::<std::net::IpAddr>() {
+            return Ok(format!("{}:{port}", host_of(ip)));
+        }
+        let (host, port) = match flag.rsplit_once(':') {
+            Some((host, p)) => {
+                let p = p.parse::<u16>().ok().filter(|p| *p > 0);
+                let Some(p) = p else {
+                    anyhow::bail!(
+                        "--dispatch-advertise {flag:?}: the port after the last ':' must be a number from 1 to 65535"
+                    );
+                };
+                (host, p)
+            }
+            None => (flag.as_str(), port),
+        };
         anyhow::ensure!(
-            valid,
-            "--dispatch-advertise {host:?} is neither an IP address nor a DNS name (a lowercase RFC 1123 subdomain)"
+            leasehold_core::crd::is_dns_subdomain(host),
+            "--dispatch-advertise {flag:?}: {host:?} is neither an IP address nor a DNS name (a lowercase RFC 1123 subdomain)"
         );
-        return Ok(host);
+        return Ok(format!("{host}:{port}"));
     }
     if let Some(ip) = std::env::var("POD_IP")
         .ok()
         .and_then(|ip| ip.parse::<std::net::IpAddr>().ok())
     {
-        return Ok(host_of(ip));
+        return Ok(format!("{}:{port}", host_of(ip)));
     }
     let ip = bound.ip();
     Ok(if ip.is_unspecified() {
-        "127.0.0.1".into()
+        format!("127.0.0.1:{port}")
     } else {
-        host_of(ip)
+        format!("{}:{port}", host_of(ip))
     })
 }
 
@@ -225,5 +244,44 @@ fn host_of(ip: std::net::IpAddr) -> String {
     match ip {
         std::net::IpAddr::V4(v4) => v4.to_string(),
         std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::advertised_address;
+
+    fn advertised(flag: &str) -> Result<String, String> {
+        let bound = "0.0.0.0:4321".parse().unwrap();
+        advertised_address(Some(flag.to_string()), bound).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_advertised_address_takes_a_host_and_an_optional_port() {
+        assert_eq!(advertised("10.0.0.7").unwrap(), "10.0.0.7:4321");
+        assert_eq!(advertised("10.0.0.7:80").unwrap(), "10.0.0.7:80");
+        assert_eq!(advertised("::1").unwrap(), "[::1]:4321");
+        assert_eq!(advertised("[::1]:80").unwrap(), "[::1]:80");
+        assert_eq!(
+            advertised("leasehold.example.svc").unwrap(),
+            "leasehold.example.svc:4321"
+        );
+        assert_eq!(
+            advertised("leasehold.example.svc:8080").unwrap(),
+            "leasehold.example.svc:8080"
+        );
+    }
+
+    #[test]
+    fn a_bad_advertised_address_is_refused_naming_the_flag_and_the_rule() {
+        let e = advertised("host:0").unwrap_err();
+        assert!(
+            e.contains("--dispatch-advertise \"host:0\"") && e.contains("1 to 65535"),
+            "{e}"
+        );
+        let e = advertised("Bad_Host").unwrap_err();
+        assert!(e.contains("\"Bad_Host\"") && e.contains("RFC 1123"), "{e}");
+        let e = advertised("host:http").unwrap_err();
+        assert!(e.contains("port"), "{e}");
     }
 }

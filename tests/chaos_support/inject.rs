@@ -137,6 +137,7 @@ impl Chaos {
             Fault::SidecarKill => {
                 let (i, _) = self.pick_pod(false);
                 let ns = self.ns.clone();
+                let flags: Vec<&str> = self.sidecar_flags.iter().map(String::as_str).collect();
                 let pod = &mut self.pods[i];
                 pod.sidecar.proc.signal("KILL");
                 let _ = pod.sidecar.proc.child.wait();
@@ -148,7 +149,7 @@ impl Chaos {
                     &id,
                     pod.port,
                     &pod.kubeconfig,
-                    SIDECAR_FLAGS,
+                    &flags,
                     Duration::from_secs(60),
                 )
                 .await;
@@ -166,6 +167,7 @@ impl Chaos {
                     .unwrap();
                 if fault == Fault::LeaderStop {
                     self.controllers[i].1.signal("STOP");
+                    self.probe_during(fault).await;
                     let new = self.wait_leader(Some(&leader)).await;
                     tokio::time::sleep(LEADER_LEASE).await;
                     self.controllers[i].1.signal("CONT");
@@ -176,11 +178,13 @@ impl Chaos {
                 } else {
                     self.controllers[i].1.signal("KILL");
                     let _ = self.controllers[i].1.child.wait();
+                    self.probe_during(fault).await;
                     let new = self.wait_leader(Some(&leader)).await;
                     let ended = Instant::now();
                     self.controller_restarts += 1;
                     let id = format!("ctl-r{}", self.controller_restarts);
-                    self.controllers[i] = (id.clone(), controller_with(&self.ns, &id, ELECTION));
+                    let restarted = spawn_controller(&self.ns, &id, &self.dispatchers[i]);
+                    self.controllers[i] = (id.clone(), restarted);
                     (
                         format!("{leader} killed, {new} took over; {id} started"),
                         ended,
@@ -272,6 +276,47 @@ impl Chaos {
                 self.relay.resume();
                 (
                     format!("{id}'s API connections held {}s", hold.as_secs()),
+                    Instant::now(),
+                )
+            }
+            Fault::DispatcherStall => {
+                // The sidecars' path to the leading dispatcher holds every byte: polls go
+                // unanswered, so the sidecars set it aside and choose on their own.
+                let leader = self.wait_leader(None).await;
+                let i = self
+                    .controllers
+                    .iter()
+                    .position(|(id, _)| *id == leader)
+                    .unwrap();
+                let hold = Duration::from_secs(self.rng.random_range(3..=5));
+                self.dispatchers[i].1.stall();
+                let stalled = Instant::now();
+                self.probe_during(fault).await;
+                tokio::time::sleep(hold.saturating_sub(stalled.elapsed())).await;
+                self.dispatchers[i].1.resume();
+                (
+                    format!("{leader}'s dispatcher path held {}s", hold.as_secs()),
+                    Instant::now(),
+                )
+            }
+            Fault::DispatchersRestart => {
+                // Both replicas die at once: the next leader starts with an empty view.
+                for (_, c) in &mut self.controllers {
+                    c.signal("KILL");
+                    let _ = c.child.wait();
+                }
+                self.probe_during(fault).await;
+                let mut ids = Vec::new();
+                for i in 0..self.controllers.len() {
+                    self.controller_restarts += 1;
+                    let id = format!("ctl-r{}", self.controller_restarts);
+                    let restarted = spawn_controller(&self.ns, &id, &self.dispatchers[i]);
+                    self.controllers[i] = (id.clone(), restarted);
+                    ids.push(id);
+                }
+                let new = self.wait_leader(None).await;
+                (
+                    format!("both killed; {} started, {new} leads", ids.join(", ")),
                     Instant::now(),
                 )
             }

@@ -55,6 +55,9 @@ pub enum Answer {
     Empty,
     /// This replica does not lead: ask the leader, or choose on your own.
     NotLeading,
+    /// This replica leads but has not listed the jobs yet (it has just started): its view is
+    /// empty, not the queue; choose on your own meanwhile.
+    NotListed,
 }
 
 /// The dispatcher of one controller replica.
@@ -120,6 +123,9 @@ impl Dispatcher {
         loop {
             if !self.leading() {
                 return Answer::NotLeading;
+            }
+            if !self.state.lock().unwrap().has_listed() {
+                return Answer::NotListed;
             }
             changed.borrow_and_update();
             relisted.borrow_and_update();

@@ -101,6 +101,9 @@ pub struct Dispatch {
     queues: HashMap<QueueKey, QueueView>,
     /// Whether a (re-)list is under way: queues first seen during it start one too.
     relisting: bool,
+    /// Whether a list has ended once: before that the view is not the API server's, and
+    /// nothing is offered from it.
+    listed: bool,
 }
 
 impl Dispatch {
@@ -149,6 +152,7 @@ impl Dispatch {
             }
             Change::RelistDone => {
                 self.relisting = false;
+                self.listed = true;
                 for view in self.queues.values_mut() {
                     view.index.observe(change);
                     view.prune();
@@ -158,6 +162,12 @@ impl Dispatch {
                     .retain(|_, v| !v.index.is_empty() || !v.offers.is_empty());
             }
         }
+    }
+
+    /// Whether the view has been complete once (a list of the jobs ended): a dispatcher
+    /// restarted with an empty view must not answer "no job" while it lists.
+    pub fn has_listed(&self) -> bool {
+        self.listed
     }
 
     /// The job to offer `worker` from `queue` at `now`, and the offer recorded: the first
@@ -345,6 +355,19 @@ mod tests {
         assert_eq!(d.next_offer_at(&q("ns"), now), Some(at_ms(12_000)));
         let due = at_ms(60_000);
         assert_eq!(names(d.offer(&q("ns"), "w2", due)), Some("later".into()));
+    }
+
+    #[test]
+    fn the_view_counts_as_listed_from_its_first_lists_end_on() {
+        let mut d = Dispatch::new();
+        assert!(!d.has_listed(), "a new view is empty, not the queue");
+        d.observe(Change::RelistBegan);
+        d.observe(Change::Relisted(&job("ns", "a", 0, 1, Phase::Queued)));
+        assert!(!d.has_listed(), "not while the first list runs");
+        d.observe(Change::RelistDone);
+        assert!(d.has_listed());
+        d.observe(Change::RelistBegan);
+        assert!(d.has_listed(), "a re-list keeps the old view answering");
     }
 
     #[test]

@@ -49,7 +49,8 @@ pub fn apiserver_port() -> u16 {
         .unwrap_or_else(|| panic!("no port in LEASEHOLD_APISERVER_URL {url}"))
 }
 
-/// A TCP relay on 127.0.0.1 in front of the kube-apiserver. It forwards bytes both ways until
+/// A TCP relay on 127.0.0.1 in front of a loopback port: the kube-apiserver's, or a
+/// dispatcher's. It forwards bytes both ways until
 /// told to stall: then it holds every byte in both directions (no reset, no FIN; connections
 /// stay open, as in a network partition that drops packets) until told to resume, when the
 /// held bytes flow on. Runs on its own thread and runtime, so a test that blocks its own
@@ -90,7 +91,7 @@ impl Relay {
                         tokio::spawn(async move {
                             let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await
                             else {
-                                return; // dropping the client closes it: the API server is down
+                                return; // dropping the client closes it: the server is down
                             };
                             let _ = client.set_nodelay(true);
                             let _ = server.set_nodelay(true);

@@ -38,10 +38,10 @@ pub const CONNECT_BOUND: Duration = Duration::from_millis(500);
 /// How long a dispatcher that failed is set aside before it is asked again.
 pub const SET_ASIDE: Duration = Duration::from_secs(5);
 /// The longest wait of one poll: a sidecar whose claim waits longer asks again.
-pub const POLL_WAIT: Duration = Duration::from_millis(500);
+pub const POLL_WAIT: Duration = Duration::from_millis(400);
 /// How much longer than its wait a poll may take to be answered before the dispatcher is set
 /// aside.
-pub const ANSWER_GRACE: Duration = Duration::from_millis(400);
+pub const ANSWER_GRACE: Duration = Duration::from_millis(300);
 /// The longest a sidecar waits on a dispatcher that stopped answering ([`POLL_WAIT`] +
 /// [`ANSWER_GRACE`]) before it chooses on its own.
 pub const FALLBACK_AFTER: Duration = POLL_WAIT.saturating_add(ANSWER_GRACE);
