@@ -102,6 +102,12 @@ pub(crate) struct Cli {
     /// Row 9: jobs claimed and completed at each number. Default 200.
     #[arg(long)]
     pub(crate) fanout_jobs: Option<usize>,
+    /// Row 11: numbers of sidecars waiting on one queue, with the dispatcher. Default 8,500.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) fleet_sidecars: Option<Vec<usize>>,
+    /// Row 11: jobs created, claimed and completed at each number. Default 600.
+    #[arg(long)]
+    pub(crate) fleet_jobs: Option<usize>,
     /// Row 10: jobs in the queue at each stage, ascending. Default 1000,10000,100000.
     #[arg(long, value_delimiter = ',')]
     pub(crate) queue_lengths: Option<Vec<usize>>,
@@ -131,6 +137,8 @@ pub(crate) struct Sizes {
     pub(crate) fanout_sidecars: Vec<usize>,
     pub(crate) fanout_jobs: usize,
     pub(crate) queue_lengths: Vec<usize>,
+    pub(crate) fleet_sidecars: Vec<usize>,
+    pub(crate) fleet_jobs: usize,
 }
 
 impl Sizes {
@@ -179,6 +187,14 @@ impl Sizes {
                 }
             }),
             fanout_jobs: pick(cli.fanout_jobs, 12, 200),
+            fleet_sidecars: cli.fleet_sidecars.clone().unwrap_or_else(|| {
+                if s {
+                    vec![2, 6]
+                } else {
+                    vec![8, 500]
+                }
+            }),
+            fleet_jobs: pick(cli.fleet_jobs, 12, 600),
             queue_lengths: cli.queue_lengths.clone().unwrap_or_else(|| {
                 if s {
                     vec![20, 60]
@@ -194,7 +210,8 @@ impl Sizes {
             "{} rounds of: ceiling {} s at N, then claims at N; N = {}; claim M = {} jobs; dispatch {} jobs to {} workers; \
              expiry {} jobs on {} killed sidecars, lease {} s; footprint {} jobs, {} held by {} \
              sidecars, lease {} s, {} renew intervals; vs Jobs {} items, {} workers; payloads \
-             {} jobs per queue, {} bytes; fan-out {} jobs at {} sidecars; queue lengths {}",
+             {} jobs per queue, {} bytes; fan-out {} jobs at {} sidecars; queue lengths {}; \
+             fleet {} jobs at {} waiting sidecars",
             self.rounds,
             self.ceiling_seconds,
             self.claimers
@@ -224,6 +241,8 @@ impl Sizes {
             self.fanout_jobs,
             list(&self.fanout_sidecars),
             list(&self.queue_lengths),
+            self.fleet_jobs,
+            list(&self.fleet_sidecars),
         )
     }
 }

@@ -3,7 +3,8 @@
 //!
 //! Rows: 1 the ceiling (raw conditional status updates/s), 2 claim throughput, 3 dispatch
 //! latency, 4 expiry latency, 5 heartbeat cost, 6 footprint, 7 against batch/v1 Jobs, 8 memory
-//! against payload bytes, 9 watch fan-out against sidecars, 10 queue length. Every
+//! against payload bytes, 9 watch fan-out against sidecars, 10 queue length, 11 the fleet
+//! (waiting sidecars with the dispatcher). Every
 //! figure comes from one run on one API server; request counts come from the API server's own
 //! `apiserver_request_total`, memory and CPU from /proc. `scripts/bench` builds everything,
 //! starts a local control plane and runs this; `--kubeconfig` points it at one already running
@@ -18,6 +19,8 @@ mod cost_rows;
 mod dispatch;
 mod expiry;
 mod fanout;
+mod fleet;
+mod fleet_rows;
 mod footprint;
 mod metrics;
 mod paired;
@@ -174,10 +177,18 @@ async fn main() -> anyhow::Result<()> {
         let (q, end) = queuelen::run(&bench, &sizes.queue_lengths).await;
         if !q.is_empty() {
             queuelen_rows(&mut report, &q);
+            fleet_rows::dispatched_queuelen_rows(&mut report, &q);
             charts.extend(queuelen_charts(&q));
         }
         if let Some(e) = end {
             failures.push(("10", e));
+        }
+    }
+    if want(11) {
+        eprintln!("row 11: the fleet, with the dispatcher");
+        match fleet::run(&bench, &sizes.fleet_sidecars, sizes.fleet_jobs).await {
+            Ok(f) => fleet_rows::fleet_rows(&mut report, &f),
+            Err(e) => failures.push(("11", e)),
         }
     }
     bench.cleanup().await;

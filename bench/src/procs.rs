@@ -279,6 +279,17 @@ pub fn sidecar(
     queue: &str,
     identity: &str,
 ) -> anyhow::Result<Sidecar> {
+    sidecar_with(bin, kubeconfig, logs, (ns, queue, identity), &[])
+}
+
+/// As [`sidecar`], for (namespace, queue, identity), with `extra` flags.
+pub fn sidecar_with(
+    bin: &Path,
+    kubeconfig: &Path,
+    logs: &Path,
+    (ns, queue, identity): (&str, &str, &str),
+    extra: &[&str],
+) -> anyhow::Result<Sidecar> {
     let listen = free_addr()?;
     let proc = Proc::spawn(
         bin,
@@ -286,6 +297,7 @@ pub fn sidecar(
         &SidecarArgs::new(ns, queue, identity)
             .listen(&listen)
             .worker_timeout(3600)
+            .args(extra)
             .to_args(),
         kubeconfig,
         logs,

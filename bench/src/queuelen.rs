@@ -69,8 +69,13 @@ pub struct Stage {
     pub controller_ready: Duration,
     /// The restarted controller after [`SETTLE`].
     pub controller: Sample,
-    /// The first holder sidecar.
+    /// The first holder sidecar (it watches the queue: no dispatcher token).
     pub sidecar: Sample,
+    /// A sidecar with a dispatcher token started afresh: from its start to its first claim
+    /// answered.
+    pub dispatched_first_claim: Duration,
+    /// That sidecar, a second after its first claim.
+    pub dispatched: Sample,
     /// Last renewTime to requeue seen, per killed job, seconds.
     pub expiry_s: Vec<f64>,
 }
@@ -128,6 +133,7 @@ async fn stages_into(
         &addr,
         "controller-0",
     )?;
+    let token = crate::fleet::dispatch_token(bench, &ns).await?;
     let http = procs::sidecar_http();
     let holders = procs::sidecars(bench, &http, &ns, queue, HOLDERS).await?;
     let watch = JobWatch::start(bench.client.clone(), &ns).await?;
@@ -209,6 +215,9 @@ async fn stages_into(
         tokio::time::sleep(SETTLE).await;
         let controller_sample = procs::sample(controller.pid()).context("controller gone")?;
         let sidecar = procs::sample(holders[0].proc.pid()).context("sidecar gone")?;
+        let (dispatched_first_claim, dispatched) =
+            restarted_sidecar(bench, &http, &ns, queue, &token, i).await?;
+        completed += 1;
         let expiry_s = expiry(bench, &http, &ns, &watch, length).await?;
         stages.push(Stage {
             jobs: length,
@@ -221,12 +230,57 @@ async fn stages_into(
             controller_ready,
             controller: controller_sample,
             sidecar,
+            dispatched_first_claim,
+            dispatched,
             expiry_s,
         });
     }
     drop(holders);
     controller.kill().await;
     Ok(())
+}
+
+/// A sidecar with the dispatcher token `token` started on `queue`, as a worker pod restarted
+/// after a node drain: from its start to its first claim answered (it lists no queue), and its
+/// memory a second later. The job claimed is completed.
+async fn restarted_sidecar(
+    bench: &Bench,
+    http: &reqwest::Client,
+    ns: &str,
+    queue: &str,
+    token: &std::path::Path,
+    stage: usize,
+) -> anyhow::Result<(Duration, Sample)> {
+    let started = Instant::now();
+    let token = token.display().to_string();
+    let mut sc = procs::sidecar_with(
+        &bench.leasehold,
+        &bench.kubeconfig,
+        &bench.logs,
+        (ns, queue, &format!("restarted-{stage}")),
+        &["--dispatch-token-file", &token],
+    )?;
+    sc.ready(http, Duration::from_secs(600)).await?;
+    let r = http
+        .post(format!("{}/v1/claim?wait=60", sc.base))
+        .send()
+        .await
+        .context("claim")?;
+    anyhow::ensure!(r.status() == 200, "claim answered {}", r.status());
+    let first_claim = started.elapsed();
+    let body: Value = r.json().await?;
+    let name = cluster::text(&body, "name")?;
+    let r = http
+        .post(format!("{}/v1/jobs/{name}/complete", sc.base))
+        .json(&serde_json::json!({"token": body["token"], "result": {}}))
+        .send()
+        .await
+        .context("complete")?;
+    anyhow::ensure!(r.status().is_success(), "complete answered {}", r.status());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let sample = procs::sample(sc.proc.pid()).context("the restarted sidecar is gone")?;
+    sc.proc.kill().await;
+    Ok((first_claim, sample))
 }
 
 /// [`EXPIRY_JOBS`] jobs of a queue of their own, claimed by one sidecar that is SIGKILLed half a

@@ -428,6 +428,9 @@ fn any_json(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     })
 }
 
+/// The annotation in which `kubectl apply` (client-side) keeps the whole manifest it applied.
+pub const LAST_APPLIED_ANNOTATION: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
 impl LeasedJob {
     /// `namespace/name`, for messages and log fields.
     pub fn reference(&self) -> String {
@@ -462,9 +465,14 @@ impl LeasedJob {
     }
 
     /// Drops spec.payload and status.result from this copy (a watch cache's), which no
-    /// decision of the controller or of a claimer reads. Never write such a copy's spec back;
-    /// status writes (the status subresource ignores the spec) are fine.
+    /// decision of the controller or of a claimer reads, and kubectl's copy of the manifest
+    /// that `kubectl apply` keeps in the annotation [`LAST_APPLIED_ANNOTATION`] (the payload
+    /// again). Never write such a copy's spec or metadata back; status writes (the status
+    /// subresource ignores everything but the status) are fine.
     pub fn drop_payload_and_result(&mut self) {
+        if let Some(annotations) = self.metadata.annotations.as_mut() {
+            annotations.remove(LAST_APPLIED_ANNOTATION);
+        }
         self.spec.payload = Value::Null;
         if let Some(status) = self.status.as_mut() {
             status.result = None;
@@ -593,6 +601,35 @@ pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cached_copy_keeps_no_payload_result_or_kubectls_copy_of_the_manifest() {
+        let mut job = LeasedJob::new(
+            "j",
+            LeasedJobSpec {
+                queue: "q".into(),
+                payload: serde_json::json!({"audio": "x".repeat(1000)}),
+                ..LeasedJobSpec::default()
+            },
+        );
+        job.metadata.annotations = Some(
+            [
+                (LAST_APPLIED_ANNOTATION.to_string(), "{...}".to_string()),
+                ("team".to_string(), "a".to_string()),
+            ]
+            .into(),
+        );
+        job.status = Some(LeasedJobStatus {
+            result: Some(serde_json::json!("done")),
+            ..LeasedJobStatus::default()
+        });
+        job.drop_payload_and_result();
+        assert_eq!(job.spec.payload, Value::Null);
+        assert_eq!(job.status.unwrap().result, None);
+        let annotations = job.metadata.annotations.unwrap();
+        assert_eq!(annotations.len(), 1, "other annotations stay");
+        assert_eq!(annotations["team"], "a");
+    }
 
     #[test]
     fn paragraphs_join_wrapped_lines_and_keep_blank_lines_and_list_items() {

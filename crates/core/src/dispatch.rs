@@ -129,6 +129,12 @@ impl Dispatch {
                 let Some(key) = key_of(job) else {
                     return;
                 };
+                // A job the controller has not initialised yet (no status.phase) is not
+                // offered: its initial status write, moments away, would meet the claim and
+                // one of the two would be answered 409. Its next change brings it.
+                if job.status.as_ref().and_then(|s| s.phase).is_none() {
+                    return;
+                }
                 let relisting = self.relisting;
                 let view = self.queues.entry(key).or_insert_with(|| {
                     let mut view = QueueView::new(&job.spec.queue);
@@ -355,6 +361,22 @@ mod tests {
         assert_eq!(d.next_offer_at(&q("ns"), now), Some(at_ms(12_000)));
         let due = at_ms(60_000);
         assert_eq!(names(d.offer(&q("ns"), "w2", due)), Some("later".into()));
+    }
+
+    #[test]
+    fn a_job_is_offered_only_once_the_controller_has_initialised_it() {
+        let mut d = Dispatch::new();
+        let mut fresh = job("ns", "fresh", 0, 1, Phase::Queued);
+        fresh.status = None;
+        d.observe(Change::Applied(&fresh));
+        let now = at_ms(10_000);
+        assert_eq!(
+            d.offer(&q("ns"), "w", now),
+            None,
+            "its initial status is on its way"
+        );
+        d.observe(Change::Applied(&job("ns", "fresh", 0, 1, Phase::Queued)));
+        assert_eq!(names(d.offer(&q("ns"), "w", now)), Some("fresh".into()));
     }
 
     #[test]

@@ -1,0 +1,312 @@
+//! Row 11, the fleet: what a job costs as the number of waiting workers grows, with the
+//! dispatcher. For each S, S sidecar processes serve one queue with a dispatcher token (as S
+//! worker pods of the chart would), and every one of them waits in a claim (its worker idle);
+//! jobs are created one at a time at a steady rate, and each is completed as soon as it is
+//! claimed. Over the window: the LeasedJob watch events the API server sent
+//! (`apiserver_watch_events_total`), its CPU from /proc, every write it counted
+//! (`apiserver_request_total`) but the creates, the claim writes answered 409, and, per job,
+//! creation (the create's answer) to claim (the claim's answer at the worker). At the end, the
+//! sidecars' resident memory.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::ServiceAccount;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::Api;
+use serde_json::{json, Value};
+
+use crate::cluster::{self, Bench};
+use crate::metrics::{self, Requests, WatchSent};
+use crate::procs::{self, CpuWindow};
+
+/// Jobs created per second.
+pub const RATE: f64 = 20.0;
+
+/// One S.
+pub struct Fleet {
+    /// Sidecars waiting on the queue.
+    pub sidecars: usize,
+    /// Jobs created, claimed and completed in the window.
+    pub jobs: usize,
+    /// LeasedJob watch events and bytes the API server sent in the window.
+    pub sent: WatchSent,
+    /// Requests the API server counted in the window.
+    pub requests: Requests,
+    /// CPU by process group over the window, in cores.
+    pub cpu: Vec<(String, f64)>,
+    /// The window's length.
+    pub elapsed: Duration,
+    /// Creation -> claim of each job, ms.
+    pub latency_ms: Vec<f64>,
+    /// Resident memory of each sidecar at the end, KiB.
+    pub sidecar_rss_kib: Vec<u64>,
+    /// Resident memory of the controller (and its dispatcher) at the end, KiB.
+    pub controller_rss_kib: u64,
+}
+
+impl Fleet {
+    /// CPU seconds a group used per job.
+    pub fn cpu_seconds_per_job(&self, group: &str) -> f64 {
+        self.cpu
+            .iter()
+            .find(|(name, _)| name == group)
+            .map_or(0.0, |(_, cores)| {
+                cores * self.elapsed.as_secs_f64() / self.jobs as f64
+            })
+    }
+
+    /// LeasedJob watch events sent per job.
+    pub fn events_per_job(&self) -> f64 {
+        self.sent.events / self.jobs as f64
+    }
+
+    /// Writes per job, the creates aside (claims, completions, the controller's, Leases: every
+    /// write the API server counted on any resource of the window).
+    pub fn writes_per_job(&self) -> f64 {
+        let writes = self.requests.sum(|k| k.is_write() && k.code != "409");
+        let creates = self
+            .requests
+            .sum(|k| k.resource == "leasedjobs" && k.subresource.is_empty() && k.verb == "POST");
+        (writes - creates) / self.jobs as f64
+    }
+
+    /// Share of the claim writes (PUT leasedjobs/status) answered 409.
+    pub fn conflict_share(&self) -> f64 {
+        let claims = |k: &metrics::Key| {
+            k.resource == "leasedjobs" && k.subresource == "status" && k.verb == "PUT"
+        };
+        let all = self.requests.sum(claims);
+        let refused = self.requests.sum(|k| claims(k) && k.code == "409");
+        if all == 0.0 {
+            0.0
+        } else {
+            refused / all
+        }
+    }
+}
+
+/// Runs the scenario for each S in `sidecar_counts`, `jobs` jobs each.
+pub async fn run(
+    bench: &Bench,
+    sidecar_counts: &[usize],
+    jobs: usize,
+) -> anyhow::Result<Vec<Fleet>> {
+    let mut out = Vec::new();
+    for &s in sidecar_counts {
+        eprintln!("row 11: {s} waiting sidecars on one queue, with the dispatcher");
+        out.push(one(bench, s, jobs).await?);
+    }
+    Ok(out)
+}
+
+/// A ServiceAccount of `ns` that may claim there, and a file holding its token for the
+/// dispatcher's audience: what the chart mounts into a worker pod.
+pub(crate) async fn dispatch_token(bench: &Bench, ns: &str) -> anyhow::Result<PathBuf> {
+    let pp = PatchParams::apply("leasehold-bench");
+    let sa: Api<ServiceAccount> = Api::namespaced(bench.client.clone(), ns);
+    sa.patch(
+        "worker",
+        &pp,
+        &Patch::Apply(json!({"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": "worker"}})),
+    )
+    .await
+    .context("create the workers' ServiceAccount")?;
+    let roles: Api<Role> = Api::namespaced(bench.client.clone(), ns);
+    roles
+        .patch(
+            "worker-claims",
+            &pp,
+            &Patch::Apply(
+                json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                "metadata": {"name": "worker-claims"},
+                "rules": [{"apiGroups": ["leasehold.dev"], "resources": ["leasedjobs/status"],
+                    "verbs": ["get", "update", "patch"]}]}),
+            ),
+        )
+        .await
+        .context("create the workers' Role")?;
+    let bindings: Api<RoleBinding> = Api::namespaced(bench.client.clone(), ns);
+    bindings
+        .patch(
+            "worker-claims",
+            &pp,
+            &Patch::Apply(json!({"apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding", "metadata": {"name": "worker-claims"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                    "name": "worker-claims"},
+                "subjects": [{"kind": "ServiceAccount", "name": "worker", "namespace": ns}]})),
+        )
+        .await
+        .context("create the workers' RoleBinding")?;
+    let request: TokenRequest = serde_json::from_value(json!({
+        "spec": {"audiences": [leasehold_kube::access::AUDIENCE], "expirationSeconds": 3600}
+    }))?;
+    let token = sa
+        .create_token_request("worker", &PostParams::default(), &request)
+        .await
+        .context("request the workers' token")?
+        .status
+        .context("a TokenRequest without status")?
+        .token
+        .context("a TokenRequest without a token")?;
+    let path = bench.logs.join(format!("{ns}-dispatch-token"));
+    std::fs::write(&path, token).context("write the token file")?;
+    Ok(path)
+}
+
+async fn one(bench: &Bench, sidecars: usize, jobs: usize) -> anyhow::Result<Fleet> {
+    let ns = bench.namespace(&format!("bench-fleet{sidecars}")).await?;
+    let queue = "fleet";
+    let token = dispatch_token(bench, &ns).await?;
+    let mut controller = procs::controller(&bench.leasehold, &bench.kubeconfig, &bench.logs, &ns)?;
+    let leases: Api<Lease> = Api::namespaced(bench.client.clone(), &ns);
+    cluster::wait_until(
+        "the dispatcher's advert",
+        Duration::from_secs(60),
+        || async {
+            leases
+                .get_opt(leasehold_core::dispatch::ADVERT_LEASE)
+                .await
+                .ok()
+                .flatten()
+                .map(|_| ())
+        },
+    )
+    .await?;
+    let http = procs::sidecar_http();
+    let token_arg = token.display().to_string();
+    let mut scs = Vec::with_capacity(sidecars);
+    for i in 0..sidecars {
+        scs.push(procs::sidecar_with(
+            &bench.leasehold,
+            &bench.kubeconfig,
+            &bench.logs,
+            (&ns, queue, &format!("sidecar-{i}")),
+            &["--dispatch-token-file", &token_arg],
+        )?);
+    }
+    for s in &mut scs {
+        s.ready(&http, Duration::from_secs(300)).await?;
+    }
+    // Every sidecar waits in a claim before the window opens.
+    let claimed_at: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let claimed = Arc::new(AtomicUsize::new(0));
+    let loops: Vec<_> = scs
+        .iter()
+        .map(|s| {
+            let (http, base) = (http.clone(), s.base.clone());
+            let (claimed_at, claimed) = (Arc::clone(&claimed_at), Arc::clone(&claimed));
+            tokio::spawn(async move {
+                while claimed.load(Ordering::SeqCst) < jobs {
+                    let r = http
+                        .post(format!("{base}/v1/claim?wait=30"))
+                        .send()
+                        .await
+                        .context("claim")?;
+                    let status = r.status();
+                    if status == 204 {
+                        continue;
+                    }
+                    anyhow::ensure!(status == 200, "claim answered {status}");
+                    let at = Instant::now();
+                    let body: Value = r.json().await.context("claim body")?;
+                    let name = cluster::text(&body, "name")?;
+                    claimed_at.lock().unwrap().insert(name.clone(), at);
+                    claimed.fetch_add(1, Ordering::SeqCst);
+                    let r = http
+                        .post(format!("{base}/v1/jobs/{name}/complete"))
+                        .json(&json!({"token": body["token"], "result": {}}))
+                        .send()
+                        .await
+                        .context("complete")?;
+                    anyhow::ensure!(r.status().is_success(), "complete answered {}", r.status());
+                }
+                anyhow::Ok(())
+            })
+        })
+        .collect();
+    let _abort = procs::AbortOnDrop(
+        loops
+            .into_iter()
+            .map(|h| {
+                let claimed = Arc::clone(&claimed);
+                tokio::spawn(async move {
+                    // After the window the sidecars are stopped under their pending claims.
+                    if let Ok(Err(e)) = h.await {
+                        if claimed.load(Ordering::SeqCst) < jobs {
+                            eprintln!("row 11: a claim loop ended: {e:#}");
+                        }
+                    }
+                })
+            })
+            .collect(),
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = metrics::scrape_text(&bench.client).await?;
+    let mut groups = bench.controlplane.groups();
+    groups.push(("leasehold controller".into(), vec![controller.pid()]));
+    groups.push((
+        "leasehold sidecars".into(),
+        scs.iter().map(|s| s.proc.pid()).collect(),
+    ));
+    let cpu = CpuWindow::start(groups);
+    let start = Instant::now();
+    let api: Api<leasehold_core::crd::LeasedJob> = Api::namespaced(bench.client.clone(), &ns);
+    let mut created_at = HashMap::new();
+    let every = Duration::from_secs_f64(1.0 / RATE);
+    for i in 0..jobs {
+        let due = start + every * u32::try_from(i).unwrap_or(u32::MAX);
+        tokio::time::sleep_until(tokio::time::Instant::from_std(due)).await;
+        let name = format!("f-{i}");
+        cluster::create_with_retry(&api, &cluster::job(&name, queue, 60)).await?;
+        created_at.insert(name, Instant::now());
+    }
+    cluster::wait_until("every job claimed", Duration::from_secs(120), || async {
+        (claimed.load(Ordering::SeqCst) >= jobs).then_some(())
+    })
+    .await?;
+    // The last completions' events reach every watcher.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let elapsed = start.elapsed();
+    let cpu = cpu.finish();
+    let after = metrics::scrape_text(&bench.client).await?;
+    let claimed_at = claimed_at.lock().unwrap().clone();
+    let latency_ms = created_at
+        .iter()
+        .filter_map(|(name, created)| {
+            claimed_at
+                .get(name)
+                .map(|c| c.saturating_duration_since(*created).as_secs_f64() * 1000.0)
+        })
+        .collect();
+    controller.check_running()?;
+    let controller_rss_kib = procs::sample(controller.pid()).map_or(0, |x| x.rss_kib);
+    let mut sidecar_rss_kib = Vec::with_capacity(sidecars);
+    for s in &mut scs {
+        s.proc.check_running()?;
+        sidecar_rss_kib.push(procs::sample(s.proc.pid()).map_or(0, |x| x.rss_kib));
+    }
+    drop(scs);
+    controller.kill().await;
+    Ok(Fleet {
+        sidecars,
+        jobs,
+        sent: WatchSent::parse(&after, "leasedjobs")
+            .since(&WatchSent::parse(&before, "leasedjobs")),
+        requests: Requests::parse(&after).since(&Requests::parse(&before)),
+        cpu,
+        elapsed,
+        latency_ms,
+        sidecar_rss_kib,
+        controller_rss_kib,
+    })
+}
