@@ -3,8 +3,13 @@
 //!
 //! Routes (JSON; every caller presents a bearer token, checked by
 //! [`leasehold_kube::access::Access`] for the right to claim in the namespace asked about):
-//! - `POST /v1/dispatch/poll` `{namespace, queue, worker, waitMs}` -> 200 `{name,
-//!   resourceVersion}`, or 204 when no job came within the wait;
+//! - `POST /v1/dispatch/poll` `{namespace, queue, worker, waitMs, keepAliveMs?}` -> 200
+//!   `{name, resourceVersion}`, or 204 when no job came within the wait. With `keepAliveMs`
+//!   (50 to 10,000), an answer that is not ready at once is 200 with a streamed body: a
+//!   newline every `keepAliveMs` while the poll waits, then one JSON object, `{name,
+//!   resourceVersion}`, `{}` (no job within the wait) or an error object as below. The
+//!   newlines let a sidecar tell a waiting dispatcher from a frozen one, or a stalled path,
+//!   within a bound, without asking again and again;
 //! - `POST /v1/dispatch/declined` `{namespace, queue, worker, name}` -> 204.
 //!
 //! Errors are `{"error": "<code>", "message": "..."}`: 400 `invalid_request`; 413
@@ -58,7 +63,12 @@ struct PollBody {
     queue: String,
     worker: String,
     wait_ms: u64,
+    #[serde(default)]
+    keep_alive_ms: Option<u64>,
 }
+
+/// Bounds of a poll's `keepAliveMs`, in ms.
+pub const KEEP_ALIVE_MS: std::ops::RangeInclusive<u64> = 50..=10_000;
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -187,22 +197,91 @@ async fn poll(State(shared): State<Shared>, request: Request) -> Response {
         Err(refused) => return refused,
     };
     let wait = Duration::from_millis(body.wait_ms);
-    match shared.dispatcher.poll(&queue, &body.worker, wait).await {
+    let keep_alive = match body.keep_alive_ms {
+        None => None,
+        Some(ms) if KEEP_ALIVE_MS.contains(&ms) => Some(Duration::from_millis(ms)),
+        Some(ms) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!(
+                    "keepAliveMs {ms}: must be from {} to {} (ms)",
+                    KEEP_ALIVE_MS.start(),
+                    KEEP_ALIVE_MS.end()
+                ),
+            )
+        }
+    };
+    let dispatcher = Arc::clone(&shared.dispatcher);
+    let worker = body.worker;
+    let mut answer = Box::pin(async move { dispatcher.poll(&queue, &worker, wait).await });
+    let Some(every) = keep_alive else {
+        return answered(answer.await);
+    };
+    // An answer ready at once (an offer, or a refusal) keeps its status code.
+    if let Some(ready) = futures::FutureExt::now_or_never(&mut answer) {
+        return answered(ready);
+    }
+    let tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let stream = futures::stream::unfold(Some((answer, tick)), |state| async move {
+        let (mut answer, mut tick) = state?;
+        tokio::select! {
+            ready = &mut answer => Some((final_line(ready), None)),
+            _ = tick.tick() => Some((axum::body::Bytes::from_static(b"\n"), Some((answer, tick)))),
+        }
+    });
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        axum::body::Body::from_stream(futures::StreamExt::map(
+            stream,
+            Ok::<_, std::convert::Infallible>,
+        )),
+    )
+        .into_response()
+}
+
+/// A poll's answer, as its own response.
+fn answered(answer: Answer) -> Response {
+    match answer {
         Answer::Offer(hint) => (
             StatusCode::OK,
             Json(json!({"name": hint.name, "resourceVersion": hint.resource_version})),
         )
             .into_response(),
         Answer::Empty => StatusCode::NO_CONTENT.into_response(),
-        Answer::NotLeading => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not_leading",
-            "this controller replica does not lead: it offers no jobs",
-        ),
-        Answer::NotListed => error(
-            StatusCode::SERVICE_UNAVAILABLE,
+        refused => {
+            let (code, message) = refusal(&refused);
+            error(StatusCode::SERVICE_UNAVAILABLE, code, message)
+        }
+    }
+}
+
+/// A poll's answer, as the last line of a streamed body.
+fn final_line(answer: Answer) -> axum::body::Bytes {
+    let value = match answer {
+        Answer::Offer(hint) => {
+            json!({"name": hint.name, "resourceVersion": hint.resource_version})
+        }
+        Answer::Empty => json!({}),
+        refused => {
+            let (code, message) = refusal(&refused);
+            json!({"error": code, "message": message})
+        }
+    };
+    axum::body::Bytes::from(value.to_string())
+}
+
+/// The code and message of an answer that is not one (503 when it is a response of its own).
+fn refusal(answer: &Answer) -> (&'static str, &'static str) {
+    match answer {
+        Answer::NotListed => (
             "not_listed",
             "this controller has not listed the jobs yet since it started: it offers none until it has",
+        ),
+        _ => (
+            "not_leading",
+            "this controller replica does not lead: it offers no jobs",
         ),
     }
 }

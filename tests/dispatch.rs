@@ -38,11 +38,15 @@ async fn advertised(client: &kube::Client, ns: &str) -> String {
 }
 
 async fn create_job(client: &kube::Client, ns: &str, name: &str, priority: i32) {
+    create_job_in(client, ns, "q", name, priority).await;
+}
+
+async fn create_job_in(client: &kube::Client, ns: &str, queue: &str, name: &str, priority: i32) {
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
     let job: LeasedJob = serde_json::from_value(json!({
         "apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedJob",
         "metadata": {"name": name},
-        "spec": {"queue": "q", "priority": priority, "payload": {"n": name}},
+        "spec": {"queue": queue, "priority": priority, "payload": {"n": name}},
     }))
     .unwrap();
     jobs.create(&PostParams::default(), &job).await.unwrap();
@@ -149,6 +153,34 @@ async fn offers_go_in_claim_order_never_twice_and_only_to_those_who_may_claim() 
     let fresh = waiting.await.unwrap();
     assert_eq!(name(&fresh), "fresh");
 
+    // With keepAliveMs, a waiting poll streams newlines, then its answer: `{}` for none, the
+    // job when one comes (a queue of its own: the offers above lapse after 2 s).
+    let streamed = |wait_ms: u64| {
+        let (address, token, ns) = (address.clone(), claimer.clone(), ns.name.clone());
+        async move {
+            let response = reqwest::Client::new()
+                .post(format!("http://{address}/v1/dispatch/poll"))
+                .bearer_auth(token)
+                .json(&json!({"namespace": ns, "queue": "s", "worker": "w6",
+                    "waitMs": wait_ms, "keepAliveMs": 100}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 200);
+            response.text().await.unwrap()
+        }
+    };
+    let none = streamed(700).await;
+    assert!(
+        none.starts_with("\n\n") && none.trim() == "{}",
+        "newlines, then {{}}: {none:?}"
+    );
+    let waiting = tokio::spawn(streamed(20_000));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    create_job_in(&client, &ns.name, "s", "streamed", 0).await;
+    let offer: Value = serde_json::from_str(waiting.await.unwrap().trim()).unwrap();
+    assert_eq!(offer["name"], "streamed");
+
     // Refusals name the rule and never a job.
     let no_token = poll(&address, None, &ns.name, "x", 100).await;
     assert_eq!(no_token.0, 401, "{no_token:?}");
@@ -162,7 +194,7 @@ async fn offers_go_in_claim_order_never_twice_and_only_to_those_who_may_claim() 
     assert_eq!(other_ns.0, 403, "{other_ns:?}");
     for refusal in [&no_token, &wrong_audience, &not_allowed, &other_ns] {
         let text = refusal.1.to_string();
-        for job in ["high", "low-old", "low-new", "fresh"] {
+        for job in ["high", "low-old", "low-new", "fresh", "streamed"] {
             assert!(!text.contains(job), "a refusal named job {job}: {text}");
         }
     }
@@ -185,6 +217,11 @@ async fn offers_go_in_claim_order_never_twice_and_only_to_those_who_may_claim() 
         ),
         (
             json!({"namespace": ns.name, "queue": "q", "waitMs": 1}),
+            400,
+            "invalid_request",
+        ),
+        (
+            json!({"namespace": ns.name, "queue": "q", "worker": "x", "waitMs": 1, "keepAliveMs": 5}),
             400,
             "invalid_request",
         ),

@@ -47,6 +47,11 @@ pub struct ControllerArgs {
     /// when it names one, else 127.0.0.1.
     #[arg(long, env = "LEASEHOLD_DISPATCH_ADVERTISE")]
     dispatch_advertise: Option<String>,
+    /// Most connections the dispatcher keeps open at once: each waiting sidecar keeps one, so
+    /// this bounds the fleet it serves (past it, sidecars wait to connect and then choose on
+    /// their own). At least 1.
+    #[arg(long, env = "LEASEHOLD_DISPATCH_MAX_CONNECTIONS", default_value_t = DISPATCH_MAX_CONNECTIONS)]
+    dispatch_max_connections: usize,
     /// Which transitions get an Event: `problems` (failures, expiries, Lease conflicts,
     /// cancellations) or `all` (also every claim, completion and release: two more writes
     /// per job).
@@ -70,8 +75,13 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         dispatch,
         dispatch_listen,
         dispatch_advertise,
+        dispatch_max_connections,
         events,
     } = args;
+    anyhow::ensure!(
+        dispatch_max_connections >= 1,
+        "--dispatch-max-connections 0: must be at least 1"
+    );
     let limits = http.limits()?;
     let admission = admission.config()?;
     if let Some(ns) = &namespace {
@@ -141,7 +151,10 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         let served = tokio::spawn(http::serve(
             listener,
             crate::dispatch::router(shared),
-            limits,
+            http::Limits {
+                max_connections: dispatch_max_connections,
+                ..limits
+            },
             std::future::pending(),
         ));
         (
@@ -194,6 +207,10 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Default of `--dispatch-max-connections`: a fleet of thousands of waiting sidecars, each
+/// with one keep-alive connection (a file descriptor and a few KiB each).
+pub const DISPATCH_MAX_CONNECTIONS: usize = 8192;
 
 /// The `host:port` sidecars reach the dispatcher at: `flag` if given (checked: `HOST` or
 /// `HOST:PORT`, the port defaulting to the bound one), else POD_IP, else the listen address's

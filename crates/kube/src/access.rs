@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
@@ -70,12 +70,21 @@ pub struct ReviewFailed {
 /// An answer, and when it was given.
 type Cached = (Result<(), Refusal>, Instant);
 
+/// Whom an answer is for: the token's hash and the namespace asked about.
+type Key = (u64, String);
+
+/// Held while a key is reviewed.
+type Gate = Arc<tokio::sync::Mutex<()>>;
+
 /// The reviews, and their cached answers.
 pub struct Access {
     client: Client,
     /// (the token's hash, namespace) -> the answer and when it was given. The hash's keys are
     /// random per process, so no token is held and no one can aim at another's entry.
-    cache: Mutex<HashMap<(u64, String), Cached>>,
+    cache: Mutex<HashMap<Key, Cached>>,
+    /// One gate per key being reviewed: the polls of many sidecars sharing a token, arriving
+    /// together when its answer lapses, wait for one review instead of each making its own.
+    reviewing: Mutex<HashMap<Key, Gate>>,
     keys: RandomState,
 }
 
@@ -86,6 +95,7 @@ impl Access {
         Access {
             client,
             cache: Mutex::new(HashMap::new()),
+            reviewing: Mutex::new(HashMap::new()),
             keys: RandomState::new(),
         }
     }
@@ -103,18 +113,37 @@ impl Access {
             return Ok(Err(Refusal::NoToken));
         };
         let key = (self.keys.hash_one(token), namespace.to_string());
-        if let Some((answer, at)) = self.cache.lock().unwrap().get(&key) {
-            if at.elapsed() < ACCESS_TTL {
-                return Ok(answer.clone());
-            }
+        if let Some(answer) = self.cached(&key) {
+            return Ok(answer);
         }
-        let answer = self.review(token, namespace).await?;
+        let gate = Arc::clone(
+            self.reviewing
+                .lock()
+                .unwrap()
+                .entry(key.clone())
+                .or_default(),
+        );
+        let _reviewing = gate.lock().await;
+        // Another poll may have made the review while this one waited at the gate.
+        if let Some(answer) = self.cached(&key) {
+            return Ok(answer);
+        }
+        let answer = self.review(token, namespace).await;
+        self.reviewing.lock().unwrap().remove(&key);
+        let answer = answer?;
         let mut cache = self.cache.lock().unwrap();
         if cache.len() >= MAX_CACHED {
             cache.clear();
         }
         cache.insert(key, (answer.clone(), Instant::now()));
         Ok(answer)
+    }
+
+    /// The answer cached for `key`, if it is younger than [`ACCESS_TTL`].
+    fn cached(&self, key: &Key) -> Option<Result<(), Refusal>> {
+        let cache = self.cache.lock().unwrap();
+        let (answer, at) = cache.get(key)?;
+        (at.elapsed() < ACCESS_TTL).then(|| answer.clone())
     }
 
     async fn review(

@@ -11,9 +11,9 @@
 //! [`DispatchConfig::token_file`] at every poll (the kubelet rotates it). Without the file, or
 //! while no dispatcher is advertised, the sidecar chooses on its own as before.
 //!
-//! Claims never wait on it: a poll waits at most [`POLL_WAIT`] and must be answered within
-//! [`ANSWER_GRACE`] more, so a frozen dispatcher, or a stalled path to it, is noticed within
-//! [`FALLBACK_AFTER`]; one that fails, answers "not leading", cannot be reached within
+//! Claims never wait on it: while a poll waits, the dispatcher sends a newline every
+//! [`KEEP_ALIVE`], and a silence of [`SILENCE_BOUND`] means a frozen dispatcher, or a stalled
+//! path to it, which is so noticed within [`FALLBACK_AFTER`]; one that fails, answers "not leading", cannot be reached within
 //! [`CONNECT_BOUND`], or is not answering in time is set aside for [`SET_ASIDE`] (that address
 //! only: a new leader's is asked at once), and meanwhile the sidecar chooses on its own from a
 //! bounded list (`listed.rs`).
@@ -38,13 +38,18 @@ pub const CONNECT_BOUND: Duration = Duration::from_millis(500);
 /// How long a dispatcher that failed is set aside before it is asked again.
 pub const SET_ASIDE: Duration = Duration::from_secs(5);
 /// The longest wait of one poll: a sidecar whose claim waits longer asks again.
-pub const POLL_WAIT: Duration = Duration::from_millis(400);
-/// How much longer than its wait a poll may take to be answered before the dispatcher is set
-/// aside.
-pub const ANSWER_GRACE: Duration = Duration::from_millis(300);
-/// The longest a sidecar waits on a dispatcher that stopped answering ([`POLL_WAIT`] +
-/// [`ANSWER_GRACE`]) before it chooses on its own.
-pub const FALLBACK_AFTER: Duration = POLL_WAIT.saturating_add(ANSWER_GRACE);
+pub const POLL_WAIT: Duration = Duration::from_secs(30);
+/// How often a waiting dispatcher sends a newline down a poll's answer (its `keepAliveMs`).
+pub const KEEP_ALIVE: Duration = Duration::from_millis(250);
+/// The longest silence of a dispatcher answering a poll (before the answer's head, or between
+/// two chunks of its body) before it is set aside: a frozen dispatcher, or a stalled path to
+/// it, accepts the connection and then sends nothing.
+pub const SILENCE_BOUND: Duration = Duration::from_millis(700);
+/// The longest a sidecar waits on a dispatcher that stopped answering before it chooses on
+/// its own.
+pub const FALLBACK_AFTER: Duration = SILENCE_BOUND;
+/// Largest poll answer read, in bytes, the keep-alive newlines aside.
+const MAX_ANSWER_BYTES: usize = 4096;
 
 /// Where the sidecar's dispatcher token comes from.
 #[derive(Clone, Debug)]
@@ -191,7 +196,7 @@ impl Dispatched {
 
     /// Asks the dispatcher at `address` for a job of the [`Asker`]'s queue, waiting up to
     /// `wait` (at most [`POLL_WAIT`]). `Ok(None)` when none came in time; an error (including
-    /// no answer within the wait and [`ANSWER_GRACE`]) sets the dispatcher aside.
+    /// a silence of [`SILENCE_BOUND`] while it waits) sets the dispatcher aside.
     pub async fn poll(&self, address: &str, wait: Duration) -> Result<Option<Hint>, Unusable> {
         let wait = wait.min(POLL_WAIT);
         let Asker {
@@ -200,30 +205,91 @@ impl Dispatched {
             worker,
         } = &self.asker;
         let body = json!({"namespace": namespace, "queue": queue, "worker": worker,
-            "waitMs": u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)});
-        let answer = self.post(address, "/v1/dispatch/poll", body, wait).await;
-        match answer {
-            Ok(response) if response.status() == reqwest::StatusCode::NO_CONTENT => Ok(None),
-            Ok(response) if response.status().is_success() => {
-                response.json::<Hint>().await.map(Some).map_err(|e| {
-                    self.unusable(
+            "waitMs": u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+            "keepAliveMs": u64::try_from(KEEP_ALIVE.as_millis()).unwrap_or(250)});
+        let sent = self.post(address, "/v1/dispatch/poll", body, None);
+        let response = match tokio::time::timeout(SILENCE_BOUND, sent).await {
+            Ok(Ok(response)) => response,
+            Ok(Err(e)) => {
+                return Err(self.unusable(address, format!("could not be asked ({})", chain(&e))))
+            }
+            Err(_) => {
+                return Err(self.unusable(
+                    address,
+                    format!(
+                        "did not answer a poll within {} ms",
+                        SILENCE_BOUND.as_millis()
+                    ),
+                ))
+            }
+        };
+        let status = response.status();
+        if status == reqwest::StatusCode::NO_CONTENT {
+            return Ok(None);
+        }
+        let text = self.read_answer(address, response).await?;
+        if !status.is_success() {
+            let text: String = text.chars().take(300).collect();
+            return Err(self.unusable(address, format!("refused a poll with {status}: {text}")));
+        }
+        let answer: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+            self.unusable(
+                address,
+                format!("answered a poll with a body that is not JSON ({e})"),
+            )
+        })?;
+        if let Some(code) = answer.get("error").and_then(|c| c.as_str()) {
+            return Err(self.unusable(address, format!("refused a poll: {code}")));
+        }
+        if answer.as_object().is_some_and(|o| o.is_empty()) {
+            return Ok(None);
+        }
+        serde_json::from_value::<Hint>(answer)
+            .map(Some)
+            .map_err(|e| {
+                self.unusable(
+                    address,
+                    format!("answered a poll with a body that is not a job's name ({e})"),
+                )
+            })
+    }
+
+    /// Reads a poll's answer: its body, keep-alive newlines and all, each chunk within
+    /// [`SILENCE_BOUND`] of the last, at most [`MAX_ANSWER_BYTES`] besides the newlines.
+    async fn read_answer(
+        &self,
+        address: &str,
+        mut response: reqwest::Response,
+    ) -> Result<String, Unusable> {
+        let mut text = Vec::new();
+        loop {
+            match tokio::time::timeout(SILENCE_BOUND, response.chunk()).await {
+                Ok(Ok(Some(chunk))) => {
+                    text.extend(chunk.iter().filter(|b| **b != b'\n'));
+                    if text.len() > MAX_ANSWER_BYTES {
+                        return Err(self.unusable(
+                            address,
+                            format!("answered a poll with over {MAX_ANSWER_BYTES} bytes"),
+                        ));
+                    }
+                }
+                Ok(Ok(None)) => return Ok(String::from_utf8_lossy(&text).into_owned()),
+                Ok(Err(e)) => {
+                    return Err(self.unusable(
                         address,
-                        format!("answered a poll with a body that is not a job's name ({e})"),
-                    )
-                })
+                        format!("broke off a poll's answer ({})", chain(&e)),
+                    ))
+                }
+                Err(_) => {
+                    return Err(self.unusable(
+                        address,
+                        format!(
+                            "went silent for {} ms in a poll's answer",
+                            SILENCE_BOUND.as_millis()
+                        ),
+                    ))
+                }
             }
-            Ok(response) => {
-                let status = response.status();
-                let text: String = response
-                    .text()
-                    .await
-                    .unwrap_or_default()
-                    .chars()
-                    .take(300)
-                    .collect();
-                Err(self.unusable(address, format!("refused a poll with {status}: {text}")))
-            }
-            Err(e) => Err(self.unusable(address, format!("could not be asked ({e})"))),
         }
     }
 
@@ -238,16 +304,18 @@ impl Dispatched {
         } = &self.asker;
         let body = json!({"namespace": namespace, "queue": queue, "worker": worker, "name": name});
         let _ = self
-            .post(address, "/v1/dispatch/declined", body, Duration::ZERO)
+            .post(address, "/v1/dispatch/declined", body, Some(SILENCE_BOUND))
             .await;
     }
 
+    /// Posts `body` to `path`; `bound` limits the whole exchange (none for a poll, whose
+    /// answer is read chunk by chunk).
     async fn post(
         &self,
         address: &str,
         path: &str,
         body: serde_json::Value,
-        wait: Duration,
+        bound: Option<Duration>,
     ) -> Result<reqwest::Response, reqwest::Error> {
         let token = match self.token(address) {
             Ok(t) => t,
@@ -257,14 +325,15 @@ impl Dispatched {
                 String::new()
             }
         };
-        self.http
+        let mut request = self
+            .http
             .post(format!("http://{address}{path}"))
             .bearer_auth(token)
-            .json(&body)
-            // The dispatcher answers a poll within its wait: ANSWER_GRACE more is its bound.
-            .timeout(wait + ANSWER_GRACE)
-            .send()
-            .await
+            .json(&body);
+        if let Some(bound) = bound {
+            request = request.timeout(bound);
+        }
+        request.send().await
     }
 
     fn unusable(&self, address: &str, why: String) -> Unusable {
@@ -274,4 +343,16 @@ impl Dispatched {
             why,
         }
     }
+}
+
+/// An error and its sources, one after the other.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
