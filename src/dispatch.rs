@@ -6,8 +6,9 @@
 //! - `POST /v1/dispatch/poll` `{namespace, queue, worker, waitMs, keepAliveMs?}` -> 200
 //!   `{name, resourceVersion}`, or 204 when no job came within the wait. With `keepAliveMs`
 //!   (50 to 10,000), an answer that is not ready at once is 200 with a streamed body: a
-//!   newline every `keepAliveMs` while the poll waits, then one JSON object, `{name,
-//!   resourceVersion}`, `{}` (no job within the wait) or an error object as below. The
+//!   newline every `keepAliveMs` while the caller is admitted and the poll waits, then one
+//!   JSON object, `{name, resourceVersion}`, `{}` (no job within the wait) or an error object
+//!   as below (a refusal of the caller too). The
 //!   newlines let a sidecar tell a waiting dispatcher from a frozen one, or a stalled path,
 //!   within a bound, without asking again and again;
 //! - `POST /v1/dispatch/declined` `{namespace, queue, worker, name}` -> 204.
@@ -32,7 +33,7 @@ use serde_json::json;
 
 use leasehold_controller::dispatch::{Answer, Dispatcher};
 use leasehold_core::crd::is_dns_label;
-use leasehold_core::dispatch::QueueKey;
+use leasehold_core::dispatch::{Hint, QueueKey};
 use leasehold_kube::access::{Access, Refusal};
 
 /// Largest request body accepted, in bytes: a poll is a few hundred.
@@ -79,12 +80,6 @@ struct DeclinedBody {
     name: String,
 }
 
-impl PollBody {
-    fn queue(&self) -> (&str, &str) {
-        (&self.namespace, &self.queue)
-    }
-}
-
 impl DeclinedBody {
     fn queue(&self) -> (&str, &str) {
         (&self.namespace, &self.queue)
@@ -124,22 +119,47 @@ async fn body<T: serde::de::DeserializeOwned>(request: Request) -> Result<T, Res
     })
 }
 
+/// A refusal: its status code (when it is a response of its own), code and message.
+struct Refused {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl Refused {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Refused {
+        Refused {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn response(self) -> Response {
+        error(self.status, self.code, self.message)
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({"error": self.code, "message": self.message})
+    }
+}
+
 /// Checks a namespace and queue name, and the caller's right to claim in the namespace.
 async fn admit(
     shared: &Shared,
     token: Option<String>,
     namespace: &str,
     queue: &str,
-) -> Result<QueueKey, Response> {
+) -> Result<QueueKey, Refused> {
     if !is_dns_label(namespace) {
-        return Err(error(
+        return Err(Refused::new(
             StatusCode::BAD_REQUEST,
             "invalid_request",
             format!("namespace {namespace:?} is not a namespace name: a lowercase RFC 1123 label of at most 63 characters"),
         ));
     }
     if !is_dns_label(queue) {
-        return Err(error(
+        return Err(Refused::new(
             StatusCode::BAD_REQUEST,
             "invalid_request",
             format!("queue {queue:?} is not a queue name: a lowercase RFC 1123 label of at most 63 characters, as spec.queue"),
@@ -150,17 +170,17 @@ async fn admit(
             namespace: namespace.to_string(),
             queue: queue.to_string(),
         }),
-        Ok(Err(refusal @ (Refusal::NoToken | Refusal::NotAuthenticated))) => Err(error(
+        Ok(Err(refusal @ (Refusal::NoToken | Refusal::NotAuthenticated))) => Err(Refused::new(
             StatusCode::UNAUTHORIZED,
             "unauthenticated",
             refusal.to_string(),
         )),
-        Ok(Err(refusal @ Refusal::NotAllowed { .. })) => Err(error(
+        Ok(Err(refusal @ Refusal::NotAllowed { .. })) => Err(Refused::new(
             StatusCode::FORBIDDEN,
             "forbidden",
             refusal.to_string(),
         )),
-        Err(failed) => Err(error(
+        Err(failed) => Err(Refused::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "unavailable",
             format!("{failed}: the caller's rights could not be checked"),
@@ -187,13 +207,16 @@ async fn admitted<T: serde::de::DeserializeOwned>(
     let token = bearer(&request);
     let body: T = body(request).await?;
     let (namespace, queue) = queue_of(&body);
-    let queue = admit(shared, token, namespace, queue).await?;
+    let queue = admit(shared, token, namespace, queue)
+        .await
+        .map_err(Refused::response)?;
     Ok((body, queue))
 }
 
 async fn poll(State(shared): State<Shared>, request: Request) -> Response {
-    let (body, queue) = match admitted(&shared, request, PollBody::queue).await {
-        Ok(admitted) => admitted,
+    let token = bearer(&request);
+    let body: PollBody = match body(request).await {
+        Ok(body) => body,
         Err(refused) => return refused,
     };
     let wait = Duration::from_millis(body.wait_ms);
@@ -212,9 +235,26 @@ async fn poll(State(shared): State<Shared>, request: Request) -> Response {
             )
         }
     };
-    let dispatcher = Arc::clone(&shared.dispatcher);
-    let worker = body.worker;
-    let mut answer = Box::pin(async move { dispatcher.poll(&queue, &worker, wait).await });
+    // The admission is part of the answer: with keep-alives it may take its time (a review
+    // of a token whose cached answer lapsed, on a busy API server) without the caller taking
+    // the silence for a frozen dispatcher.
+    let mut answer = Box::pin(async move {
+        let queue = admit(&shared, token, &body.namespace, &body.queue).await?;
+        match shared.dispatcher.poll(&queue, &body.worker, wait).await {
+            Answer::Offer(hint) => Ok(Some(hint)),
+            Answer::Empty => Ok(None),
+            Answer::NotLeading => Err(Refused::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not_leading",
+                "this controller replica does not lead: it offers no jobs",
+            )),
+            Answer::NotListed => Err(Refused::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not_listed",
+                "this controller has not listed the jobs yet since it started: it offers none until it has",
+            )),
+        }
+    });
     let Some(every) = keep_alive else {
         return answered(answer.await);
     };
@@ -241,49 +281,27 @@ async fn poll(State(shared): State<Shared>, request: Request) -> Response {
         .into_response()
 }
 
-/// A poll's answer, as its own response.
-fn answered(answer: Answer) -> Response {
+/// A poll's answer, as its own response: 200 with the job, 204 for none, or the refusal.
+fn answered(answer: Result<Option<Hint>, Refused>) -> Response {
     match answer {
-        Answer::Offer(hint) => (
-            StatusCode::OK,
-            Json(json!({"name": hint.name, "resourceVersion": hint.resource_version})),
-        )
-            .into_response(),
-        Answer::Empty => StatusCode::NO_CONTENT.into_response(),
-        refused => {
-            let (code, message) = refusal(&refused);
-            error(StatusCode::SERVICE_UNAVAILABLE, code, message)
-        }
+        Ok(Some(hint)) => (StatusCode::OK, Json(offer(&hint))).into_response(),
+        Ok(None) => StatusCode::NO_CONTENT.into_response(),
+        Err(refused) => refused.response(),
     }
 }
 
 /// A poll's answer, as the last line of a streamed body.
-fn final_line(answer: Answer) -> axum::body::Bytes {
+fn final_line(answer: Result<Option<Hint>, Refused>) -> axum::body::Bytes {
     let value = match answer {
-        Answer::Offer(hint) => {
-            json!({"name": hint.name, "resourceVersion": hint.resource_version})
-        }
-        Answer::Empty => json!({}),
-        refused => {
-            let (code, message) = refusal(&refused);
-            json!({"error": code, "message": message})
-        }
+        Ok(Some(hint)) => offer(&hint),
+        Ok(None) => json!({}),
+        Err(refused) => refused.json(),
     };
     axum::body::Bytes::from(value.to_string())
 }
 
-/// The code and message of an answer that is not one (503 when it is a response of its own).
-fn refusal(answer: &Answer) -> (&'static str, &'static str) {
-    match answer {
-        Answer::NotListed => (
-            "not_listed",
-            "this controller has not listed the jobs yet since it started: it offers none until it has",
-        ),
-        _ => (
-            "not_leading",
-            "this controller replica does not lead: it offers no jobs",
-        ),
-    }
+fn offer(hint: &Hint) -> serde_json::Value {
+    json!({"name": hint.name, "resourceVersion": hint.resource_version})
 }
 
 async fn declined(State(shared): State<Shared>, request: Request) -> Response {
