@@ -194,8 +194,31 @@ async fn one(bench: &Bench, sidecars: usize, jobs: usize) -> anyhow::Result<Flee
             &["--dispatch-token-file", &token_arg],
         )?);
     }
-    for s in &mut scs {
-        s.ready(&http, Duration::from_secs(300)).await?;
+    for (i, s) in scs.iter_mut().enumerate() {
+        // A free port picked for a sidecar may be taken meanwhile (by one of the many
+        // outgoing connections of the others): start that one again on another.
+        for retry in 1..=3 {
+            match s.ready(&http, Duration::from_secs(300)).await {
+                Ok(()) => break,
+                Err(e)
+                    if retry < 3
+                        && std::fs::read_to_string(&s.proc.log)
+                            .is_ok_and(|l| l.contains("cannot bind")) =>
+                {
+                    eprintln!(
+                        "row 11: sidecar-{i} could not bind its port; starting it again ({e:#})"
+                    );
+                    *s = procs::sidecar_with(
+                        &bench.leasehold,
+                        &bench.kubeconfig,
+                        &bench.logs,
+                        (&ns, queue, &format!("sidecar-{i}-{retry}")),
+                        &["--dispatch-token-file", &token_arg],
+                    )?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
     // Every sidecar waits in a claim before the window opens.
     let claimed_at: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
