@@ -36,12 +36,7 @@ pub struct Fanout {
 impl Fanout {
     /// CPU seconds a group used per claim.
     pub fn cpu_seconds_per_claim(&self, group: &str) -> f64 {
-        self.cpu
-            .iter()
-            .find(|(name, _)| name == group)
-            .map_or(0.0, |(_, cores)| {
-                cores * self.elapsed.as_secs_f64() / self.jobs as f64
-            })
+        crate::procs::cpu_seconds_per(&self.cpu, group, self.elapsed, self.jobs)
     }
 
     /// Watch bytes sent per claim.

@@ -55,12 +55,7 @@ pub struct Fleet {
 impl Fleet {
     /// CPU seconds a group used per job.
     pub fn cpu_seconds_per_job(&self, group: &str) -> f64 {
-        self.cpu
-            .iter()
-            .find(|(name, _)| name == group)
-            .map_or(0.0, |(_, cores)| {
-                cores * self.elapsed.as_secs_f64() / self.jobs as f64
-            })
+        crate::procs::cpu_seconds_per(&self.cpu, group, self.elapsed, self.jobs)
     }
 
     /// LeasedJob watch events sent per job.

@@ -91,6 +91,16 @@ impl CpuWindow {
     }
 }
 
+/// CPU seconds `group` used per item, from a window's [`CpuWindow::finish`] (`cpu`, in cores)
+/// over `elapsed`, for `items` items (jobs, claims); 0 for a group the window did not have.
+pub fn cpu_seconds_per(cpu: &[(String, f64)], group: &str, elapsed: Duration, items: usize) -> f64 {
+    cpu.iter()
+        .find(|(name, _)| name == group)
+        .map_or(0.0, |(_, cores)| {
+            cores * elapsed.as_secs_f64() / items.max(1) as f64
+        })
+}
+
 fn ticks(pids: &[u32]) -> u64 {
     pids.iter()
         .filter_map(|p| sample(*p))

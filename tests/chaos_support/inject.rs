@@ -159,12 +159,7 @@ impl Chaos {
                 )
             }
             Fault::LeaderStop | Fault::LeaderKill => {
-                let leader = self.wait_leader(None).await;
-                let i = self
-                    .controllers
-                    .iter()
-                    .position(|(id, _)| *id == leader)
-                    .unwrap();
+                let (i, leader) = self.leader_index().await;
                 if fault == Fault::LeaderStop {
                     self.controllers[i].1.signal("STOP");
                     self.probe_during(fault).await;
@@ -282,12 +277,7 @@ impl Chaos {
             Fault::DispatcherStall => {
                 // The sidecars' path to the leading dispatcher holds every byte: polls go
                 // unanswered, so the sidecars set it aside and choose on their own.
-                let leader = self.wait_leader(None).await;
-                let i = self
-                    .controllers
-                    .iter()
-                    .position(|(id, _)| *id == leader)
-                    .unwrap();
+                let (i, leader) = self.leader_index().await;
                 let hold = Duration::from_secs(self.rng.random_range(3..=5));
                 self.dispatchers[i].1.stall();
                 let stalled = Instant::now();
@@ -321,6 +311,18 @@ impl Chaos {
                 )
             }
         }
+    }
+
+    /// Waits for a leader (as [`Self::wait_leader`]) and answers its index in `controllers`
+    /// with its identity.
+    async fn leader_index(&self) -> (usize, String) {
+        let leader = self.wait_leader(None).await;
+        let i = self
+            .controllers
+            .iter()
+            .position(|(id, _)| *id == leader)
+            .unwrap_or_else(|| panic!("the leader {leader} is none of the replicas started"));
+        (i, leader)
     }
 
     /// Waits (up to 30 s) for a leader among the replicas, other than `not` when given.

@@ -124,14 +124,15 @@ impl Dispatcher {
             if !self.leading() {
                 return Answer::NotLeading;
             }
-            if !self.state.lock().unwrap().has_listed() {
-                return Answer::NotListed;
-            }
+            // Marked seen before the view is read, so that no change after the read is missed.
             changed.borrow_and_update();
             relisted.borrow_and_update();
             let now = Timestamp::now();
             let next = {
                 let mut state = self.state.lock().unwrap();
+                if !state.has_listed() {
+                    return Answer::NotListed;
+                }
                 if let Some(hint) = state.offer(queue, worker, now) {
                     return Answer::Offer(hint);
                 }

@@ -8,7 +8,8 @@
 //! - [`dispatch`]: the dispatcher, which offers waiting jobs to waiting workers;
 //! - [`crd_check`]: the start-up check that the installed CRD is up to date;
 //! - `expire`: the expiry look at one Leased job and its requeue;
-//! - `report`: per-queue metrics and the Undecodable Events.
+//! - `report`: per-queue metrics and the Undecodable Events;
+//! - `transitions`: the Events and counts of the transitions seen (claims, completions, ...).
 //!
 //! Shape: [`reconcile`] reads the job (from the watch cache) and its Lease (from a second watch
 //! cache), asks the pure core ([`leasehold_core::expiry`], [`leasehold_core::fence`]) what to do, then writes.
@@ -44,18 +45,17 @@ pub mod dispatch;
 mod expire;
 pub mod leader;
 mod report;
+mod transitions;
 
 use expire::check_expiry;
 use report::{report, undecodable_reporter, Reported};
+use transitions::record_transitions;
 
 use crate::leader::Leadership;
-use leasehold_core::crd::{
-    LeasedJob, LeasedJobStatus, Phase, CONDITION_LEASE_CONFLICT, MANAGED_BY, MANAGED_BY_LABEL,
-};
+use leasehold_core::crd::{LeasedJob, LeasedJobStatus, Phase, MANAGED_BY, MANAGED_BY_LABEL};
 use leasehold_core::expiry::Observation;
-use leasehold_core::fence::{self, REASON_LEASE_EXPIRED};
+use leasehold_core::fence;
 use leasehold_core::lease;
-use leasehold_core::queue_stats;
 use leasehold_core::Category;
 use leasehold_kube::api::{is_status, Clients};
 use leasehold_kube::events::{EventType, Note, Publisher, Reporter};
@@ -63,7 +63,7 @@ use leasehold_kube::health::Health;
 use leasehold_kube::recorder::Recorder;
 use leasehold_kube::shutdown;
 use leasehold_kube::watch;
-use leasehold_metrics::{Metrics, OutcomeLabels};
+use leasehold_metrics::Metrics;
 
 /// Name under which the controller reports Events.
 pub const REPORTER: &str = "leasehold-controller";
@@ -615,110 +615,5 @@ async fn initialise(
             action: "initialise status",
             source,
         }),
-    }
-}
-
-/// Records Events for the transitions seen since the last look at this job: claims,
-/// completions, failures and releases; and counts the attempts that ended in between
-/// (`leasehold_attempts_ended_total`). The first sight of a job records nothing (after a
-/// controller restart, history is not replayed).
-async fn record_transitions(job: &LeasedJob, ctx: &Context) {
-    let key = ObjectRef::from_obj(job);
-    let now = (job.attempt(), job.phase());
-    let before = ctx.transitions.lock().unwrap().insert(key, now);
-    let Some((was_attempt, was_phase)) = before else {
-        return;
-    };
-    if (was_attempt, was_phase) == now {
-        return;
-    }
-    let status = job.status.clone().unwrap_or_default();
-    for (_, outcome) in queue_stats::ended_attempts((was_attempt, was_phase), now, &status.failures)
-    {
-        let labels = OutcomeLabels {
-            queue: job.spec.queue.clone(),
-            outcome: outcome.as_str(),
-        };
-        ctx.metrics
-            .controller
-            .attempts_ended
-            .get_or_create(&labels)
-            .inc();
-    }
-    let holder = status.holder.clone().unwrap_or_default();
-    let (attempt, phase) = now;
-    if was_phase.is_finished() && phase == Phase::Queued {
-        // `kubectl leasehold retry` (crate::plugin::retry): not a failure nor a release.
-        let note = format!(
-            "Retried after it was {was_phase} (attempt {attempt}); the next claim is attempt {}",
-            attempt + 1
-        );
-        ctx.event(job, EventType::Normal, "Retried", note).await;
-        return;
-    }
-    if attempt > was_attempt {
-        let note = format!("Claimed by {holder} (attempt {attempt})");
-        ctx.event(job, EventType::Normal, "Claimed", note).await;
-    }
-    let last_failure = status.failures.last().filter(|f| f.attempt == attempt);
-    match phase {
-        Phase::Succeeded => {
-            let note = format!("Completed by {holder} (attempt {attempt})");
-            ctx.event(job, EventType::Normal, "Completed", note).await;
-        }
-        Phase::Cancelled => {}
-        Phase::Failed => {
-            let why = status
-                .conditions
-                .last()
-                .map(|c| format!("{}: {}", c.reason, c.message))
-                .unwrap_or_default();
-            if last_failure.is_none_or(|f| f.reason != REASON_LEASE_EXPIRED) {
-                ctx.event(
-                    job,
-                    EventType::Warning,
-                    "Failed",
-                    format!("Failed (attempt {attempt}): {why}"),
-                )
-                .await;
-            }
-        }
-        Phase::Queued if attempt > 0 => match last_failure {
-            Some(f) if f.reason == REASON_LEASE_EXPIRED => {}
-            Some(f) => {
-                let note = format!(
-                    "Attempt {attempt} failed on {holder}: {}: {}; requeued",
-                    f.reason, f.message
-                );
-                ctx.event(job, EventType::Warning, "AttemptFailed", note)
-                    .await;
-            }
-            None => {
-                // A claim undone because its Lease was not the job's (see Outcome::Unclaim)
-                // leaves the condition LeaseConflict, stamped after the claim.
-                let conflict = status.conditions.iter().find(|c| {
-                    c.type_ == CONDITION_LEASE_CONFLICT
-                        && status
-                            .claimed_time
-                            .as_ref()
-                            .is_some_and(|t| c.last_transition_time.0 >= t.0)
-                });
-                match conflict {
-                    Some(c) => {
-                        let note = format!(
-                            "Claim by {holder} (attempt {attempt}) undone: {}",
-                            c.message
-                        );
-                        ctx.event(job, EventType::Warning, "LeaseConflict", note)
-                            .await;
-                    }
-                    None => {
-                        let note = format!("Released by {holder} (attempt {attempt}); requeued");
-                        ctx.event(job, EventType::Normal, "Released", note).await;
-                    }
-                }
-            }
-        },
-        _ => {}
     }
 }

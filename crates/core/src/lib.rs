@@ -10,6 +10,7 @@
 //! kube-client). Tests here are tables of cases that run in milliseconds.
 //!
 //! - [`crd`]: the `LeasedJob` custom resource.
+//! - [`definition`]: its CustomResourceDefinition, as installed.
 //! - [`token`]: the fencing token a claim issues.
 //! - [`claim`]: which job a claimer picks and the Leased status a claim writes.
 //! - [`claim_index`]: a queue's claimable jobs in claim order, kept from watch events.
@@ -26,6 +27,7 @@ pub mod category;
 pub mod claim;
 pub mod claim_index;
 pub mod crd;
+pub mod definition;
 pub mod dispatch;
 pub mod expiry;
 pub mod fence;

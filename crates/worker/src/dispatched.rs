@@ -32,6 +32,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use leasehold_core::dispatch::{ADDRESS_ANNOTATION, ADVERT_LEASE};
+use leasehold_kube::api::error_chain;
 
 /// How long a connection to the dispatcher may take before it is set aside.
 pub const CONNECT_BOUND: Duration = Duration::from_millis(500);
@@ -211,7 +212,9 @@ impl Dispatched {
         let response = match tokio::time::timeout(SILENCE_BOUND, sent).await {
             Ok(Ok(response)) => response,
             Ok(Err(e)) => {
-                return Err(self.unusable(address, format!("could not be asked ({})", chain(&e))))
+                return Err(
+                    self.unusable(address, format!("could not be asked ({})", error_chain(&e)))
+                )
             }
             Err(_) => {
                 return Err(self.unusable(
@@ -277,7 +280,7 @@ impl Dispatched {
                 Ok(Err(e)) => {
                     return Err(self.unusable(
                         address,
-                        format!("broke off a poll's answer ({})", chain(&e)),
+                        format!("broke off a poll's answer ({})", error_chain(&e)),
                     ))
                 }
                 Err(_) => {
@@ -343,16 +346,4 @@ impl Dispatched {
             why,
         }
     }
-}
-
-/// An error and its sources, one after the other.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }

@@ -280,23 +280,15 @@ struct Inner {
     config: WorkerConfig,
     jobs: Api<LeasedJob>,
     leases: Api<Lease>,
-    /// The queue's jobs, for claiming: empty while the queue watch
-    /// is stopped ([`leasehold_kube::queue_watch`]), and always with a dispatcher.
-    store: Store<LeasedJob>,
-    /// Whether the queue watch runs, is complete, and who is claiming; `None` with a
-    /// dispatcher: then the sidecar keeps no copy of its queue (see [`listed`]).
-    queue_watch: Option<Arc<QueueWatch>>,
+    /// The copy of the queue claims choose from; `None` with a dispatcher: then the sidecar
+    /// keeps no copy of its queue (see [`listed`]).
+    queue: Option<QueueCopy>,
     /// The jobs this process's identity holds or last held, in any phase: what heartbeats and
     /// ends of attempts check.
     held_store: Store<LeasedJob>,
     /// Set once `held_store` has listed them.
     held_synced: leasehold_kube::watch::Synced,
-    /// Bumped after every event of the queue watch.
-    changes: watch::Receiver<u64>,
     held: Mutex<HashMap<String, Arc<Held>>>,
-    /// Snapshots known stale (claimed here, lost with a 409, or no longer claimable), so a
-    /// cache entry the watch has not replaced yet is not tried again.
-    tried: Mutex<claim::Stale>,
     /// The latest attempt this process ended per job name, with the refusal its token now
     /// earns: its Lease still names it (see the module doc), so a heartbeat with it must be
     /// refused here.
@@ -313,11 +305,25 @@ struct Inner {
     /// How long claim writes have been taking, in ms: a moving average (1/4 of each new
     /// answer's time), for the rendezvous guard ([`share::rendezvous_guard_ms`]).
     claim_write_ms: AtomicU64,
+    /// The dispatcher's client, when claims go through it ([`WorkerConfig::dispatch`]).
+    dispatched: Option<dispatched::Dispatched>,
+}
+
+/// What a sidecar without a dispatcher keeps of its queue to choose claims from, all fed by
+/// one queue watch ([`leasehold_kube::queue_watch`]).
+struct QueueCopy {
+    /// Whether the queue watch runs, is complete, and who is claiming.
+    watch: Arc<QueueWatch>,
+    /// The queue's jobs: empty while the queue watch is stopped.
+    store: Store<LeasedJob>,
+    /// Bumped after every event of the queue watch.
+    changes: watch::Receiver<u64>,
     /// The queue's claimable jobs in claim order, and its recent claimers, kept from the same
     /// watch as `store` (which is never older than it).
     index: Arc<Mutex<ClaimIndex>>,
-    /// The dispatcher's client, when claims go through it ([`WorkerConfig::dispatch`]).
-    dispatched: Option<dispatched::Dispatched>,
+    /// Snapshots known stale (claimed here, lost with a 409, or no longer claimable), so a
+    /// cache entry the watch has not replaced yet is not tried again.
+    tried: Mutex<claim::Stale>,
 }
 
 /// A claimer of one queue. Cheap to clone.
@@ -363,12 +369,12 @@ impl Worker {
         // claiming, kept while claims come (leasehold_kube::queue_watch). With a dispatcher
         // the sidecar keeps no copy of its queue: it claims what it is offered, and falls back
         // to a bounded list (listed.rs).
-        let (store, writer) = reflector::store();
-        let (tx, changes) = watch::channel(0u64);
-        let index = Arc::new(Mutex::new(ClaimIndex::new(&config.queue)));
-        let (queue_watch, queue_task) = if dispatched.is_some() {
+        let (queue, queue_task) = if dispatched.is_some() {
             (None, futures::future::Either::Left(std::future::pending()))
         } else {
+            let (store, writer) = reflector::store();
+            let (tx, changes) = watch::channel(0u64);
+            let index = Arc::new(Mutex::new(ClaimIndex::new(&config.queue)));
             let queue_watch = Arc::new(QueueWatch::default());
             let task = queue_watch::run(
                 watched.clone(),
@@ -382,7 +388,14 @@ impl Worker {
                 },
                 Arc::clone(&queue_watch),
             );
-            (Some(queue_watch), futures::future::Either::Right(task))
+            let copy = QueueCopy {
+                watch: queue_watch,
+                store,
+                changes,
+                index,
+                tried: Mutex::default(),
+            };
+            (Some(copy), futures::future::Either::Right(task))
         };
         let (held_store, held_writer) = reflector::store();
         let held_stream = leasehold_kube::watch::watch(
@@ -409,7 +422,7 @@ impl Worker {
             let (health, held_synced, queue_watch) = (
                 Arc::clone(&health),
                 held_synced.clone(),
-                queue_watch.clone(),
+                queue.as_ref().map(|q| Arc::clone(&q.watch)),
             );
             async move {
                 held_synced.wait().await;
@@ -434,13 +447,10 @@ impl Worker {
             config,
             jobs,
             leases,
-            store,
-            queue_watch,
+            queue,
             held_store,
             held_synced,
-            changes,
             held: Mutex::default(),
-            tried: Mutex::default(),
             ended_here: Mutex::default(),
             metrics,
             health,
@@ -448,7 +458,6 @@ impl Worker {
             draining: watch::channel(false).0,
             window: AtomicUsize::new(window),
             claim_write_ms: AtomicU64::new(0),
-            index,
             dispatched,
         };
         (
@@ -471,9 +480,9 @@ impl Worker {
         self.inner.held_synced.is_synced()
             && self
                 .inner
-                .queue_watch
+                .queue
                 .as_ref()
-                .is_none_or(|q| q.ever_synced())
+                .is_none_or(|q| q.watch.ever_synced())
     }
 
     /// This worker's health (readiness, dead background tasks).
@@ -555,7 +564,7 @@ impl Worker {
             .inner
             .held_store
             .get(&key)
-            .or_else(|| self.inner.store.get(&key))
+            .or_else(|| self.inner.queue.as_ref()?.store.get(&key))
             .map_or(5, |j| j.spec.lease_duration_seconds.max(1));
         let secs = u64::try_from(secs).unwrap_or(5);
         (call_bound(Duration::from_secs(secs)), None)

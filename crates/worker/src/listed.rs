@@ -57,12 +57,12 @@ impl Worker {
             if dispatched.is_some_and(|d| d.usable().is_some()) {
                 return Ok(None);
             }
-            let (picked, next) = self.list_and_pick().await?;
-            if let Some(job) = picked {
+            let round = self.list_and_pick().await?;
+            if let Round::Picked(job) = &round {
                 if *draining.borrow() {
                     return Err(WorkerError::ShuttingDown);
                 }
-                if let Some(claimed) = self.try_claim(&job, false).await? {
+                if let Some(claimed) = self.try_claim(job, false).await? {
                     return Ok(Some(claimed));
                 }
             }
@@ -72,16 +72,15 @@ impl Worker {
             }
             // After a lost race list again at once (a short pause, so that nothing can make
             // this loop spin); otherwise after LIST_EVERY or when a job it saw opens.
-            let mut wake = if picked_lost(next.as_ref()) {
-                now + Duration::from_millis(10)
-            } else {
-                now + LIST_EVERY
+            let wake = match round {
+                Round::Picked(_) => now + Duration::from_millis(10),
+                Round::Nothing { opens: None } => now + LIST_EVERY,
+                Round::Nothing { opens: Some(at) } => {
+                    let until =
+                        Duration::try_from(at.duration_since(Timestamp::now())).unwrap_or_default();
+                    now + until.min(LIST_EVERY)
+                }
             };
-            if let Some(Next::OpensAt(at)) = next {
-                let until =
-                    Duration::try_from(at.duration_since(Timestamp::now())).unwrap_or_default();
-                wake = wake.min(now + until);
-            }
             let advert = async {
                 match dispatched {
                     Some(d) => d.advert_changed().await,
@@ -99,8 +98,8 @@ impl Worker {
     }
 
     /// One round: lists the queue's Queued jobs a page at a time (see the module doc) and
-    /// answers the job to try, if any, with what the round saw of the next one to open.
-    async fn list_and_pick(&self) -> Result<(Option<Arc<LeasedJob>>, Option<Next>), WorkerError> {
+    /// answers the job to try, or what the round saw of the next one to open.
+    async fn list_and_pick(&self) -> Result<Round, WorkerError> {
         let queue = &self.inner.config.queue;
         let mut params = ListParams::default()
             .fields(&queued_selector(queue))
@@ -132,7 +131,6 @@ impl Worker {
                 .items
                 .into_iter()
                 .map(|mut job| {
-                    job.metadata.managed_fields = None;
                     job.drop_payload_and_result();
                     Arc::new(job)
                 })
@@ -140,7 +138,7 @@ impl Worker {
             let now = Timestamp::now();
             let spread = self.inner.config.spread;
             if let Some(job) = claim::pick(&jobs, queue, now, spread, &mut rand::rng()) {
-                return Ok((Some(job), Some(Next::Tried)));
+                return Ok(Round::Picked(job));
             }
             if let Some(at) = claim::next_claimable_at(&jobs, queue, now) {
                 opens = Some(opens.map_or(at, |o| o.min(at)));
@@ -150,19 +148,14 @@ impl Worker {
                 None => break,
             }
         }
-        Ok((None, opens.map(Next::OpensAt)))
+        Ok(Round::Nothing { opens })
     }
 }
 
-/// What a round saw of what comes next.
-enum Next {
-    /// It tried a job (and lost, if the claim returned nothing).
-    Tried,
-    /// Nothing was claimable; the first job it saw opens at this instant.
-    OpensAt(Timestamp),
-}
-
-/// True when the round tried a job and lost it.
-fn picked_lost(next: Option<&Next>) -> bool {
-    matches!(next, Some(Next::Tried))
+/// What one round of lists found.
+enum Round {
+    /// A claimable job to try.
+    Picked(Arc<LeasedJob>),
+    /// Nothing claimable; `opens`: the earliest notBefore or retryAfter it saw, if any.
+    Nothing { opens: Option<Timestamp> },
 }

@@ -99,13 +99,14 @@ impl Worker {
         }
         let deadline = Instant::now() + wait;
         let mut draining = self.inner.draining.subscribe();
-        let Some(queue_watch) = self.inner.queue_watch.as_ref() else {
+        let Some(queue) = self.inner.queue.as_ref() else {
             // A sidecar with a dispatcher keeps no copy of its queue.
             return self
                 .claim_without_queue(deadline, &mut gone, &mut draining)
                 .await;
         };
-        let mut changes = self.inner.changes.clone();
+        let queue_watch = &queue.watch;
+        let mut changes = queue.changes.clone();
         // The queue watch runs while this claim is in progress (and starts again if it had
         // stopped): a stopped one lists the queue first, waited for as long as `wait` and at
         // least RELIST_WAIT.
@@ -126,7 +127,7 @@ impl Worker {
         }
         loop {
             changes.borrow_and_update();
-            let picked = self.pick();
+            let picked = self.pick(queue);
             let turn = match picked {
                 Pick::Defer(turn) => Some(turn),
                 _ => None,
@@ -157,7 +158,7 @@ impl Worker {
             }
             // Wake for the next job whose notBefore or retryAfter passes, if before the deadline.
             let now = Timestamp::now();
-            let next = self.inner.index.lock().unwrap().next_claimable_at(now);
+            let next = queue.index.lock().unwrap().next_claimable_at(now);
             let wake = next
                 .map(|t| {
                     Instant::now() + Duration::try_from(t.duration_since(now)).unwrap_or_default()
@@ -297,13 +298,13 @@ impl Worker {
     /// which to try: this claimer's own oldest job, a turn at an open one, or
     /// [`Pick::Defer`] until a turn comes or a reserved job opens. Alone, or at a cold start, or
     /// with `--spread 1`: [`claim::pick`]'s random (or FIFO) choice in the window.
-    fn pick(&self) -> Pick {
+    fn pick(&self, queue: &crate::QueueCopy) -> Pick {
         let config = &self.inner.config;
         let now = Timestamp::now();
-        let index = self.inner.index.lock().unwrap();
+        let index = queue.index.lock().unwrap();
         let claimers = index.recent_claimers(&config.identity, now);
         let claimers: HashSet<&str> = claimers.iter().map(String::as_str).collect();
-        let tried = self.inner.tried.lock().unwrap();
+        let tried = queue.tried.lock().unwrap();
         let warm = index.claimed_lately(now);
         let seen = if warm {
             claimers.len()
@@ -340,7 +341,7 @@ impl Worker {
                 share::Choice::Nothing => return Pick::Nothing,
             };
             drop(index);
-            return match self.cached(&[&name]).pop() {
+            return match cached(queue, &config.namespace, &[&name]).pop() {
                 Some(job) if afresh => Pick::Fresh(job),
                 Some(job) => Pick::Job(job),
                 None => Pick::Nothing,
@@ -349,7 +350,7 @@ impl Worker {
         // The snapshots tried are already left out of `names`. The index stays locked while
         // the store is read (its names are borrowed): at most the window's lookups, 512 at a
         // cold start, and no path takes the index lock while holding the store's.
-        let jobs = self.cached(&names);
+        let jobs = cached(queue, &config.namespace, &names);
         drop(index);
         claim::pick(&jobs, &config.queue, now, window, &mut rand::rng())
             .map_or(Pick::Nothing, Pick::Job)
@@ -401,19 +402,8 @@ impl Worker {
         // As in the watch cache: the claim's write sends neither managedFields nor the payload
         // back (the status subresource ignores the spec; the claim's answer carries the
         // payload).
-        job.metadata.managed_fields = None;
         job.drop_payload_and_result();
         Some(Arc::new(job))
-    }
-
-    /// The watch cache's copies of the jobs `names`, in that order (a job the cache no longer
-    /// has is left out).
-    fn cached(&self, names: &[&str]) -> Vec<Arc<LeasedJob>> {
-        let ns = &self.inner.config.namespace;
-        names
-            .iter()
-            .filter_map(|n| self.inner.store.get(&ObjectRef::new(n).within(ns)))
-            .collect()
     }
 
     /// After a 409: widens the claim window fourfold, if more jobs are claimable than it holds
@@ -421,11 +411,15 @@ impl Worker {
     fn widen_window(&self) {
         let spread = self.inner.config.spread;
         let window = self.inner.window.load(Ordering::Relaxed);
-        if !may_widen(window, spread) {
-            return;
-        }
-        let more = self
+        let Some(queue) = self
             .inner
+            .queue
+            .as_ref()
+            .filter(|_| may_widen(window, spread))
+        else {
+            return;
+        };
+        let more = queue
             .index
             .lock()
             .unwrap()
@@ -458,9 +452,12 @@ impl Worker {
         }
     }
 
+    /// Marks `job`'s snapshot stale in the queue copy, if one is kept.
     fn mark_tried(&self, job: &LeasedJob) {
-        let rv = job.resource_version().unwrap_or_default();
-        self.inner.tried.lock().unwrap().mark(&job.name_any(), &rv);
+        if let Some(queue) = self.inner.queue.as_ref() {
+            let rv = job.resource_version().unwrap_or_default();
+            queue.tried.lock().unwrap().mark(&job.name_any(), &rv);
+        }
     }
 
     /// Claims `snapshot`. `Ok(None)` when it was stale (409) or is no longer claimable. In
@@ -586,6 +583,15 @@ impl Worker {
             checkpoint: status.checkpoint,
         }))
     }
+}
+
+/// The queue copy's snapshots of the jobs `names` of namespace `ns`, in that order (a job the
+/// copy no longer has is left out).
+fn cached(queue: &crate::QueueCopy, ns: &str, names: &[&str]) -> Vec<Arc<LeasedJob>> {
+    names
+        .iter()
+        .filter_map(|n| queue.store.get(&ObjectRef::new(n).within(ns)))
+        .collect()
 }
 
 /// Whether a 409 may widen the claim window `window` of a claimer with `spread`: never with

@@ -142,7 +142,7 @@ async fn a_claim_answered_409_marks_the_snapshot_stale_and_widens_the_window() {
     for (claimable, window) in [(100, 64), (10, 16)] {
         let (w, mut cluster) = worker(16);
         {
-            let mut index = w.inner.index.lock().unwrap();
+            let mut index = w.inner.queue.as_ref().unwrap().index.lock().unwrap();
             for i in 0..claimable {
                 index.apply(&queued(&format!("j{i}")));
             }
@@ -156,7 +156,14 @@ async fn a_claim_answered_409_marks_the_snapshot_stale_and_widens_the_window() {
         let claimed = claim.await.unwrap().expect("a 409 is not an error");
         assert!(claimed.is_none(), "a lost race claims nothing");
         assert!(
-            w.inner.tried.lock().unwrap().contains("j0", "rv-j0"),
+            w.inner
+                .queue
+                .as_ref()
+                .unwrap()
+                .tried
+                .lock()
+                .unwrap()
+                .contains("j0", "rv-j0"),
             "the snapshot is known stale and not tried again"
         );
         assert_eq!(
