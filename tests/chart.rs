@@ -345,6 +345,13 @@ async fn rendered_chart_passes_a_dry_run() {
         .expect("a Deployment in docs/example-worker.yaml");
     let sidecar = &deployment["spec"]["template"]["spec"]["initContainers"][0];
     assert_eq!(sidecar["restartPolicy"], "Always");
+    // Its sidecar's resources are the chart's measured defaults (docs/scaling.md).
+    let charted = &worker["spec"]["template"]["spec"]["initContainers"][0]["resources"];
+    assert_eq!(
+        &sidecar["resources"], charted,
+        "docs/example-worker.yaml and the chart's exampleWorker.sidecarResources differ"
+    );
+    assert_eq!(charted["limits"]["memory"], "64Mi", "{charted}");
 }
 
 /// The rendered webhook hangs together: the configuration calls the Service on the path the

@@ -7,8 +7,13 @@
 //! [`MAX_PAGES`] pages, until a page holds a claimable job, and tries one chosen by
 //! [`claim::pick`]: the highest priority, then the oldest, at random among the first
 //! `spread`. Nothing is kept between rounds, so memory is bounded by one page whatever the
-//! queue's length. A round with nothing claimable waits [`LIST_EVERY`] (or until a notBefore or
-//! retryAfter it saw passes) and lists again; a claim answered 409 lists again at once.
+//! queue's length. A round with nothing claimable pauses ([`list_pause`]: [`LIST_EVERY`],
+//! doubling with each such round in a row to [`LIST_EVERY_MAX`], drawn from the upper half), or
+//! until a notBefore or retryAfter it saw passes, and lists again; a claim answered 409 lists
+//! again at once. The pause grows so that a fleet waiting on an empty queue while its
+//! dispatcher is away does not list in step, nor five times a second each: 500 waiting sidecars
+//! list about 830 times a second once the pause is at its longest, and a job created meanwhile
+//! is still found within [`LIST_EVERY_MAX`] by every one of them.
 //!
 //! What is lost meanwhile (docs/protocol.md, "Dispatch"): the API server lists in key order
 //! (namespace, then name), so the order is global only within the pages read; a queue with more
@@ -34,9 +39,21 @@ use crate::{Claimed, Worker, WorkerError, MAX_CALL_BOUND};
 pub const PAGE: u32 = 50;
 /// Pages read in one round at most, while none holds a claimable job.
 pub const MAX_PAGES: usize = 4;
-/// How often a claim waiting on its own lists the queue again when it found nothing
-/// claimable.
+/// The pause after the first round in a row that found nothing claimable.
 pub const LIST_EVERY: Duration = Duration::from_millis(200);
+/// The longest pause between rounds, however long nothing was claimable; a bound on how late a
+/// sidecar choosing on its own sees a new job.
+pub const LIST_EVERY_MAX: Duration = Duration::from_millis(800);
+
+/// The pause after `idle` rounds in a row (1 for the first) that found nothing claimable:
+/// [`LIST_EVERY`] doubled for each round after the first, at most [`LIST_EVERY_MAX`], scaled by
+/// `jitter` (in 0..=1) into its upper half.
+pub fn list_pause(idle: u32, jitter: f64) -> Duration {
+    let full = LIST_EVERY
+        .saturating_mul(1 << idle.saturating_sub(1).min(8))
+        .min(LIST_EVERY_MAX);
+    full.mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0))
+}
 
 impl Worker {
     /// Claims by choosing on its own from bounded lists of the queue (see the module doc),
@@ -53,6 +70,7 @@ impl Worker {
         draining: &mut tokio::sync::watch::Receiver<bool>,
     ) -> Result<Option<Claimed>, WorkerError> {
         let dispatched = self.inner.dispatched.as_ref();
+        let mut idle = 0u32;
         loop {
             if dispatched.is_some_and(|d| d.usable().is_some()) {
                 return Ok(None);
@@ -73,12 +91,17 @@ impl Worker {
             // After a lost race list again at once (a short pause, so that nothing can make
             // this loop spin); otherwise after LIST_EVERY or when a job it saw opens.
             let wake = match round {
-                Round::Picked(_) => now + Duration::from_millis(10),
-                Round::Nothing { opens: None } => now + LIST_EVERY,
-                Round::Nothing { opens: Some(at) } => {
-                    let until =
-                        Duration::try_from(at.duration_since(Timestamp::now())).unwrap_or_default();
-                    now + until.min(LIST_EVERY)
+                Round::Picked(_) => {
+                    idle = 0;
+                    now + Duration::from_millis(10)
+                }
+                Round::Nothing { opens } => {
+                    idle = idle.saturating_add(1);
+                    let pause = list_pause(idle, rand::random());
+                    let until = opens.map_or(pause, |at| {
+                        Duration::try_from(at.duration_since(Timestamp::now())).unwrap_or_default()
+                    });
+                    now + until.min(pause)
                 }
             };
             let advert = async {
@@ -158,4 +181,27 @@ enum Round {
     Picked(Arc<LeasedJob>),
     /// Nothing claimable; `opens`: the earliest notBefore or retryAfter it saw, if any.
     Nothing { opens: Option<Timestamp> },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pause_doubles_from_list_every_to_its_bound_within_its_upper_half() {
+        let ms = |idle, jitter| list_pause(idle, jitter).as_millis();
+        assert_eq!((ms(1, 0.0), ms(1, 1.0)), (100, 200), "the first pause");
+        assert_eq!((ms(2, 0.0), ms(2, 1.0)), (200, 400));
+        assert_eq!((ms(3, 0.0), ms(3, 1.0)), (400, 800));
+        for idle in [4, 10, 1000, u32::MAX] {
+            assert_eq!(
+                ms(idle, 1.0),
+                800,
+                "bounded by LIST_EVERY_MAX after {idle} rounds"
+            );
+            assert_eq!(ms(idle, 0.0), 400);
+        }
+        assert_eq!(ms(0, 1.0), 200, "no idle round yet counts as the first");
+        assert_eq!(ms(2, 7.0), 400, "a jitter out of range is clamped");
+    }
 }
