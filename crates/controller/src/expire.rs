@@ -7,12 +7,11 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
 use kube::Api;
 use tracing::{info, warn};
 
-use super::{Context, ReconcileError, EXPIRY_SLACK};
+use super::{Action, Context, ReconcileError, EXPIRY_SLACK};
 
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::expiry::{self, lease_duration, record_of, Verdict};

@@ -9,9 +9,15 @@
 //! - [`crd_check`]: the start-up check that the installed CRD is up to date;
 //! - `expire`: the expiry look at one Leased job and its requeue;
 //! - `report`: per-queue metrics and the Undecodable Events;
-//! - `transitions`: the Events and counts of the transitions seen (claims, completions, ...).
+//! - `transitions`: the Events and counts of the transitions seen (claims, completions, ...);
+//! - `workers`: the watches that keep the slim cache and queue jobs, and the workers that
+//!   reconcile them;
+//! - `workqueue`: the jobs waiting for a reconcile, each handed to one worker at a time.
 //!
-//! Shape: [`reconcile`] reads the job (from the watch cache) and its Lease (from a second watch
+//! Shape: the job watch keeps a slim copy of every job ([`leasehold_core::job_cache`]: what
+//! the decisions read, packed, about 0.3 KiB a job) and queues each job that changes; a Lease
+//! that changes queues its job. [`RECONCILE_CONCURRENCY`] workers take jobs from the queue.
+//! [`reconcile`] gets the job rebuilt from the slim copy and its Lease (from a second watch
 //! cache), asks the pure core ([`leasehold_core::expiry`], [`leasehold_core::fence`]) what to do, then writes.
 //! Every write is conditional: initialisation under the job's resourceVersion, the requeue as a
 //! JSON Patch that tests the expired token and the Leased phase, Lease releases as JSON Patches
@@ -33,7 +39,6 @@ use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
-use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, Resource, ResourceExt};
@@ -46,15 +51,20 @@ mod expire;
 pub mod leader;
 mod report;
 mod transitions;
+mod workers;
+mod workqueue;
 
 use expire::check_expiry;
 use report::{report, undecodable_reporter, Reported};
 use transitions::record_transitions;
 
 use crate::leader::Leadership;
+use crate::workers::{follow_jobs, follow_leases, work};
+use crate::workqueue::WorkQueue;
 use leasehold_core::crd::{LeasedJob, LeasedJobStatus, Phase, MANAGED_BY, MANAGED_BY_LABEL};
 use leasehold_core::expiry::Observation;
 use leasehold_core::fence;
+use leasehold_core::job_cache::{JobCache, JobKey};
 use leasehold_core::lease;
 use leasehold_core::Category;
 use leasehold_kube::api::{is_status, Clients};
@@ -170,10 +180,11 @@ pub struct Context {
     /// Set once `leases` has listed every Lease.
     leases_synced: watch::Synced,
     events: Publisher,
+    /// Every job watched, slim ([`leasehold_core::job_cache`]), with the (attempt, phase) at
+    /// which its transitions were last recorded.
+    jobs: Mutex<JobCache>,
     /// What the controller has seen of each leased job's Lease, and when (see [`leasehold_core::expiry`]).
     observations: Mutex<HashMap<ObjectRef<LeasedJob>, Observation>>,
-    /// The (attempt, phase) last seen per job, to record Events for transitions.
-    transitions: Mutex<HashMap<ObjectRef<LeasedJob>, (i32, Phase)>>,
     /// Leased jobs whose Lease cache disagreed with a fresh read of the Lease (the cache lags,
     /// or the Lease left the cache's label selector because someone removed its label): their
     /// expiry is judged on fresh reads until the cache agrees again, so that the two sources
@@ -181,10 +192,11 @@ pub struct Context {
     fresh_reads: Mutex<std::collections::HashSet<ObjectRef<LeasedJob>>>,
 }
 
-/// Reconciles run at once, at most. kube-runtime's default is no limit: a controller starting
-/// with 100,000 jobs then held a reconcile in flight for every one of them (917 MiB resident,
-/// benchmark row 10). Reconciles are short (a decision and at most one write), so a few dozen
-/// keep up with any rate the API server sustains; the rest wait as object references.
+/// Reconciles run at once, at most: the workers taking jobs from the queue. With no limit, a
+/// controller starting with 100,000 jobs held a reconcile in flight for every one of them
+/// (917 MiB resident, benchmark row 10). Reconciles are short (a decision and at most one
+/// write), so a few dozen keep up with any rate the API server sustains; the rest wait as keys
+/// in the queue.
 pub const RECONCILE_CONCURRENCY: u16 = 32;
 
 /// Runs the controller until SIGTERM/SIGINT, reporting into `metrics` and `health` (ready
@@ -230,8 +242,7 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
     )
     .reflect(lease_writer);
     let leases_synced = watch::Synced::default();
-    let lease_stream = leases_synced.track(lease_stream).applied_objects();
-    let lease_stream = watch::errors_logged("Lease", lease_stream);
+    let leases_synced_tracked = leases_synced.track(lease_stream);
     let elector = config.election.clone().map(|election| {
         let api: Api<Lease> = Api::namespaced(client.clone(), &election.namespace);
         let leadership = Arc::clone(&leadership);
@@ -263,25 +274,17 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
         leases: lease_store.clone(),
         leases_synced: leases_synced.clone(),
         events,
+        jobs: Mutex::default(),
         observations: Mutex::default(),
-        transitions: Mutex::default(),
         fresh_reads: Mutex::default(),
     });
-    let (job_store, job_writer) = reflector::store();
+    let queue: Arc<WorkQueue<JobKey>> = Arc::new(WorkQueue::new());
     let job_stream = watch::watch(
         &jobs,
         watcher::Config::default(),
         Arc::clone(&metrics) as Arc<dyn Recorder>,
         report_undecodable,
     )
-    // The controller decides nothing from a payload, result or checkpoint (an expiry takes the
-    // checkpoint from the Lease): its memory does not grow with the bytes of the jobs.
-    .modify(|job| {
-        job.drop_payload_and_result();
-        if let Some(status) = job.status.as_mut() {
-            status.checkpoint = None;
-        }
-    })
     .inspect({
         let dispatcher = config.dispatch.as_ref().map(|d| Arc::clone(&d.dispatcher));
         move |event| {
@@ -289,64 +292,61 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
                 dispatcher.observe(event);
             }
         }
-    })
-    .reflect(job_writer);
+    });
     let jobs_synced = watch::Synced::default();
-    let job_stream = jobs_synced.track(job_stream).applied_objects();
-    let job_stream = watch::errors_logged("LeasedJob", job_stream);
-    let controller = Controller::for_stream(job_stream, job_store)
-        .owns_stream(lease_stream)
-        .with_config(
-            kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY),
-        )
-        .shutdown_on_signal();
-    let job_store = controller.store();
+    let job_stream = jobs_synced.track(job_stream);
+    let followers = [
+        tokio::spawn(follow_jobs(
+            job_stream,
+            Arc::clone(&ctx),
+            Arc::clone(&queue),
+        )),
+        tokio::spawn(follow_leases(
+            leases_synced_tracked,
+            Arc::clone(&ctx),
+            Arc::clone(&queue),
+        )),
+        tokio::spawn({
+            let queue = Arc::clone(&queue);
+            async move { queue.run_timer().await }
+        }),
+    ];
+    let workers: Vec<_> = (0..RECONCILE_CONCURRENCY)
+        .map(|_| tokio::spawn(work(Arc::clone(&queue), Arc::clone(&ctx))))
+        .collect();
     // Report the caches in the metrics every second; forget what we knew of deleted jobs now
     // and then.
     let prune_ctx = Arc::clone(&ctx);
-    let counted_store = job_store.clone();
     let reporting_health = Arc::clone(&health);
     let pruner = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         let mut reported = Reported::default();
         for n in 0u64.. {
             tick.tick().await;
-            report(&counted_store, &prune_ctx, &reporting_health, &mut reported);
+            report(&prune_ctx, &reporting_health, &mut reported);
             if n % 60 == 59 {
-                prune_ctx.forget_missing(&job_store);
+                prune_ctx.forget_missing();
             }
         }
     });
-    let wait_synced = async {
+    // Judge nothing before the Lease cache is ready (reconcile checks readiness itself).
+    let synced = tokio::spawn(async move {
         leases_synced.wait().await;
         jobs_synced.wait().await;
         health.set_synced();
-    };
+    });
     let scope = config.namespace.as_deref().unwrap_or("(all namespaces)");
     info!(namespace = scope, "Started leasehold controller");
-    let run = controller
-        .run(reconcile, error_policy, Arc::clone(&ctx))
-        .for_each(|res| async move {
-            if let Err(e) = res {
-                // A standby's refusals to write are its normal state, not errors.
-                if let kube::runtime::controller::Error::ReconcilerFailed(
-                    ReconcileError::NotLeader { .. },
-                    _,
-                ) = e
-                {
-                    return;
-                }
-                // Watch errors may quote whole objects: never log a token.
-                let shown: String = leasehold_core::token::redact(&e.to_string())
-                    .chars()
-                    .take(500)
-                    .collect();
-                warn!(error = %shown, "controller loop error");
-            }
-        });
-    // The Lease stream only flows while the controller runs, so wait for both together; judge
-    // nothing before the Lease cache is ready (reconcile checks readiness itself).
-    tokio::join!(wait_synced, run);
+    shutdown::signal().await;
+    // Reconciles under way finish; no new one starts.
+    queue.shut_down();
+    for worker in workers {
+        let _ = worker.await;
+    }
+    for task in followers {
+        task.abort();
+    }
+    synced.abort();
     pruner.abort();
     undecodable_events.abort();
     if let Some(advert) = advert {
@@ -355,6 +355,27 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
     // The elector gives the leader Lease up on the same signal; let it finish.
     if let Some(elector) = elector {
         let _ = elector.await;
+    }
+}
+
+/// What a reconcile asks for next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Look at the job again after this long, or sooner if it changes.
+    Requeue(Duration),
+    /// Look at it again when it (or its Lease) changes.
+    AwaitChange,
+}
+
+impl Action {
+    /// Look again after `after`, or sooner on a change.
+    pub fn requeue(after: Duration) -> Action {
+        Action::Requeue(after)
+    }
+
+    /// Look again on a change only.
+    pub fn await_change() -> Action {
+        Action::AwaitChange
     }
 }
 
@@ -413,10 +434,12 @@ impl Context {
         }
     }
 
-    fn forget_missing(&self, jobs: &Store<LeasedJob>) {
-        let keep = |k: &ObjectRef<LeasedJob>| jobs.get(k).is_some();
+    fn forget_missing(&self) {
+        let jobs = self.jobs.lock().unwrap();
+        let keep = |k: &ObjectRef<LeasedJob>| {
+            jobs.contains(k.namespace.as_deref().unwrap_or_default(), &k.name)
+        };
         self.observations.lock().unwrap().retain(|k, _| keep(k));
-        self.transitions.lock().unwrap().retain(|k, _| keep(k));
         self.fresh_reads.lock().unwrap().retain(keep);
     }
 
@@ -438,7 +461,9 @@ impl Context {
     }
 }
 
-fn error_policy(job: Arc<LeasedJob>, err: &ReconcileError, _ctx: Arc<Context>) -> Action {
+/// What follows a failed reconcile: a standby looks again in a second, anything else is logged
+/// and retried after [`ERROR_REQUEUE`].
+fn error_policy(job: &LeasedJob, err: &ReconcileError) -> Action {
     if let ReconcileError::NotLeader { .. } = err {
         return Action::requeue(NOT_LEADER_REQUEUE);
     }

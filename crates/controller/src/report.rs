@@ -2,12 +2,12 @@
 //! every second ([`report`]), and Warning Events on objects its watches cannot decode
 //! ([`undecodable_reporter`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use kube::ResourceExt;
 use tracing::warn;
 
@@ -89,34 +89,27 @@ pub(super) struct Reported {
 /// Sets the metrics the controller computes from its caches: `leasehold_jobs` by queue and
 /// phase, whether it leads and is ready, and the per-queue gauges of [`queue_stats`] (the
 /// oldest attempt's age, the most overdue lease). Called every second.
-pub(super) fn report(
-    jobs: &Store<LeasedJob>,
-    ctx: &Context,
-    health: &Health,
-    reported: &mut Reported,
-) {
+pub(super) fn report(ctx: &Context, health: &Health, reported: &mut Reported) {
     let metrics = &ctx.metrics;
     let gauges = &metrics.controller;
     gauges.leader.set(i64::from(ctx.leadership.is_leader()));
     gauges.ready.set(i64::from(health.is_ready()));
-    let state = jobs.state();
     let queues = {
+        let jobs = ctx.jobs.lock().unwrap();
         let observations = ctx.observations.lock().unwrap();
         let now = Instant::now();
-        let samples = state.iter().map(|job| {
-            let phase = job.phase();
+        let samples = jobs.records().map(|(key, record)| {
+            let phase = record.phase();
             let leased = phase == Phase::Leased;
             JobSample {
-                queue: &job.spec.queue,
+                queue: record.queue(),
                 phase,
-                claimed_time: job
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.claimed_time.as_ref())
-                    .filter(|_| leased)
-                    .map(|t| t.0),
+                claimed_time: record.claimed_time().filter(|_| leased).map(|t| t.0),
                 overdue: if leased {
-                    overdue_of(job, ctx, &observations, now)
+                    let observed = ObjectRef::new(&key.name).within(&key.namespace);
+                    observations
+                        .get(&observed)
+                        .and_then(|observation| overdue_of(&jobs.job(key)?, ctx, observation, now))
                 } else {
                     None
                 },
@@ -167,15 +160,14 @@ pub(super) fn report(
     *reported = now_reported;
 }
 
-/// How far past its lease the Leased `job` is, by this replica's last look at it (see
-/// [`expiry::overdue`]); None when it has not looked yet.
+/// How far past its lease the Leased `job` is, by this replica's last look at it,
+/// `observation` (see [`expiry::overdue`]).
 fn overdue_of(
     job: &LeasedJob,
     ctx: &Context,
-    observations: &HashMap<ObjectRef<LeasedJob>, Observation>,
+    observation: &Observation,
     now: Instant,
 ) -> Option<Duration> {
-    let observation = observations.get(&ObjectRef::from_obj(job))?;
     let ns = job.namespace().unwrap_or_default();
     let lease_name = job
         .status

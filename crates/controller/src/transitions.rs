@@ -2,8 +2,6 @@
 //! [`crate::EventPolicy`] allows) and the count of attempts that ended
 //! (`leasehold_attempts_ended_total`).
 
-use kube::runtime::reflector::ObjectRef;
-
 use leasehold_core::crd::{LeasedJob, Phase, CONDITION_LEASE_CONFLICT};
 use leasehold_core::fence::REASON_LEASE_EXPIRED;
 use leasehold_core::queue_stats;
@@ -17,9 +15,15 @@ use crate::Context;
 /// (`leasehold_attempts_ended_total`). The first sight of a job records nothing (after a
 /// controller restart, history is not replayed).
 pub(crate) async fn record_transitions(job: &LeasedJob, ctx: &Context) {
-    let key = ObjectRef::from_obj(job);
     let now = (job.attempt(), job.phase());
-    let before = ctx.transitions.lock().unwrap().insert(key, now);
+    let before = {
+        let mut jobs = ctx.jobs.lock().unwrap();
+        let key = jobs.key(
+            job.metadata.namespace.as_deref().unwrap_or_default(),
+            job.metadata.name.as_deref().unwrap_or_default(),
+        );
+        jobs.swap_seen(&key, now)
+    };
     let Some((was_attempt, was_phase)) = before else {
         return;
     };
