@@ -8,10 +8,9 @@ use std::sync::Arc;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::runtime::{watcher, WatchStreamExt};
-use kube::ResourceExt;
 use tracing::warn;
 
-use leasehold_core::crd::{LeasedJob, GROUP};
+use leasehold_core::crd::LeasedJob;
 use leasehold_core::job_cache::JobKey;
 use leasehold_kube::watch;
 
@@ -67,11 +66,9 @@ pub(crate) async fn follow_leases(
         let Some(ns) = lease.metadata.namespace.as_deref() else {
             continue;
         };
-        for owner in lease.owner_references() {
-            if owner.kind == "LeasedJob" && owner.api_version.starts_with(GROUP) {
-                let key = ctx.jobs.lock().unwrap().key(ns, &owner.name);
-                queue.add(key);
-            }
+        for owner in leasehold_core::lease::job_owners(&lease) {
+            let key = ctx.jobs.lock().unwrap().key(ns, &owner.name);
+            queue.add(key);
         }
     }
 }

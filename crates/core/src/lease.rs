@@ -146,17 +146,24 @@ pub enum Ownership {
     Foreign,
 }
 
-/// Judges whose `lease` is for `job` (see [`Ownership`]).
-pub fn ownership(lease: &Lease, job: &LeasedJob) -> Ownership {
-    let uid = job.metadata.uid.as_deref();
-    let owners = lease
+/// The owner references of `lease` that name a LeasedJob (kind `LeasedJob`, group
+/// `leasehold.dev`): the jobs it may carry the heartbeats of.
+pub fn job_owners(
+    lease: &Lease,
+) -> impl Iterator<Item = &k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference> {
+    lease
         .metadata
         .owner_references
         .as_deref()
-        .unwrap_or_default();
-    let leased_jobs = owners
+        .unwrap_or_default()
         .iter()
-        .filter(|o| o.kind == "LeasedJob" && o.api_version.starts_with("leasehold.dev/"));
+        .filter(|o| o.kind == "LeasedJob" && o.api_version.starts_with("leasehold.dev/"))
+}
+
+/// Judges whose `lease` is for `job` (see [`Ownership`]).
+pub fn ownership(lease: &Lease, job: &LeasedJob) -> Ownership {
+    let uid = job.metadata.uid.as_deref();
+    let leased_jobs = job_owners(lease);
     let mut stale = None;
     for o in leased_jobs {
         if Some(o.uid.as_str()) == uid {
