@@ -370,13 +370,21 @@ async fn readiness_and_json_logs() {
         (jobs.get("j").await.ok()?.status?.phase? == Phase::Queued).then_some(())
     })
     .await;
-    // Every line is a JSON object; the job's lines carry its reference.
+    // Every line is a JSON object; the job's lines carry its reference. The controller logs
+    // the initialisation after the API server's answer, which may come after the test's read:
+    // wait for the line (the assertion below still needs it).
+    let job_ref = format!("{}/j", ns.name);
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while !ctl.log_text().contains(&format!("\"job\":\"{job_ref}\"")) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
     let log = ctl.log_text();
     let lines: Vec<serde_json::Value> = log
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
         .collect();
-    let job_ref = format!("{}/j", ns.name);
     assert!(
         lines.iter().any(|l| l["job"] == job_ref.as_str()),
         "no line carries job={job_ref}: {log}"
