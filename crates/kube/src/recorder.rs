@@ -10,6 +10,8 @@ pub trait Recorder: Send + Sync {
     fn claimed(&self, queue_wait_seconds: Option<f64>) {
         let _ = queue_wait_seconds;
     }
+    /// The claim just counted by [`Recorder::claimed`] was of a job the dispatcher offered.
+    fn claimed_offered(&self) {}
     /// A claim write lost to another claimer (409 Conflict).
     fn claim_conflict(&self) {}
     /// A write was refused because its token was not the current holder's.

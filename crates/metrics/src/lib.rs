@@ -144,6 +144,10 @@ pub struct Metrics {
     pub jobs: Family<JobLabels, Gauge>,
     /// Successful claims (sidecar).
     pub claims: Counter,
+    /// `leasehold_claims_offered_total`: those of [`Metrics::claims`] whose job the dispatcher
+    /// offered; the rest the sidecar chose on its own (no dispatcher token, or the fallback)
+    /// (sidecar).
+    pub claims_offered: Counter,
     /// Claim writes refused with 409 Conflict because another claimer won (sidecar).
     pub claim_conflicts: Counter,
     /// Leases the controller found expired and requeued or failed (controller).
@@ -190,6 +194,7 @@ impl Metrics {
         let mut registry = Registry::with_prefix("leasehold");
         let jobs = Family::<JobLabels, Gauge>::default();
         let claims = Counter::default();
+        let claims_offered = Counter::default();
         let claim_conflicts = Counter::default();
         let lease_expiries = Counter::default();
         let stale_token_refusals = Counter::default();
@@ -202,6 +207,11 @@ impl Metrics {
         let queue_watch_stops = Counter::default();
         registry.register("jobs", "LeasedJobs by queue and phase", jobs.clone());
         registry.register("claims", "Successful claims", claims.clone());
+        registry.register(
+            "claims_offered",
+            "Successful claims of a job the dispatcher offered (the rest were chosen by the sidecar)",
+            claims_offered.clone(),
+        );
         registry.register(
             "claim_conflicts",
             "Claim writes that lost to another claimer (409 Conflict)",
@@ -247,6 +257,7 @@ impl Metrics {
             registry,
             jobs,
             claims,
+            claims_offered,
             claim_conflicts,
             lease_expiries,
             stale_token_refusals,
@@ -294,6 +305,9 @@ impl Recorder for Metrics {
         if let Some(waited) = queue_wait_seconds {
             self.queue_wait_seconds.observe(waited.max(0.0));
         }
+    }
+    fn claimed_offered(&self) {
+        self.claims_offered.inc();
     }
     fn claim_conflict(&self) {
         self.claim_conflicts.inc();
@@ -378,7 +392,9 @@ mod tests {
     #[test]
     fn metrics_render_with_their_prefix() {
         let m = Metrics::new();
-        m.claims.inc();
+        m.claimed(None);
+        m.claimed(Some(0.2));
+        m.claimed_offered();
         m.heartbeat(true);
         m.undecodable("Lease");
         m.jobs
@@ -388,7 +404,8 @@ mod tests {
             })
             .set(3);
         let text = m.render();
-        assert!(text.contains("leasehold_claims_total 1"), "{text}");
+        assert!(text.contains("leasehold_claims_total 2"), "{text}");
+        assert!(text.contains("leasehold_claims_offered_total 1"), "{text}");
         assert!(
             text.contains("leasehold_heartbeats_total{result=\"ok\"} 1"),
             "{text}"

@@ -563,6 +563,9 @@ impl Worker {
                 .max(0.0)
         });
         self.inner.metrics.claimed(waited);
+        if offered {
+            self.inner.metrics.claimed_offered();
+        }
         let status = job.status.clone().unwrap_or_default();
         let mut slim = job.clone();
         slim.drop_payload_and_result();
