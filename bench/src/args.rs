@@ -111,6 +111,9 @@ pub(crate) struct Cli {
     /// Row 10: jobs in the queue at each stage, ascending. Default 1000,10000,100000.
     #[arg(long, value_delimiter = ',')]
     pub(crate) queue_lengths: Option<Vec<usize>>,
+    /// Row 12: sidecars waiting on one queue when the leading dispatcher is killed. Default 8.
+    #[arg(long)]
+    pub(crate) failover_sidecars: Option<usize>,
 }
 
 /// The sizes in force.
@@ -139,6 +142,7 @@ pub(crate) struct Sizes {
     pub(crate) queue_lengths: Vec<usize>,
     pub(crate) fleet_sidecars: Vec<usize>,
     pub(crate) fleet_jobs: usize,
+    pub(crate) failover_sidecars: usize,
 }
 
 impl Sizes {
@@ -195,6 +199,7 @@ impl Sizes {
                 }
             }),
             fleet_jobs: pick(cli.fleet_jobs, 12, 600),
+            failover_sidecars: pick(cli.failover_sidecars, 2, 8),
             queue_lengths: cli.queue_lengths.clone().unwrap_or_else(|| {
                 if s {
                     vec![20, 60]
@@ -211,7 +216,7 @@ impl Sizes {
              expiry {} jobs on {} killed sidecars, lease {} s; footprint {} jobs, {} held by {} \
              sidecars, lease {} s, {} renew intervals; vs Jobs {} items, {} workers; payloads \
              {} jobs per queue, {} bytes; fan-out {} jobs at {} sidecars; queue lengths {}; \
-             fleet {} jobs at {} waiting sidecars",
+             fleet {} jobs at {} waiting sidecars; failover {} sidecars",
             self.rounds,
             self.ceiling_seconds,
             self.claimers
@@ -243,6 +248,7 @@ impl Sizes {
             list(&self.queue_lengths),
             self.fleet_jobs,
             list(&self.fleet_sidecars),
+            self.failover_sidecars,
         )
     }
 }

@@ -6,8 +6,9 @@ use std::fmt::Write as _;
 use crate::report::{Report, Row, Verdict};
 use crate::*;
 
-/// Rows 1 and 2, round by round: at each N, the ceiling, then (with `claims`) the claim run
-/// compared with it. A failed measurement is recorded and the rest goes on.
+/// Rows 1, 2 and 2d, round by round: at each N, the ceiling, then (with `claims`) the claim
+/// run compared with it, and at N > 1 the same through the dispatcher. A failed measurement
+/// is recorded and the rest goes on.
 pub(crate) async fn rows_1_and_2(
     bench: &cluster::Bench,
     sizes: &Sizes,
@@ -35,9 +36,21 @@ pub(crate) async fn rows_1_and_2(
             }
             if claims {
                 eprintln!("row 2: claim throughput, N = {n}, round {}", round + 1);
-                match claims::run(bench, n, sizes.claim_jobs, round).await {
+                match claims::run(bench, n, sizes.claim_jobs, round, false).await {
                     Ok(c) => results.push(c),
                     Err(e) => failures.push(("2", e)),
+                }
+            }
+            // Several claimers again, through the dispatcher, against the same ceiling: row
+            // 2d (at N = 8 and 32 in the full run).
+            if claims && n > 1 {
+                eprintln!(
+                    "row 2d: claim throughput through the dispatcher, N = {n}, round {}",
+                    round + 1
+                );
+                match claims::run(bench, n, sizes.claim_jobs, round, true).await {
+                    Ok(c) => results.push(c),
+                    Err(e) => failures.push(("2d", e)),
                 }
             }
         }
@@ -348,4 +361,73 @@ pub(crate) fn claim_charts(at: &[paired::AtN]) -> Vec<plots::Chart> {
             }],
         },
     ]
+}
+
+/// The issue "Fleet scale"'s goals for claims through the dispatcher: claims/s at least this
+/// share of the ceiling at N = 8 and 32 (the limit at 2 writes per job is 0.5) ...
+pub(crate) const FLEET_RATIO_GOAL: f64 = 0.45;
+/// ... fewer than this share of claim writes answered 409 at the most claimers ...
+pub(crate) const FLEET_CONFLICT_GOAL: f64 = 0.002;
+/// ... and at most this many API writes per short job, everything counted.
+pub(crate) const FLEET_WRITES_GOAL: f64 = 2.1;
+
+/// Row 2d: the claim runs through the dispatcher (`at`: the dispatched runs only), each
+/// against the ceiling of its round, as row 2.
+pub(crate) fn dispatched_claim_rows(
+    report: &mut Report,
+    at: &[paired::AtN],
+    ceilings: &[ceiling::Ceiling],
+    sizes: &Sizes,
+) {
+    let method = |a: &paired::AtN| {
+        format!(
+            "as row 2 at the same N, in the same rounds, but each Worker has a dispatcher token \
+             and keeps no copy of the queue: it claims the job the controller's dispatcher \
+             offers it; {} queued jobs; the median of {} paired ratios",
+            sizes.claim_jobs,
+            a.ratios.iter().flatten().count()
+        )
+    };
+    let mut detail = String::new();
+    for a in at {
+        report.rows.push(Row {
+            id: format!("2d (N={})", a.claimers),
+            what: "Claim throughput through the dispatcher (claim + complete)".into(),
+            figure: format!(
+                "{:.1} claims/s (median); {} of the ceiling; 409 on {:.2}% of {:.0} claim writes",
+                a.per_second,
+                paired::ratio_text(a),
+                a.conflict_share * 100.0,
+                a.claim_writes
+            ),
+            goal: format!(
+                ">= {FLEET_RATIO_GOAL} of the ceiling; 409 < {:.1}%",
+                FLEET_CONFLICT_GOAL * 100.0
+            ),
+            verdict: Verdict::of(
+                a.ratio.is_some_and(|r| r >= FLEET_RATIO_GOAL)
+                    && a.conflict_share < FLEET_CONFLICT_GOAL,
+            ),
+            method: method(a),
+        });
+        for (c, ratio) in a.runs.iter().zip(&a.ratios) {
+            claim_detail(&mut detail, c, *ratio, ceilings);
+        }
+    }
+    if at.is_empty() {
+        return;
+    }
+    let mut row = writes_per_job_row(at);
+    row.id = "2d (all N)".into();
+    row.what = "API writes per short job through the dispatcher (claim + complete)".into();
+    row.goal = format!("<= {FLEET_WRITES_GOAL} at every N");
+    row.verdict = Verdict::of(
+        at.iter()
+            .all(|a| a.requests.sum(is_job_write) / a.jobs.max(1) as f64 <= FLEET_WRITES_GOAL),
+    );
+    report.rows.push(row);
+    report.details.push((
+        "Row 2d: claim throughput through the dispatcher".into(),
+        detail,
+    ));
 }

@@ -2,6 +2,9 @@
 //! the sidecar serves, with its own client and watch, as N sidecars would have), claiming and
 //! completing as fast as they can while the real controller runs. Conflicts are counted by the
 //! API server: the share of claim writes (PUT leasedjobs/status) answered 409.
+//!
+//! Dispatched runs (row 2d) are the same with the dispatcher: each `Worker` has a dispatcher
+//! token, keeps no copy of the queue and claims what the controller's dispatcher offers it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -9,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use leasehold_core::crd::Phase;
+use leasehold_worker::dispatched::DispatchConfig;
 use leasehold_worker::{Worker, WorkerConfig, DEFAULT_SPREAD, DEFAULT_WORKER_TIMEOUT};
 use serde_json::json;
 use tokio::task::JoinSet;
@@ -23,6 +27,9 @@ pub struct Claims {
     pub claimers: usize,
     /// The round (0-based): each round has a namespace and queue of its own.
     pub round: usize,
+    /// Whether the claimers asked the dispatcher (row 2d) rather than choosing from their own
+    /// copy of the queue.
+    pub dispatched: bool,
     /// Jobs claimed and completed.
     pub jobs: usize,
     /// Jobs claimed (and completed) per second.
@@ -54,18 +61,31 @@ pub fn is_claim_write(k: &Key) -> bool {
 }
 
 /// Runs M = `jobs` jobs through N = `claimers` claimers, in the namespace
-/// `bench-claim<N>-<round>`.
+/// `bench-claim<N>-<round>` (`bench-claimd<N>-<round>` when `dispatched`).
 pub async fn run(
     bench: &Bench,
     claimers: usize,
     jobs: usize,
     round: usize,
+    dispatched: bool,
 ) -> anyhow::Result<Claims> {
+    let d = if dispatched { "d" } else { "" };
     let ns = bench
-        .namespace(&format!("bench-claim{claimers}-{round}"))
+        .namespace(&format!("bench-claim{d}{claimers}-{round}"))
         .await?;
     let queue = "claim";
+    let dispatch = if dispatched {
+        Some(DispatchConfig {
+            token_file: crate::fleet::dispatch_token(bench, &ns).await?,
+            advert_namespace: ns.clone(),
+        })
+    } else {
+        None
+    };
     let mut controller = procs::controller(&bench.leasehold, &bench.kubeconfig, &bench.logs, &ns)?;
+    if dispatched {
+        crate::fleet::wait_for_advert(bench, &ns).await?;
+    }
     bench.create_jobs(&ns, queue, "j", jobs, 60, 16).await?;
     {
         let watch = JobWatch::start(bench.client.clone(), &ns).await?;
@@ -85,7 +105,7 @@ pub async fn run(
                 identity: format!("claimer-{i}"),
                 spread: DEFAULT_SPREAD,
                 worker_timeout: DEFAULT_WORKER_TIMEOUT,
-                dispatch: None,
+                dispatch: dispatch.clone(),
             },
             std::sync::Arc::new(leasehold_kube::recorder::NoRecorder),
         );
@@ -207,6 +227,7 @@ pub async fn run(
     Ok(Claims {
         claimers,
         round,
+        dispatched,
         jobs,
         per_second: jobs as f64 / elapsed.as_secs_f64(),
         conflict_split,

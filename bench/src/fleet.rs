@@ -38,6 +38,9 @@ pub struct Fleet {
     pub jobs: usize,
     /// LeasedJob watch events and bytes the API server sent in the window.
     pub sent: WatchSent,
+    /// LeasedJob watches open on the API server when the window opened (every sidecar's
+    /// watch of its own jobs, the controller's, kube-controller-manager's).
+    pub open_watches: f64,
     /// Requests the API server counted in the window.
     pub requests: Requests,
     /// CPU by process group over the window, in cores.
@@ -158,12 +161,9 @@ pub(crate) async fn dispatch_token(bench: &Bench, ns: &str) -> anyhow::Result<Pa
     Ok(path)
 }
 
-async fn one(bench: &Bench, sidecars: usize, jobs: usize) -> anyhow::Result<Fleet> {
-    let ns = bench.namespace(&format!("bench-fleet{sidecars}")).await?;
-    let queue = "fleet";
-    let token = dispatch_token(bench, &ns).await?;
-    let mut controller = procs::controller(&bench.leasehold, &bench.kubeconfig, &bench.logs, &ns)?;
-    let leases: Api<Lease> = Api::namespaced(bench.client.clone(), &ns);
+/// Waits until the controller of `ns` advertises its dispatcher there (within 60 s).
+pub(crate) async fn wait_for_advert(bench: &Bench, ns: &str) -> anyhow::Result<()> {
+    let leases: Api<Lease> = Api::namespaced(bench.client.clone(), ns);
     cluster::wait_until(
         "the dispatcher's advert",
         Duration::from_secs(60),
@@ -176,7 +176,15 @@ async fn one(bench: &Bench, sidecars: usize, jobs: usize) -> anyhow::Result<Flee
                 .map(|_| ())
         },
     )
-    .await?;
+    .await
+}
+
+async fn one(bench: &Bench, sidecars: usize, jobs: usize) -> anyhow::Result<Fleet> {
+    let ns = bench.namespace(&format!("bench-fleet{sidecars}")).await?;
+    let queue = "fleet";
+    let token = dispatch_token(bench, &ns).await?;
+    let mut controller = procs::controller(&bench.leasehold, &bench.kubeconfig, &bench.logs, &ns)?;
+    wait_for_advert(bench, &ns).await?;
     let http = procs::sidecar_http();
     let token_arg = token.display().to_string();
     let mut scs = Vec::with_capacity(sidecars);
@@ -216,58 +224,7 @@ async fn one(bench: &Bench, sidecars: usize, jobs: usize) -> anyhow::Result<Flee
         }
     }
     // Every sidecar waits in a claim before the window opens.
-    let claimed_at: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let claimed = Arc::new(AtomicUsize::new(0));
-    let loops: Vec<_> = scs
-        .iter()
-        .map(|s| {
-            let (http, base) = (http.clone(), s.base.clone());
-            let (claimed_at, claimed) = (Arc::clone(&claimed_at), Arc::clone(&claimed));
-            tokio::spawn(async move {
-                while claimed.load(Ordering::SeqCst) < jobs {
-                    let r = http
-                        .post(format!("{base}/v1/claim?wait=30"))
-                        .send()
-                        .await
-                        .context("claim")?;
-                    let status = r.status();
-                    if status == 204 {
-                        continue;
-                    }
-                    anyhow::ensure!(status == 200, "claim answered {status}");
-                    let at = Instant::now();
-                    let body: Value = r.json().await.context("claim body")?;
-                    let name = cluster::text(&body, "name")?;
-                    claimed_at.lock().unwrap().insert(name.clone(), at);
-                    claimed.fetch_add(1, Ordering::SeqCst);
-                    let r = http
-                        .post(format!("{base}/v1/jobs/{name}/complete"))
-                        .json(&json!({"token": body["token"], "result": {}}))
-                        .send()
-                        .await
-                        .context("complete")?;
-                    anyhow::ensure!(r.status().is_success(), "complete answered {}", r.status());
-                }
-                anyhow::Ok(())
-            })
-        })
-        .collect();
-    let _abort = procs::AbortOnDrop(
-        loops
-            .into_iter()
-            .map(|h| {
-                let claimed = Arc::clone(&claimed);
-                tokio::spawn(async move {
-                    // After the window the sidecars are stopped under their pending claims.
-                    if let Ok(Err(e)) = h.await {
-                        if claimed.load(Ordering::SeqCst) < jobs {
-                            eprintln!("row 11: a claim loop ended: {e:#}");
-                        }
-                    }
-                })
-            })
-            .collect(),
-    );
+    let loops = ClaimLoops::start(&http, &scs, jobs);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let before = metrics::scrape_text(&bench.client).await?;
     let mut groups = bench.controlplane.groups();
@@ -288,16 +245,13 @@ async fn one(bench: &Bench, sidecars: usize, jobs: usize) -> anyhow::Result<Flee
         cluster::create_with_retry(&api, &cluster::job(&name, queue, 60)).await?;
         created_at.insert(name, Instant::now());
     }
-    cluster::wait_until("every job claimed", Duration::from_secs(120), || async {
-        (claimed.load(Ordering::SeqCst) >= jobs).then_some(())
-    })
-    .await?;
+    loops.wait(jobs, Duration::from_secs(120)).await?;
     // The last completions' events reach every watcher.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let elapsed = start.elapsed();
     let cpu = cpu.finish();
     let after = metrics::scrape_text(&bench.client).await?;
-    let claimed_at = claimed_at.lock().unwrap().clone();
+    let claimed_at = loops.claimed_at();
     let latency_ms = created_at
         .iter()
         .filter_map(|(name, created)| {
@@ -320,6 +274,7 @@ async fn one(bench: &Bench, sidecars: usize, jobs: usize) -> anyhow::Result<Flee
         jobs,
         sent: WatchSent::parse(&after, "leasedjobs")
             .since(&WatchSent::parse(&before, "leasedjobs")),
+        open_watches: metrics::open_watches(&before, "leasedjobs"),
         requests: Requests::parse(&after).since(&Requests::parse(&before)),
         cpu,
         elapsed,
@@ -327,4 +282,86 @@ async fn one(bench: &Bench, sidecars: usize, jobs: usize) -> anyhow::Result<Flee
         sidecar_rss_kib,
         controller_rss_kib,
     })
+}
+
+/// Every sidecar claiming in a loop (`POST /v1/claim?wait=30`) and completing each job at once,
+/// until `jobs` jobs were claimed in all; when each job was claimed, by name. The loops are
+/// aborted when this is dropped.
+pub(crate) struct ClaimLoops {
+    claimed_at: Arc<Mutex<HashMap<String, Instant>>>,
+    claimed: Arc<AtomicUsize>,
+    _abort: procs::AbortOnDrop,
+}
+
+impl ClaimLoops {
+    /// Starts one loop per sidecar.
+    pub(crate) fn start(http: &reqwest::Client, scs: &[procs::Sidecar], jobs: usize) -> ClaimLoops {
+        let claimed_at: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+        let claimed = Arc::new(AtomicUsize::new(0));
+        let loops: Vec<_> = scs
+            .iter()
+            .map(|s| {
+                let (http, base) = (http.clone(), s.base.clone());
+                let (times, count) = (Arc::clone(&claimed_at), Arc::clone(&claimed));
+                let run = async move {
+                    while count.load(Ordering::SeqCst) < jobs {
+                        let r = http
+                            .post(format!("{base}/v1/claim?wait=30"))
+                            .send()
+                            .await
+                            .context("claim")?;
+                        let status = r.status();
+                        if status == 204 {
+                            continue;
+                        }
+                        anyhow::ensure!(status == 200, "claim answered {status}");
+                        let when = Instant::now();
+                        let body: Value = r.json().await.context("claim body")?;
+                        let name = cluster::text(&body, "name")?;
+                        times.lock().unwrap().insert(name.clone(), when);
+                        count.fetch_add(1, Ordering::SeqCst);
+                        let r = http
+                            .post(format!("{base}/v1/jobs/{name}/complete"))
+                            .json(&json!({"token": body["token"], "result": {}}))
+                            .send()
+                            .await
+                            .context("complete")?;
+                        anyhow::ensure!(
+                            r.status().is_success(),
+                            "complete answered {}",
+                            r.status()
+                        );
+                    }
+                    anyhow::Ok(())
+                };
+                let claimed = Arc::clone(&claimed);
+                tokio::spawn(async move {
+                    // After the window the sidecars are stopped under their pending claims.
+                    if let Err(e) = run.await {
+                        if claimed.load(Ordering::SeqCst) < jobs {
+                            eprintln!("a claim loop ended: {e:#}");
+                        }
+                    }
+                })
+            })
+            .collect();
+        ClaimLoops {
+            claimed_at,
+            claimed,
+            _abort: procs::AbortOnDrop(loops),
+        }
+    }
+
+    /// Waits until `jobs` jobs were claimed in all.
+    pub(crate) async fn wait(&self, jobs: usize, timeout: Duration) -> anyhow::Result<()> {
+        cluster::wait_until("every job claimed", timeout, || async {
+            (self.claimed.load(Ordering::SeqCst) >= jobs).then_some(())
+        })
+        .await
+    }
+
+    /// When each job claimed so far was claimed.
+    pub(crate) fn claimed_at(&self) -> HashMap<String, Instant> {
+        self.claimed_at.lock().unwrap().clone()
+    }
 }

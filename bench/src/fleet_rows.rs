@@ -31,7 +31,11 @@ pub(crate) fn fleet_rows(report: &mut Report, f: &[Fleet]) {
         what: "LeasedJob watch events sent per job, against waiting sidecars".into(),
         figure: format!(
             "{}; x{events_growth:.2} from S={} to S={}",
-            each(&|x| format!("{:.1}", x.events_per_job())),
+            each(&|x| format!(
+                "{:.1} ({} LeasedJob watches open)",
+                x.events_per_job(),
+                x.open_watches
+            )),
             first.sidecars,
             last.sidecars
         ),
@@ -203,5 +207,59 @@ pub(crate) fn dispatched_queuelen_rows(report: &mut Report, q: &[Stage]) {
         method: "the controller's VmRSS after its restart at each stage (row 10); the slope \
                  between the smallest and the largest stage"
             .into(),
+    });
+}
+
+/// Row 12: the leading dispatcher killed.
+pub(crate) fn failover_rows(report: &mut Report, f: &crate::failover::Failover) {
+    use crate::failover::{ADVERTISE_WITHIN, LEADER_LEASE, RATE, RETRY_PERIOD};
+    let method = format!(
+        "two controller replicas (leader election on, defaults), {} sidecar processes with a \
+         dispatcher token on one queue, every one waiting in a claim and completing at once; \
+         jobs created at {RATE} a second; the leading replica SIGKILLed; creation (the \
+         create's answer) to claim (the claim's answer at the worker), split at the moment the \
+         advert Lease names the new leader; the share offered from the sidecars' \
+         leasehold_claims_offered_total / leasehold_claims_total",
+        f.sidecars
+    );
+    let max = |v: &[f64]| v.iter().copied().fold(f64::NAN, f64::max);
+    let bound = LEADER_LEASE + RETRY_PERIOD + ADVERTISE_WITHIN;
+    report.rows.push(Row {
+        id: "12a".into(),
+        what: "Claims while the killed dispatcher has no successor (the fallback)".into(),
+        figure: format!(
+            "{} jobs created in that time, claimed within {:.0} ms at most (p99 {:.0} ms); \
+             {:.0} % offered by a dispatcher",
+            f.during_ms.len(),
+            max(&f.during_ms),
+            percentile(&f.during_ms, 99.0).unwrap_or(f64::NAN),
+            100.0 * f.during.offered_share()
+        ),
+        goal: "every claim within 1 s".into(),
+        verdict: Verdict::of(!f.during_ms.is_empty() && max(&f.during_ms) <= 1000.0),
+        method: method.clone(),
+    });
+    let offered_after = f.after.offered_share();
+    report.rows.push(Row {
+        id: "12b".into(),
+        what: "Dispatch by the new leader".into(),
+        figure: format!(
+            "advertised {:.1} s after the kill; then {} jobs claimed, p99 {:.0} ms, {:.0} % of \
+             the claims offered by its dispatcher",
+            f.advertised_after.as_secs_f64(),
+            f.after_ms.len(),
+            percentile(&f.after_ms, 99.0).unwrap_or(f64::NAN),
+            100.0 * offered_after
+        ),
+        goal: format!(
+            "advertised within {} s (leader Lease {} s + retry period {} s + advert {} s); \
+             >= 90 % offered after",
+            bound.as_secs(),
+            LEADER_LEASE.as_secs(),
+            RETRY_PERIOD.as_secs(),
+            ADVERTISE_WITHIN.as_secs()
+        ),
+        verdict: Verdict::of(f.advertised_after <= bound && offered_after >= 0.9),
+        method,
     });
 }

@@ -4,7 +4,7 @@
 //! Rows: 1 the ceiling (raw conditional status updates/s), 2 claim throughput, 3 dispatch
 //! latency, 4 expiry latency, 5 heartbeat cost, 6 footprint, 7 against batch/v1 Jobs, 8 memory
 //! against payload bytes, 9 watch fan-out against sidecars, 10 queue length, 11 the fleet
-//! (waiting sidecars with the dispatcher). Every
+//! (waiting sidecars with the dispatcher), 12 the leading dispatcher killed. Every
 //! figure comes from one run on one API server; request counts come from the API server's own
 //! `apiserver_request_total`, memory and CPU from /proc. `scripts/bench` builds everything,
 //! starts a local control plane and runs this; `--kubeconfig` points it at one already running
@@ -18,6 +18,7 @@ mod cluster;
 mod cost_rows;
 mod dispatch;
 mod expiry;
+mod failover;
 mod fanout;
 mod fleet;
 mod fleet_rows;
@@ -103,9 +104,13 @@ async fn main() -> anyhow::Result<()> {
         let (ceilings, results) = rows_1_and_2(&bench, &sizes, want(2), &mut failures).await;
         ceiling_rows(&mut report, &ceilings, &sizes);
         if want(2) {
-            let at = paired::at_each_n(&ceilings, &results);
+            let (dispatched, plain): (Vec<_>, Vec<_>) =
+                results.into_iter().partition(|c| c.dispatched);
+            let at = paired::at_each_n(&ceilings, &plain);
             claim_rows(&mut report, &at, &ceilings, &sizes);
             charts.extend(claim_charts(&at));
+            let at = paired::at_each_n(&ceilings, &dispatched);
+            dispatched_claim_rows(&mut report, &at, &ceilings, &sizes);
         }
     }
     if want(3) {
@@ -189,6 +194,13 @@ async fn main() -> anyhow::Result<()> {
         match fleet::run(&bench, &sizes.fleet_sidecars, sizes.fleet_jobs).await {
             Ok(f) => fleet_rows::fleet_rows(&mut report, &f),
             Err(e) => failures.push(("11", e)),
+        }
+    }
+    if want(12) {
+        eprintln!("row 12: the leading dispatcher killed");
+        match failover::run(&bench, sizes.failover_sidecars).await {
+            Ok(f) => fleet_rows::failover_rows(&mut report, &f),
+            Err(e) => failures.push(("12", e)),
         }
     }
     bench.cleanup().await;

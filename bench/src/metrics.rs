@@ -298,6 +298,16 @@ impl WatchSent {
     }
 }
 
+/// Watches of `resource` (plural) open on the API server right now: the sum of
+/// `apiserver_longrunning_requests` with that resource and the verb WATCH.
+pub fn open_watches(text: &str, resource: &str) -> f64 {
+    let [open, _] = sum_series(text, ["apiserver_longrunning_requests"; 2], |labels| {
+        labels.get("resource").map(String::as_str) == Some(resource)
+            && labels.get("verb").map(String::as_str) == Some("WATCH")
+    });
+    open
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -357,6 +367,19 @@ apiserver_request_duration_seconds_count{component="apiserver",dry_run="",group=
         );
         assert_eq!(top.count, 12.0);
         assert_eq!(top.failed, vec![("409".to_string(), 2.0)]);
+    }
+
+    #[test]
+    fn open_watches_counts_the_watches_of_one_resource() {
+        let text = r#"
+apiserver_longrunning_requests{component="apiserver",group="leasehold.dev",resource="leasedjobs",scope="cluster",subresource="",verb="WATCH",version="v1alpha1"} 1
+apiserver_longrunning_requests{component="apiserver",group="leasehold.dev",resource="leasedjobs",scope="namespace",subresource="",verb="WATCH",version="v1alpha1"} 3
+apiserver_longrunning_requests{component="apiserver",group="",resource="pods",scope="namespace",subresource="exec",verb="CONNECT",version="v1"} 2
+apiserver_longrunning_requests{component="apiserver",group="coordination.k8s.io",resource="leases",scope="namespace",subresource="",verb="WATCH",version="v1"} 5
+"#;
+        assert_eq!(open_watches(text, "leasedjobs"), 4.0);
+        assert_eq!(open_watches(text, "leases"), 5.0);
+        assert_eq!(open_watches(text, "pods"), 0.0);
     }
 
     #[test]

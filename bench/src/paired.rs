@@ -136,6 +136,7 @@ mod tests {
         Claims {
             claimers,
             round,
+            dispatched: false,
             jobs: 100,
             per_second,
             conflict_share: conflicts / puts,
