@@ -17,7 +17,8 @@
 //! `too_large` (a body over [`MAX_BODY_BYTES`]); 401
 //! `unauthenticated`; 403 `forbidden`; 503 `not_leading` (ask the leader, or choose on your
 //! own), `not_listed` (the leader has just started and is still listing the jobs: choose on
-//! your own), `unavailable` (a review could not be made). A refusal names the rule and the caller,
+//! your own), `view_stale` (the leader could not reach the API server lately, so its view may
+//! miss new jobs: choose on your own), `unavailable` (a review could not be made). A refusal names the rule and the caller,
 //! never a job.
 
 use std::sync::Arc;
@@ -252,6 +253,11 @@ async fn poll(State(shared): State<Shared>, request: Request) -> Response {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "not_listed",
                 "this controller has not listed the jobs yet since it started: it offers none until it has",
+            )),
+            Answer::Stale => Err(Refused::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "view_stale",
+                "this controller could not reach the API server lately: its view of the jobs may be stale, so it offers none until it can",
             )),
         }
     });

@@ -356,6 +356,93 @@ async fn claims_fall_back_while_the_dispatcher_is_frozen_and_use_it_again_after(
     assert_eq!(claimed, in_claim_order(&client, &ns.name, &names).await);
 }
 
+/// The sidecar's `leasehold_claims_total` and `leasehold_claims_offered_total`.
+async fn claim_counts(sidecar: &Sidecar) -> (u64, u64) {
+    let text = reqwest::get(format!("{}/metrics", sidecar.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (
+        value("leasehold_claims_total"),
+        value("leasehold_claims_offered_total"),
+    )
+}
+
+#[tokio::test]
+async fn claims_fall_back_while_the_dispatchers_path_to_the_api_server_stalls() {
+    let Fixture { client, ns } = fixture!("dispatch-stale");
+    // The controller (never deposed: no election) reaches the API server through a relay;
+    // the sidecar reaches both directly, as a sidecar on another node would.
+    let relay = faults::Relay::start(faults::apiserver_port());
+    let port = free_port();
+    let _controller = Proc::spawn_as(
+        &format!("{}-stale-controller", ns.name),
+        &leasehold_bin(),
+        &ControllerArgs::new(&ns.name)
+            .identity("stale-controller")
+            .leader_elect(false)
+            .metrics_addr(&format!("127.0.0.1:{port}"))
+            .to_args(),
+        std::process::Stdio::null(),
+        &relay.kubeconfig(&format!("{}-stale-controller", ns.name)),
+    );
+    advertised(&client, &ns.name).await;
+    let token = dispatch_token_file(&ns.name);
+    let sidecar = Sidecar::start(
+        &ns.name,
+        "q",
+        "pod-0",
+        &["--dispatch-token-file", token.to_str().unwrap()],
+    )
+    .await;
+    create_job(&client, &ns.name, "before", 0).await;
+    wait_queued(&client, &ns.name, &["before"]).await;
+    assert_eq!(claim_name(&sidecar).await, "before");
+    assert_eq!(
+        claim_counts(&sidecar).await,
+        (1, 1),
+        "offered by the dispatcher"
+    );
+
+    // The dispatcher's path to the API server holds every byte: its watch sees no new job,
+    // while it still answers its polls' keep-alives. Its check of that path fails, so it
+    // ends its polls and the sidecar chooses on its own: the claim does not wait for the
+    // stall to end (it would have waited its whole 10 s).
+    relay.stall();
+    let started = Instant::now();
+    create_job(&client, &ns.name, "during", 0).await;
+    assert_eq!(claim_name(&sidecar).await, "during");
+    let took = started.elapsed();
+    eprintln!(
+        "claimed with the dispatcher's API path stalled after {} ms",
+        took.as_millis()
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "the claim waited {took:?} on a dispatcher that could not see the job"
+    );
+    assert_eq!(
+        claim_counts(&sidecar).await,
+        (2, 1),
+        "chosen by the sidecar"
+    );
+
+    // The path flows again: once the dispatcher's 5 s aside are over, it offers again.
+    relay.resume();
+    tokio::time::sleep(Duration::from_millis(5500)).await;
+    create_job(&client, &ns.name, "after", 0).await;
+    wait_queued(&client, &ns.name, &["after"]).await;
+    assert_eq!(claim_name(&sidecar).await, "after");
+    assert_eq!(claim_counts(&sidecar).await, (3, 2), "offered again");
+}
+
 /// `names` sorted as the dispatcher offers them: priority (highest first), then creation
 /// time (whole seconds), then name.
 async fn in_claim_order(client: &kube::Client, ns: &str, names: &[String]) -> Vec<String> {

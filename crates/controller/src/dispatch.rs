@@ -58,10 +58,13 @@ pub enum Answer {
     /// This replica leads but has not listed the jobs yet (it has just started): its view is
     /// empty, not the queue; choose on your own meanwhile.
     NotListed,
+    /// This replica leads but its last check of its path to the API server failed
+    /// ([`probe_path`]): its view may be stale (jobs created meanwhile missing from it);
+    /// choose on your own until a check passes.
+    Stale,
 }
 
 /// The dispatcher of one controller replica.
-#[derive(Default)]
 pub struct Dispatcher {
     state: Mutex<Dispatch>,
     /// Per queue, a counter bumped on every change of one of its jobs, which wakes its polls.
@@ -70,6 +73,14 @@ pub struct Dispatcher {
     relists: watch::Sender<u64>,
     /// The replica's leadership, once its controller runs ([`crate::run`] sets it).
     leadership: OnceLock<Arc<Leadership>>,
+    /// False while [`probe_path`]'s last check of the path to the API server failed.
+    fresh: watch::Sender<bool>,
+}
+
+impl Default for Dispatcher {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Dispatcher {
@@ -80,7 +91,24 @@ impl Dispatcher {
             changes: Mutex::new(HashMap::new()),
             relists: watch::Sender::new(0),
             leadership: OnceLock::new(),
+            fresh: watch::Sender::new(true),
         }
+    }
+
+    /// Records the result of a check of the path to the API server; true when it changed
+    /// the dispatcher's mind. Polls waiting end at once when it turns false.
+    pub fn set_fresh(&self, fresh: bool) -> bool {
+        self.fresh
+            .send_if_modified(|f| std::mem::replace(f, fresh) != fresh)
+    }
+
+    /// Whether any poll waits (on any queue).
+    fn polls_wait(&self) -> bool {
+        self.changes
+            .lock()
+            .unwrap()
+            .values()
+            .any(|tx| tx.receiver_count() > 0)
     }
 
     /// Answers from now on while `leadership` leads (once; later calls are ignored).
@@ -120,9 +148,13 @@ impl Dispatcher {
         let deadline = Instant::now() + wait.min(MAX_POLL_WAIT);
         let mut changed = self.subscribe(queue);
         let mut relisted = self.relists.subscribe();
+        let mut fresh = self.fresh.subscribe();
         loop {
             if !self.leading() {
                 return Answer::NotLeading;
+            }
+            if !*fresh.borrow_and_update() {
+                return Answer::Stale;
             }
             // Marked seen before the view is read, so that no change after the read is missed.
             changed.borrow_and_update();
@@ -146,6 +178,7 @@ impl Dispatcher {
             tokio::select! {
                 _ = changed.changed() => {}
                 _ = relisted.changed() => {}
+                _ = fresh.changed() => {}
                 () = tokio::time::sleep_until(wake), if wake < deadline => {}
                 () = tokio::time::sleep_until(deadline) => return Answer::Empty,
             }
@@ -171,11 +204,61 @@ impl Dispatcher {
     }
 }
 
+/// How often the leading dispatcher checks its path to the API server while polls wait.
+pub const PROBE_EVERY: Duration = Duration::from_millis(200);
+/// The longest that check may take. A dispatcher that cannot read one small object within it
+/// cannot trust its watch to be current either (a stalled path holds both), so a stall is
+/// noticed within [`PROBE_EVERY`] + [`PROBE_BOUND`] = 800 ms, and the polls are answered
+/// [`Answer::Stale`]: their sidecars choose on their own within a claim's 1 s.
+pub const PROBE_BOUND: Duration = Duration::from_millis(600);
+
+/// Checks, while `leadership` leads and polls wait, that the path to the API server flows:
+/// one read of the [`ADVERT_LEASE`] through `leases` (the same client as the job watch) every
+/// [`PROBE_EVERY`], answered within [`PROBE_BOUND`] or the dispatcher counts its view as
+/// stale until a read is. Without waiting polls it reads nothing. Runs until `stop`
+/// resolves.
+///
+/// Why: a dispatcher whose watch stalls (a held TCP path, a hung API server) still answers
+/// its polls' keep-alives, so its sidecars would wait on a view that no longer sees new jobs,
+/// for as long as the stall, or the leader election's renew deadline, lasts.
+pub async fn probe_path(
+    leases: kube::Api<k8s_openapi::api::coordination::v1::Lease>,
+    dispatcher: Arc<Dispatcher>,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    let mut stop = std::pin::pin!(stop);
+    let mut tick = tokio::time::interval(PROBE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = &mut stop => return,
+            _ = tick.tick() => {}
+        }
+        if !dispatcher.leading() || !dispatcher.polls_wait() {
+            continue;
+        }
+        let read = tokio::time::timeout(PROBE_BOUND, leases.get_opt(ADVERT_LEASE)).await;
+        let ok = matches!(read, Ok(Ok(_)));
+        if dispatcher.set_fresh(ok) {
+            if ok {
+                tracing::info!("The dispatcher reaches the API server again: it offers jobs again");
+            } else {
+                let why = match read {
+                    Ok(Err(e)) => leasehold_kube::api::error_chain(&e),
+                    _ => format!("no answer within {} ms", PROBE_BOUND.as_millis()),
+                };
+                tracing::warn!(error = %why, "The dispatcher could not read from the API server ({why}): its view of the jobs may be stale, so it offers none until it can; sidecars choose on their own meanwhile");
+            }
+        }
+    }
+}
+
 /// How often the leader checks that the advert still names it (a deposed leader's late write
 /// could have replaced it), and a standby that it leads now.
 pub const ADVERT_CHECK: Duration = Duration::from_secs(2);
 
-/// Keeps [`ADVERT_LEASE`] naming `address` while `leadership` leads, until `stop` resolves.
+/// Keeps [`ADVERT_LEASE`] naming `address` while `leadership` leads, until `stop` resolves:
+/// at once when a term begins, then at every check.
 /// One read per [`ADVERT_CHECK`] while leading, and a write only when the advert names another
 /// address or holder; nothing while standing by. Failures are logged and tried again.
 pub async fn advertise(
@@ -192,6 +275,8 @@ pub async fn advertise(
         tokio::select! {
             () = &mut stop => return,
             _ = tick.tick() => {}
+            // A new leader advertises at once, not at its next check.
+            () = leadership.began() => {}
         }
         if !leadership.is_leader() {
             continue;
@@ -235,5 +320,72 @@ pub async fn advertise(
                 tracing::warn!(error = %e, "Could not write the dispatcher's advert Lease {ADVERT_LEASE}; trying again")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use leasehold_core::crd::{LeasedJobSpec, LeasedJobStatus, Phase};
+
+    fn queued(name: &str) -> LeasedJob {
+        let mut j = LeasedJob::new(
+            name,
+            LeasedJobSpec {
+                queue: "q".into(),
+                ..LeasedJobSpec::default()
+            },
+        );
+        j.metadata.namespace = Some("ns".into());
+        j.metadata.creation_timestamp = Some(Time(Timestamp::now()));
+        j.metadata.resource_version = Some("1".into());
+        j.status = Some(LeasedJobStatus {
+            phase: Some(Phase::Queued),
+            ..LeasedJobStatus::default()
+        });
+        j
+    }
+
+    fn leading() -> Arc<Dispatcher> {
+        let d = Arc::new(Dispatcher::new());
+        d.lead_with(Arc::new(Leadership::always()));
+        d.observe(&watcher::Event::Init);
+        d.observe(&watcher::Event::InitDone);
+        d
+    }
+
+    fn q() -> QueueKey {
+        QueueKey {
+            namespace: "ns".into(),
+            queue: "q".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_waiting_poll_ends_stale_when_the_path_check_fails_and_offers_after_it_passes() {
+        let d = leading();
+        let waiting = tokio::spawn({
+            let d = Arc::clone(&d);
+            async move { d.poll(&q(), "w", Duration::from_secs(20)).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(d.polls_wait());
+        assert!(d.set_fresh(false));
+        assert!(!d.set_fresh(false), "no change, no news");
+        let answer = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("the waiting poll ends at once")
+            .unwrap();
+        assert_eq!(answer, Answer::Stale);
+        // A job it sees meanwhile is not offered while the path is in doubt ...
+        d.observe(&watcher::Event::Apply(queued("j")));
+        assert_eq!(d.poll(&q(), "w", Duration::ZERO).await, Answer::Stale);
+        // ... and is once a check passes.
+        assert!(d.set_fresh(true));
+        assert!(matches!(
+            d.poll(&q(), "w", Duration::ZERO).await,
+            Answer::Offer(h) if h.name == "j"
+        ));
     }
 }

@@ -95,6 +95,8 @@ struct Term {
 #[derive(Default)]
 pub struct Leadership {
     term: Mutex<Option<Term>>,
+    /// Notified when a term begins (one permit kept for a waiter that comes later).
+    began: tokio::sync::Notify,
 }
 
 impl Leadership {
@@ -105,6 +107,7 @@ impl Leadership {
                 token: Token::issue(1),
                 valid_until: Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600),
             })),
+            began: tokio::sync::Notify::new(),
         }
     }
 
@@ -124,6 +127,13 @@ impl Leadership {
 
     fn start(&self, token: Token, valid_until: Instant) {
         *self.term.lock().unwrap() = Some(Term { token, valid_until });
+        self.began.notify_one();
+    }
+
+    /// Resolves when this replica begins a term (or began one since the last call): for the
+    /// one task that acts at once on leading (the dispatcher's advert).
+    pub async fn began(&self) {
+        self.began.notified().await;
     }
 
     fn extend(&self, token: &Token, valid_until: Instant) {

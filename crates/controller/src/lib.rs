@@ -253,6 +253,11 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
     let advert = config.dispatch.clone().map(|setup| {
         setup.dispatcher.lead_with(Arc::clone(&leadership));
         let leases = Api::namespaced(client.clone(), &setup.advert_namespace);
+        tokio::spawn(dispatch::probe_path(
+            leases.clone(),
+            Arc::clone(&setup.dispatcher),
+            shutdown::signal(),
+        ));
         let (identity, leadership) = (config.identity.clone(), Arc::clone(&leadership));
         tokio::spawn(async move {
             dispatch::advertise(
