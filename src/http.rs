@@ -51,6 +51,34 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
 /// Pause after a failed accept (e.g. out of file descriptors) before trying again.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 
+/// The accept queue asked for by [`bind`] (the kernel caps it at `net.core.somaxconn`, 4096 on
+/// current kernels).
+pub const ACCEPT_BACKLOG: u32 = 4096;
+
+/// Binds `addr` for a server that many clients reach at once, with an accept queue of
+/// [`ACCEPT_BACKLOG`] connections.
+///
+/// Why: `TcpListener::bind` (tokio, like the standard library) asks for 128. When 500
+/// sidecars connect to the dispatcher in the same moment (all starting their first poll, or
+/// all turning to a new leader), the connections past 128 that the server has not accepted
+/// yet are dropped by the kernel and retried a second later, past the sidecars' 500 ms
+/// connect bound, so they fell back to choosing on their own (benchmark row 11).
+///
+/// # Errors
+/// The address is in use or cannot be bound.
+pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As the standard library's bind does on Unix: a restarted server can bind again while
+    // the connections of the last one linger in TIME_WAIT.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(ACCEPT_BACKLOG)
+}
+
 /// The waits a client can impose on a server, each bounded.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
@@ -238,5 +266,29 @@ impl Body for DeadlineBody {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_bound_listener_queues_hundreds_of_connections_before_its_first_accept() {
+        let listener = bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        // None is accepted yet: with the default queue of 128, the rest would hang in SYN
+        // retries (a second and more) instead of connecting at once.
+        let connects = (0..400).map(|_| async move {
+            tokio::time::timeout(
+                Duration::from_millis(800),
+                tokio::net::TcpStream::connect(addr),
+            )
+            .await
+        });
+        let results = futures::future::join_all(connects).await;
+        let connected = results.iter().filter(|r| matches!(r, Ok(Ok(_)))).count();
+        assert_eq!(connected, 400, "connections queued before the first accept");
+        let (_first, _) = listener.accept().await.unwrap();
     }
 }

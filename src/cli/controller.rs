@@ -129,8 +129,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         }
     };
     let (dispatch, dispatched) = if dispatch {
-        let listener = tokio::net::TcpListener::bind(dispatch_listen)
-            .await
+        let listener = http::bind(dispatch_listen)
             .with_context(|| format!("--dispatch-listen {dispatch_listen}: cannot bind"))?;
         let bound = listener.local_addr().unwrap_or(dispatch_listen);
         let address = advertised_address(dispatch_advertise, bound)?;

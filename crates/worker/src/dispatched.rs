@@ -14,7 +14,8 @@
 //! Claims never wait on it: while a poll waits, the dispatcher sends a newline every
 //! [`KEEP_ALIVE`], and a silence of [`SILENCE_BOUND`] means a frozen dispatcher, or a stalled
 //! path to it, which is so noticed within [`FALLBACK_AFTER`]; one that fails, answers "not leading", cannot be reached within
-//! [`CONNECT_BOUND`], or is not answering in time is set aside for [`SET_ASIDE`] (that address
+//! [`CONNECT_BOUND`], or is not answering in time is set aside ([`aside_for`]: 1 s, doubling
+//! to [`SET_ASIDE`] while it keeps failing; that address
 //! only: a new leader's is asked at once), and meanwhile the sidecar chooses on its own from a
 //! bounded list (`listed.rs`).
 
@@ -36,8 +37,19 @@ use leasehold_kube::api::error_chain;
 
 /// How long a connection to the dispatcher may take before it is set aside.
 pub const CONNECT_BOUND: Duration = Duration::from_millis(500);
-/// How long a dispatcher that failed is set aside before it is asked again.
+/// The longest a dispatcher that failed is set aside before it is asked again.
 pub const SET_ASIDE: Duration = Duration::from_secs(5);
+/// How long a dispatcher that failed once (after answering) is set aside.
+pub const FIRST_SET_ASIDE: Duration = Duration::from_secs(1);
+
+/// How long a dispatcher that failed `strikes` times in a row (>= 1) is set aside:
+/// [`FIRST_SET_ASIDE`], doubling, at most [`SET_ASIDE`]. A transient failure (a connection
+/// that took too long while hundreds of sidecars connected at once) costs a second of
+/// choosing on one's own; a dispatcher that stays away is asked every 5 s.
+pub fn aside_for(strikes: u32) -> Duration {
+    let doublings = strikes.saturating_sub(1).min(8);
+    (FIRST_SET_ASIDE * 2u32.pow(doublings)).min(SET_ASIDE)
+}
 /// The longest wait of one poll: a sidecar whose claim waits longer asks again.
 pub const POLL_WAIT: Duration = Duration::from_secs(30);
 /// How often a waiting dispatcher sends a newline down a poll's answer (its `keepAliveMs`).
@@ -96,8 +108,16 @@ pub struct Dispatched {
     asker: Asker,
     address: watch::Receiver<Option<String>>,
     http: reqwest::Client,
-    /// The address set aside after a failure, and until when.
-    aside: Mutex<Option<(String, Instant)>>,
+    /// The address set aside after a failure, until when, and its failures in a row.
+    aside: Mutex<Option<Aside>>,
+}
+
+/// A dispatcher's address set aside.
+#[derive(Debug)]
+struct Aside {
+    address: String,
+    until: Instant,
+    strikes: u32,
 }
 
 impl Dispatched {
@@ -161,7 +181,7 @@ impl Dispatched {
         let address = self.address.borrow().clone()?;
         let aside = self.aside.lock().unwrap();
         match &*aside {
-            Some((a, until)) if *a == address && Instant::now() < *until => None,
+            Some(a) if a.address == address && Instant::now() < a.until => None,
             _ => Some(address),
         }
     }
@@ -176,11 +196,29 @@ impl Dispatched {
         }
     }
 
-    /// Sets the dispatcher at `address` aside for [`SET_ASIDE`] because it `why` (said in the
-    /// log).
+    /// Sets the dispatcher at `address` aside for [`aside_for`] its failures in a row because
+    /// it `why` (said in the log).
     pub(crate) fn set_aside(&self, address: &str, why: &str) {
-        tracing::info!(dispatcher = %address, "Choosing jobs on our own for {} s: the dispatcher at {address} {why}", SET_ASIDE.as_secs());
-        *self.aside.lock().unwrap() = Some((address.to_string(), Instant::now() + SET_ASIDE));
+        let mut aside = self.aside.lock().unwrap();
+        let strikes = match &*aside {
+            Some(a) if a.address == address => a.strikes + 1,
+            _ => 1,
+        };
+        let time = aside_for(strikes);
+        tracing::info!(dispatcher = %address, strikes, "Choosing jobs on our own for {} ms: the dispatcher at {address} {why}", time.as_millis());
+        *aside = Some(Aside {
+            address: address.to_string(),
+            until: Instant::now() + time,
+            strikes,
+        });
+    }
+
+    /// The dispatcher at `address` answered a poll: its next failure is its first.
+    fn answered(&self, address: &str) {
+        let mut aside = self.aside.lock().unwrap();
+        if aside.as_ref().is_some_and(|a| a.address == address) {
+            *aside = None;
+        }
     }
 
     fn token(&self, address: &str) -> Result<String, Unusable> {
@@ -199,6 +237,14 @@ impl Dispatched {
     /// `wait` (at most [`POLL_WAIT`]). `Ok(None)` when none came in time; an error (including
     /// a silence of [`SILENCE_BOUND`] while it waits) sets the dispatcher aside.
     pub async fn poll(&self, address: &str, wait: Duration) -> Result<Option<Hint>, Unusable> {
+        let answer = self.ask(address, wait).await;
+        if answer.is_ok() {
+            self.answered(address);
+        }
+        answer
+    }
+
+    async fn ask(&self, address: &str, wait: Duration) -> Result<Option<Hint>, Unusable> {
         let wait = wait.min(POLL_WAIT);
         let Asker {
             namespace,
@@ -345,5 +391,18 @@ impl Dispatched {
             address: address.to_string(),
             why,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dispatcher_failing_again_and_again_is_set_aside_longer_up_to_five_seconds() {
+        let secs: Vec<u64> = (1..=6).map(|n| aside_for(n).as_millis() as u64).collect();
+        assert_eq!(secs, [1000, 2000, 4000, 5000, 5000, 5000]);
+        assert_eq!(aside_for(u32::MAX), SET_ASIDE);
+        assert_eq!(aside_for(0), FIRST_SET_ASIDE);
     }
 }
