@@ -434,13 +434,31 @@ async fn claims_fall_back_while_the_dispatchers_path_to_the_api_server_stalls() 
         "chosen by the sidecar"
     );
 
-    // The path flows again: once the dispatcher's 5 s aside are over, it offers again.
+    // Still stalled, after the sidecar's 1 s aside: asked again, the dispatcher says at once
+    // that its view is stale (it has gone on checking its path with no poll waiting).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let started = Instant::now();
+    create_job(&client, &ns.name, "during-2", 0).await;
+    assert_eq!(claim_name(&sidecar).await, "during-2");
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(3),
+        "the second claim waited {took:?} on a dispatcher that could not see the job"
+    );
+    assert_eq!(
+        claim_counts(&sidecar).await,
+        (3, 1),
+        "chosen by the sidecar"
+    );
+
+    // The path flows again: the dispatcher's next check passes, and once the sidecar's aside
+    // is over (at most 2 s after two failures in a row) it offers again.
     relay.resume();
-    tokio::time::sleep(Duration::from_millis(5500)).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     create_job(&client, &ns.name, "after", 0).await;
     wait_queued(&client, &ns.name, &["after"]).await;
     assert_eq!(claim_name(&sidecar).await, "after");
-    assert_eq!(claim_counts(&sidecar).await, (3, 2), "offered again");
+    assert_eq!(claim_counts(&sidecar).await, (4, 2), "offered again");
 }
 
 /// `names` sorted as the dispatcher offers them: priority (highest first), then creation

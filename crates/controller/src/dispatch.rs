@@ -102,6 +102,11 @@ impl Dispatcher {
             .send_if_modified(|f| std::mem::replace(f, fresh) != fresh)
     }
 
+    /// False while the last check of the path to the API server failed.
+    pub fn is_fresh(&self) -> bool {
+        *self.fresh.borrow()
+    }
+
     /// Whether any poll waits (on any queue).
     fn polls_wait(&self) -> bool {
         self.changes
@@ -215,8 +220,8 @@ pub const PROBE_BOUND: Duration = Duration::from_millis(600);
 /// Checks, while `leadership` leads and polls wait, that the path to the API server flows:
 /// one read of the [`ADVERT_LEASE`] through `leases` (the same client as the job watch) every
 /// [`PROBE_EVERY`], answered within [`PROBE_BOUND`] or the dispatcher counts its view as
-/// stale until a read is. Without waiting polls it reads nothing. Runs until `stop`
-/// resolves.
+/// stale until a read is (and reads on until then, polls or not). With a fresh view and no
+/// waiting poll it reads nothing. Runs until `stop` resolves.
 ///
 /// Why: a dispatcher whose watch stalls (a held TCP path, a hung API server) still answers
 /// its polls' keep-alives, so its sidecars would wait on a view that no longer sees new jobs,
@@ -234,7 +239,9 @@ pub async fn probe_path(
             () = &mut stop => return,
             _ = tick.tick() => {}
         }
-        if !dispatcher.leading() || !dispatcher.polls_wait() {
+        // A stale view is checked until a read passes, polls or not: a stale dispatcher
+        // answers its polls at once, so none would be waiting to bring the check back.
+        if !dispatcher.leading() || (dispatcher.is_fresh() && !dispatcher.polls_wait()) {
             continue;
         }
         let read = tokio::time::timeout(PROBE_BOUND, leases.get_opt(ADVERT_LEASE)).await;
