@@ -213,8 +213,9 @@ impl Dispatched {
         });
     }
 
-    /// The dispatcher at `address` answered a poll: its next failure is its first.
-    fn answered(&self, address: &str) {
+    /// The dispatcher at `address` answered a poll empty, or offered a job that was claimed:
+    /// its next failure is its first.
+    pub(crate) fn answered(&self, address: &str) {
         let mut aside = self.aside.lock().unwrap();
         if aside.as_ref().is_some_and(|a| a.address == address) {
             *aside = None;
@@ -238,7 +239,10 @@ impl Dispatched {
     /// a silence of [`SILENCE_BOUND`] while it waits) sets the dispatcher aside.
     pub async fn poll(&self, address: &str, wait: Duration) -> Result<Option<Hint>, Unusable> {
         let answer = self.ask(address, wait).await;
-        if answer.is_ok() {
+        // An empty answer shows a working dispatcher; an offer shows that only once it can be
+        // claimed ([`Dispatched::answered`] from the claim), or a dispatcher offering jobs that
+        // cannot be claimed would start again at one strike at each offer.
+        if matches!(answer, Ok(None)) {
             self.answered(address);
         }
         answer

@@ -252,6 +252,7 @@ impl Worker {
             let draining_now = *draining.borrow();
             if !draining_now {
                 if let Some(claimed) = self.claim_hint(&hint).await? {
+                    dispatched.answered(&address);
                     return Ok(Dispatch::Claimed(claimed));
                 }
             }
