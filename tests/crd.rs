@@ -13,14 +13,9 @@ use serde_json::json;
 fn committed_crd_equals_leasehold_crd_output() {
     let out = Command::new(leasehold_bin()).arg("crd").output().unwrap();
     assert!(out.status.success());
-    let committed = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/charts/leasehold/crds/leasedjob.yaml"
-    ))
-    .unwrap();
     assert!(
-        committed == String::from_utf8(out.stdout).unwrap(),
-        "charts/leasehold/crds/leasedjob.yaml is stale: regenerate it with `scripts/gen-crd`"
+        committed_crds() == String::from_utf8(out.stdout).unwrap(),
+        "charts/leasehold/crds/leasedjob.yaml or leasedqueue.yaml is stale: regenerate them with `scripts/gen-crd`"
     );
 }
 

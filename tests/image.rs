@@ -238,13 +238,9 @@ fn the_image_holds_one_static_executable_and_no_shell() {
         &image,
         "crd",
     ]);
-    let committed = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/leasehold/crds/leasedjob.yaml"),
-    )
-    .unwrap();
     assert!(
-        crd == committed,
-        "`crd` from the image differs from charts/leasehold/crds/leasedjob.yaml"
+        crd == leasehold_testkit::committed_crds(),
+        "`crd` from the image differs from charts/leasehold/crds/"
     );
 }
 

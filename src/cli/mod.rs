@@ -43,7 +43,8 @@ enum Command {
     Controller(controller::ControllerArgs),
     /// Serve the worker's HTTP API: claim, heartbeat, complete, fail, release.
     Sidecar(sidecar::SidecarArgs),
-    /// Print the LeasedJob CustomResourceDefinition as YAML.
+    /// Print leasehold's CustomResourceDefinitions (LeasedJob, then LeasedQueue) as one YAML
+    /// stream, for `kubectl apply --server-side -f -`.
     Crd,
     /// List LeasedJobs with queue, phase, attempt, holder, last heartbeat, time until the lease
     /// runs out, and the progress their worker reported (`kubectl leasehold get`).
@@ -54,6 +55,11 @@ enum Command {
     /// Cancel a LeasedJob: set spec.cancel, for the controller to end it (`kubectl leasehold
     /// cancel`).
     Cancel(kubectl::CancelArgs),
+    /// Stop new claims of a queue: set spec.paused of its LeasedQueue, creating it if need be
+    /// (`kubectl leasehold pause QUEUE`). Jobs already Leased go on.
+    Pause(kubectl::QueueArgs),
+    /// Let claims of a paused queue go on (`kubectl leasehold resume QUEUE`).
+    Resume(kubectl::QueueArgs),
 }
 
 /// The name the binary answers to as a kubectl plugin: kubectl runs `kubectl-leasehold` for
@@ -100,7 +106,7 @@ impl Cli {
         }
         match self.command {
             Command::Crd => {
-                print!("{}", leasehold_core::crd::crd_yaml()?);
+                print!("{}", leasehold_core::crd::all_crds_yaml()?);
                 Ok(())
             }
             Command::Controller(args) => controller::run(args).await,
@@ -108,6 +114,8 @@ impl Cli {
             Command::Get(args) => kubectl::get(args).await,
             Command::Retry(args) => kubectl::retry(args).await,
             Command::Cancel(args) => kubectl::cancel(args).await,
+            Command::Pause(args) => kubectl::set_paused(args, true).await,
+            Command::Resume(args) => kubectl::set_paused(args, false).await,
         }
     }
 }

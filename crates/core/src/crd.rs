@@ -12,7 +12,9 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-pub use crate::definition::{crd_yaml, definition, paragraphs};
+pub use crate::definition::{
+    all_crds_yaml, crd_yaml, definition, paragraphs, queue_crd_yaml, queue_definition,
+};
 
 /// API group of every leasehold resource.
 pub const GROUP: &str = "leasehold.dev";

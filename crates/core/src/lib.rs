@@ -10,7 +10,8 @@
 //! kube-client). Tests here are tables of cases that run in milliseconds.
 //!
 //! - [`crd`]: the `LeasedJob` custom resource.
-//! - [`definition`]: its CustomResourceDefinition, as installed.
+//! - [`queue`]: the `LeasedQueue` custom resource: a queue as an object (pause, its status).
+//! - [`definition`]: their CustomResourceDefinitions, as installed.
 //! - [`token`]: the fencing token a claim issues.
 //! - [`claim`]: which job a claimer picks and the Leased status a claim writes.
 //! - [`claim_index`]: a queue's claimable jobs in claim order, kept from watch events.
@@ -35,6 +36,7 @@ pub mod fence;
 pub mod job_cache;
 pub mod lease;
 pub mod progress;
+pub mod queue;
 pub mod queue_stats;
 pub mod share;
 pub mod token;

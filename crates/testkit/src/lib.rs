@@ -181,36 +181,66 @@ pub async fn client() -> Client {
     Client::try_from(config).expect("client")
 }
 
-/// Installs the committed CRD (server-side apply; idempotent) and waits until it is Established.
+/// The committed CRDs as `leasehold crd` prints them: leasedjob.yaml, `---`, leasedqueue.yaml.
+pub fn committed_crds() -> String {
+    let read = |file: &str| {
+        std::fs::read_to_string(repo_root().join("charts/leasehold/crds").join(file))
+            .unwrap_or_else(|e| panic!("charts/leasehold/crds/{file}: {e}"))
+    };
+    format!(
+        "{}---\n{}",
+        read("leasedjob.yaml"),
+        read("leasedqueue.yaml")
+    )
+}
+
+/// Installs the committed CRDs (LeasedJob and LeasedQueue; server-side apply; idempotent) and
+/// waits until they are Established and served.
 pub async fn install_crd(client: &Client) {
-    let text = std::fs::read_to_string(repo_root().join("charts/leasehold/crds/leasedjob.yaml"))
-        .expect("charts/leasehold/crds/leasedjob.yaml");
+    for (file, name) in [
+        ("leasedjob.yaml", "leasedjobs.leasehold.dev"),
+        ("leasedqueue.yaml", "leasedqueues.leasehold.dev"),
+    ] {
+        apply_crd(client, file, name).await;
+    }
+    // Discovery can lag Established by a moment. Served = a one-item list answers; raw, so
+    // that another test's job that no binary can decode (tests/poison.rs) does not read as
+    // "not served".
+    let jobs: Api<leasehold_kube::watch::Raw<LeasedJob>> = Api::all(client.clone());
+    let queues: Api<leasehold_core::queue::LeasedQueue> = Api::all(client.clone());
+    let one = kube::api::ListParams::default().limit(1);
+    wait_for(
+        "LeasedJob and LeasedQueue APIs served",
+        Duration::from_secs(30),
+        || async {
+            jobs.list(&one).await.ok()?;
+            queues.list(&one).await.ok().map(|_| ())
+        },
+    )
+    .await;
+}
+
+/// Applies charts/leasehold/crds/`file`, the CRD `name`, and waits until it is Established.
+async fn apply_crd(client: &Client, file: &str, name: &str) {
+    let path = repo_root().join("charts/leasehold/crds").join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
     let crd: CustomResourceDefinition = serde_yaml::from_str(&text).expect("CRD YAML");
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     api.patch(
-        "leasedjobs.leasehold.dev",
+        name,
         &PatchParams::apply("leasehold-tests").force(),
         &Patch::Apply(&crd),
     )
     .await
     .expect("apply CRD");
     wait_for("CRD Established", Duration::from_secs(30), || async {
-        let crd = api.get("leasedjobs.leasehold.dev").await.ok()?;
+        let crd = api.get(name).await.ok()?;
         let established = crd
             .status?
             .conditions?
             .iter()
             .any(|c| c.type_ == "Established" && c.status == "True");
         established.then_some(())
-    })
-    .await;
-    // Discovery can lag Established by a moment. Served = a one-item list answers; raw, so
-    // that another test's job that no binary can decode (tests/poison.rs) does not read as
-    // "not served".
-    let jobs: Api<leasehold_kube::watch::Raw<LeasedJob>> = Api::all(client.clone());
-    let one = kube::api::ListParams::default().limit(1);
-    wait_for("LeasedJob API served", Duration::from_secs(30), || async {
-        jobs.list(&one).await.ok().map(|_| ())
     })
     .await;
 }
