@@ -15,6 +15,7 @@
 //! - [`watch`]: watches that decode each object on its own, so that one undecodable object is
 //!   skipped and reported instead of stalling the watch; cache readiness.
 //! - [`queue_watch`]: the watch of one queue's jobs a claimer keeps while claims come.
+//! - [`queue_object`]: a sidecar's view of its queue's LeasedQueue (is it paused?).
 //! - [`recorder`]: what the watches and the worker report (claims, heartbeats, skipped
 //!   objects), for a metrics registry above to count.
 //! - [`health`]: readiness and liveness of a process.
@@ -29,6 +30,7 @@ pub mod fence;
 pub mod health;
 pub mod lease;
 pub mod memory;
+pub mod queue_object;
 pub mod queue_watch;
 pub mod recorder;
 pub mod shutdown;

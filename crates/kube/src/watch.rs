@@ -31,6 +31,7 @@ use tracing::warn;
 
 use crate::recorder::Recorder;
 use leasehold_core::crd::LeasedJob;
+use leasehold_core::queue::LeasedQueue;
 
 /// A `K` as the API server sent it, decoded only as far as its metadata: the unit a LIST or
 /// WATCH of `K` can always decode, whatever the spec or status holds.
@@ -226,6 +227,23 @@ impl FromParts for LeasedJob {
         Ok(LeasedJob {
             metadata,
             spec: part("spec", spec)?,
+            status: status.map(|s| part("status", s)).transpose()?.flatten(),
+        })
+    }
+}
+
+impl FromParts for LeasedQueue {
+    fn from_parts(
+        metadata: ObjectMeta,
+        spec: Option<&RawValue>,
+        status: Option<&RawValue>,
+    ) -> Result<Self, String> {
+        Ok(LeasedQueue {
+            metadata,
+            spec: spec
+                .map(|s| part("spec", s))
+                .transpose()?
+                .unwrap_or_default(),
             status: status.map(|s| part("status", s)).transpose()?.flatten(),
         })
     }

@@ -41,6 +41,7 @@ pub mod dispatched;
 mod end;
 mod heartbeat;
 mod listed;
+mod paused;
 mod pick;
 mod renew;
 #[cfg(test)]
@@ -307,6 +308,8 @@ struct Inner {
     claim_write_ms: AtomicU64,
     /// The dispatcher's client, when claims go through it ([`WorkerConfig::dispatch`]).
     dispatched: Option<dispatched::Dispatched>,
+    /// Whether the queue's LeasedQueue pauses claims; `None` until first read ([`paused`]).
+    paused: watch::Receiver<Option<bool>>,
 }
 
 /// What a sidecar without a dispatcher keeps of its queue to choose claims from, all fed by
@@ -362,8 +365,13 @@ impl Worker {
                 futures::future::Either::Right(std::future::pending::<()>()),
             ),
         };
-        let watched: Api<LeasedJob> = Api::namespaced(clients.watches, &config.namespace);
+        let watched: Api<LeasedJob> = Api::namespaced(clients.watches.clone(), &config.namespace);
         let metrics = recorder;
+        let (paused, follow_pause) = leasehold_kube::queue_object::follow(
+            Api::namespaced(clients.watches, &config.namespace),
+            &config.queue,
+            Arc::clone(&metrics),
+        );
         // Two watches, both filtered by the API server on selectable fields of the CRD: the
         // jobs this process holds, always, and, only without a dispatcher, the queue's jobs for
         // claiming, kept while claims come (leasehold_kube::queue_watch). With a dispatcher
@@ -419,13 +427,15 @@ impl Worker {
         };
         let health = Health::new();
         let ready = {
-            let (health, held_synced, queue_watch) = (
+            let (health, held_synced, queue_watch, mut paused) = (
                 Arc::clone(&health),
                 held_synced.clone(),
                 queue.as_ref().map(|q| Arc::clone(&q.watch)),
+                paused.clone(),
             );
             async move {
                 held_synced.wait().await;
+                let _ = paused.wait_for(Option::is_some).await;
                 if let Some(queue_watch) = queue_watch {
                     queue_watch.wait_ever_synced().await;
                 }
@@ -433,13 +443,14 @@ impl Worker {
                 std::future::pending::<()>().await;
             }
         };
-        // One task for all three, so that aborting it stops them all.
+        // One task for all of them, so that aborting it stops them all.
         let watch_task = tokio::spawn(async move {
             tokio::select! {
                 () = queue_task => {}
                 () = held_task => {}
                 () = ready => {}
                 () = follow_advert => {}
+                () = follow_pause => {}
             }
         });
         let window = config.spread;
@@ -459,6 +470,7 @@ impl Worker {
             window: AtomicUsize::new(window),
             claim_write_ms: AtomicU64::new(0),
             dispatched,
+            paused,
         };
         (
             Worker {

@@ -75,6 +75,9 @@ impl Worker {
             if dispatched.is_some_and(|d| d.usable().is_some()) {
                 return Ok(None);
             }
+            if !self.wait_unpaused(deadline, gone, draining).await? {
+                return Ok(None);
+            }
             let round = self.list_and_pick().await?;
             if let Round::Picked(job) = &round {
                 if *draining.borrow() {

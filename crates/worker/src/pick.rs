@@ -107,6 +107,7 @@ impl Worker {
         };
         let queue_watch = &queue.watch;
         let mut changes = queue.changes.clone();
+        let mut paused = self.inner.paused.clone();
         // The queue watch runs while this claim is in progress (and starts again if it had
         // stopped): a stopped one lists the queue first, waited for as long as `wait` and at
         // least RELIST_WAIT.
@@ -126,6 +127,12 @@ impl Worker {
             _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
         }
         loop {
+            if !self
+                .wait_unpaused(deadline, &mut gone, &mut draining)
+                .await?
+            {
+                return Ok(None);
+            }
             changes.borrow_and_update();
             let picked = self.pick(queue);
             let turn = match picked {
@@ -170,6 +177,8 @@ impl Worker {
             tokio::select! {
                 () = &mut gone => return Ok(None),
                 _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
+                // Paused or resumed meanwhile: look again (the loop waits while paused).
+                _ = paused.changed() => {}
                 () = tokio::time::sleep_until(wake), if wake < deadline => {}
                 changed = changes.changed() => {
                     if changed.is_err() {
@@ -229,6 +238,10 @@ impl Worker {
                 // read the API server in a tight loop.
                 tokio::time::sleep(Duration::from_millis(10 << declined.min(4))).await;
             }
+            // A paused queue is not asked about; a resumed one at once.
+            if !self.wait_unpaused(deadline, gone, draining).await? {
+                return Ok(Dispatch::Nothing);
+            }
             let Some(address) = dispatched.usable() else {
                 return Ok(Dispatch::FallBack);
             };
@@ -250,6 +263,12 @@ impl Worker {
                 _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
             };
             let draining_now = *draining.borrow();
+            if self.paused_now() && !draining_now {
+                // Paused while the poll waited: the offer is given back, and not counted
+                // against the dispatcher (it may not have seen the pause yet).
+                dispatched.declined(&address, &hint.name).await;
+                continue;
+            }
             if !draining_now {
                 if let Some(claimed) = self.claim_hint(&hint).await? {
                     dispatched.answered(&address);
@@ -464,12 +483,16 @@ impl Worker {
     /// Claims `snapshot`. `Ok(None)` when it was stale (409) or is no longer claimable. In
     /// both cases, and when the claim succeeds, `snapshot` is marked tried: it is known stale.
     /// A write that failed or timed out is an error and marks nothing. `offered`: the job was
-    /// offered by the dispatcher (said in the log).
+    /// offered by the dispatcher (said in the log). `Ok(None)` too, with nothing written or
+    /// marked, when the queue was paused since the job was chosen ([`crate::paused`]).
     pub(crate) async fn try_claim(
         &self,
         snapshot: &LeasedJob,
         offered: bool,
     ) -> Result<Option<Claimed>, WorkerError> {
+        if self.paused_now() {
+            return Ok(None);
+        }
         let lease_duration = Duration::from_secs(
             u64::try_from(snapshot.spec.lease_duration_seconds.max(1)).unwrap_or(1),
         );

@@ -1,0 +1,42 @@
+//! A paused queue: no new claims ([`leasehold_core::queue`], docs/protocol.md "Flow
+//! control"). Every way a sidecar claims (the dispatcher's offer, its own list, its copy of
+//! the queue) waits here before it chooses, and [`Worker::paused_now`] is asked once more just
+//! before the claim's write, so that a pause seen meanwhile stops it: a claim whose write was
+//! sent before this sidecar saw the pause is the only one that lands after it, which bounds a
+//! pause's effect by the watch's delay (milliseconds; under a second).
+//!
+//! The pause is read from this sidecar's own watch of its LeasedQueue, never from the
+//! dispatcher: a dispatcher that offers a paused queue's job (stale or lying) gets it declined.
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::{Worker, WorkerError};
+
+impl Worker {
+    /// True while the queue's LeasedQueue pauses claims, or is not read yet.
+    pub fn paused_now(&self) -> bool {
+        *self.inner.paused.borrow() != Some(false)
+    }
+
+    /// Waits until claims of the queue may go on: `Ok(true)` at once when they may, or when
+    /// the queue is resumed; `Ok(false)` when `deadline` passes or the caller goes (`gone`)
+    /// first.
+    ///
+    /// # Errors
+    /// [`WorkerError::ShuttingDown`] once draining began.
+    pub(crate) async fn wait_unpaused(
+        &self,
+        deadline: Instant,
+        gone: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+        draining: &mut watch::Receiver<bool>,
+    ) -> Result<bool, WorkerError> {
+        let mut paused = self.inner.paused.clone();
+        tokio::select! {
+            running = paused.wait_for(|p| *p == Some(false)) => Ok(running.is_ok()),
+            () = gone.as_mut() => Ok(false),
+            _ = draining.wait_for(|d| *d) => Err(WorkerError::ShuttingDown),
+            () = tokio::time::sleep_until(deadline) => Ok(false),
+        }
+    }
+}
