@@ -190,6 +190,16 @@ impl Dispatcher {
         }
     }
 
+    /// Pauses or resumes `queue` (its LeasedQueue's spec.paused): its polls wake on a change,
+    /// so a resumed queue's waiting sidecars are offered its jobs at once.
+    pub fn set_paused(&self, queue: &QueueKey, paused: bool) {
+        if self.state.lock().unwrap().set_paused(queue, paused) {
+            if let Some(tx) = self.changes.lock().unwrap().get(queue) {
+                tx.send_modify(|n| *n += 1);
+            }
+        }
+    }
+
     /// `worker` could not claim the job `name` of `queue` it was offered: offer it to others.
     pub fn declined(&self, queue: &QueueKey, name: &str, worker: &str) {
         self.state.lock().unwrap().declined(queue, name, worker);

@@ -8,6 +8,7 @@
 //! - [`dispatch`]: the dispatcher, which offers waiting jobs to waiting workers;
 //! - [`crd_check`]: the start-up check that the installed CRD is up to date;
 //! - `expire`: the expiry look at one Leased job and its requeue;
+//! - `queues`: the LeasedQueue objects: their pause (told to the dispatcher), status, Events;
 //! - `report`: per-queue metrics and the Undecodable Events;
 //! - `transitions`: the Events and counts of the transitions seen (claims, completions, ...);
 //! - `workers`: the watches that keep the slim cache and queue jobs, and the workers that
@@ -49,6 +50,7 @@ pub mod crd_check;
 pub mod dispatch;
 mod expire;
 pub mod leader;
+mod queues;
 mod report;
 mod transitions;
 mod workers;
@@ -66,6 +68,7 @@ use leasehold_core::expiry::Observation;
 use leasehold_core::fence;
 use leasehold_core::job_cache::{JobCache, JobKey};
 use leasehold_core::lease;
+use leasehold_core::queue::LeasedQueue;
 use leasehold_core::Category;
 use leasehold_kube::api::{is_status, Clients};
 use leasehold_kube::events::{EventType, Note, Publisher, Reporter};
@@ -300,6 +303,10 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
     });
     let jobs_synced = watch::Synced::default();
     let job_stream = jobs_synced.track(job_stream);
+    let queue_objects: Api<LeasedQueue> = match &config.namespace {
+        Some(ns) => Api::namespaced(clients.watches.clone(), ns),
+        None => Api::all(clients.watches.clone()),
+    };
     let followers = [
         tokio::spawn(follow_jobs(
             job_stream,
@@ -315,6 +322,11 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
             let queue = Arc::clone(&queue);
             async move { queue.run_timer().await }
         }),
+        tokio::spawn(queues::run(
+            queue_objects,
+            Arc::clone(&ctx),
+            config.dispatch.as_ref().map(|d| Arc::clone(&d.dispatcher)),
+        )),
     ];
     let workers: Vec<_> = (0..RECONCILE_CONCURRENCY)
         .map(|_| tokio::spawn(work(Arc::clone(&queue), Arc::clone(&ctx))))

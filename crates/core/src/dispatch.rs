@@ -21,7 +21,7 @@
 //! Pure: the caller passes the time, and feeds the watch events of every job it sees with
 //! [`Dispatch::observe`] (the jobs of every queue of every namespace it watches).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
@@ -104,6 +104,9 @@ pub struct Dispatch {
     /// Whether a list has ended once: before that the view is not the API server's, and
     /// nothing is offered from it.
     listed: bool,
+    /// Queues whose LeasedQueue pauses claims: nothing of theirs is offered
+    /// ([`crate::queue`]).
+    paused: HashSet<QueueKey>,
 }
 
 impl Dispatch {
@@ -183,6 +186,9 @@ impl Dispatch {
     /// claimed. (An offer whose answer was lost lapses after [`OFFER_TTL_MS`].) `None` when
     /// every claimable job stands offered, or none is claimable.
     pub fn offer(&mut self, queue: &QueueKey, worker: &str, now: Timestamp) -> Option<Hint> {
+        if self.paused.contains(queue) {
+            return None;
+        }
         let view = self.queues.get_mut(queue)?;
         let offers = &view.offers;
         let taken = |name: &str, _rv: &str| offers.get(name).is_some_and(|o| o.until > now);
@@ -218,6 +224,9 @@ impl Dispatch {
     /// when an offer to another worker lapses. New jobs are not foreseen: the caller wakes its
     /// waiting workers on every change of the queue.
     pub fn next_offer_at(&self, queue: &QueueKey, now: Timestamp) -> Option<Timestamp> {
+        if self.paused.contains(queue) {
+            return None;
+        }
         let view = self.queues.get(queue)?;
         let lapse = view
             .offers
@@ -228,6 +237,18 @@ impl Dispatch {
         match (view.index.next_claimable_at(now), lapse) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
+        }
+    }
+
+    /// Pauses (`true`) or resumes `queue`: while paused nothing of it is offered, and
+    /// [`Dispatch::next_offer_at`] foresees nothing (its polls wait for the resume). True when
+    /// that changed the queue's state. The sidecars read the pause themselves too: this only
+    /// spares them offers they would decline.
+    pub fn set_paused(&mut self, queue: &QueueKey, paused: bool) -> bool {
+        if paused {
+            self.paused.insert(queue.clone())
+        } else {
+            self.paused.remove(queue)
         }
     }
 
@@ -309,6 +330,21 @@ mod tests {
         // before the claim has come through the watch.
         assert_eq!(d.offer(&q("ns"), "w2", now), None);
         assert_eq!(d.next_offer_at(&q("ns"), now), Some(at_ms(12_000)));
+    }
+
+    #[test]
+    fn a_paused_queue_offers_nothing_until_resumed_and_other_queues_go_on() {
+        let mut d = Dispatch::new();
+        d.observe(Change::Applied(&job("ns", "a", 0, 1, Phase::Queued)));
+        d.observe(Change::Applied(&job("other", "b", 0, 1, Phase::Queued)));
+        let now = at_ms(10_000);
+        assert!(d.set_paused(&q("ns"), true));
+        assert!(!d.set_paused(&q("ns"), true), "already paused");
+        assert_eq!(d.offer(&q("ns"), "w1", now), None);
+        assert_eq!(d.next_offer_at(&q("ns"), now), None);
+        assert_eq!(names(d.offer(&q("other"), "w2", now)), Some("b".into()));
+        assert!(d.set_paused(&q("ns"), false));
+        assert_eq!(names(d.offer(&q("ns"), "w1", now)), Some("a".into()));
     }
 
     #[test]

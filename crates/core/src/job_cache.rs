@@ -169,6 +169,11 @@ impl JobRecord {
         }
     }
 
+    /// metadata.creationTimestamp.
+    pub fn created(&self) -> Option<&Time> {
+        self.created.as_ref()
+    }
+
     /// status.claimedTime.
     pub fn claimed_time(&self) -> Option<&Time> {
         match &self.status {

@@ -52,6 +52,19 @@ pub struct QueueLabel {
     pub queue: String,
 }
 
+/// Labels of the gauges of one LeasedQueue object (its namespace matters: two namespaces may
+/// each have a queue of one name, one paused and one not). Their number is that of the
+/// LeasedQueue objects, which operators create, never of jobs or keys. The namespace's label
+/// is `queue_namespace`, not `namespace`, which Prometheus' Kubernetes discovery sets to the
+/// scraped pod's.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueObjectLabels {
+    /// The LeasedQueue's namespace.
+    pub queue_namespace: String,
+    /// Its name: the queue's.
+    pub queue: String,
+}
+
 /// Labels of `leasehold_attempts_ended_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
@@ -95,6 +108,13 @@ pub struct ControllerMetrics {
     /// shows (standbys too), so aggregate replicas with `max`, not `sum`; an attempt that began
     /// and ended while no replica watched is not counted.
     pub attempts_ended: Family<OutcomeLabels, Counter>,
+    /// `leasehold_queue_paused{queue_namespace,queue}`: 1 while the LeasedQueue's spec.paused is
+    /// true, else 0; one series per LeasedQueue object (a queue without one has none).
+    pub queue_paused: Family<QueueObjectLabels, Gauge>,
+    /// `leasehold_queue_paused_seconds{queue_namespace,queue}`: seconds since the LeasedQueue's
+    /// status.pausedTime (when the leading controller saw the pause), by the controller's wall
+    /// clock; 0 while it is not paused. The alert "paused for long" is written on it.
+    pub queue_paused_seconds: Family<QueueObjectLabels, SecondsGauge>,
 }
 
 impl ControllerMetrics {
@@ -105,6 +125,8 @@ impl ControllerMetrics {
             oldest_attempt_seconds: Family::default(),
             lease_overdue_seconds: Family::default(),
             attempts_ended: Family::default(),
+            queue_paused: Family::default(),
+            queue_paused_seconds: Family::default(),
         }
     }
 
@@ -133,6 +155,16 @@ impl ControllerMetrics {
             "attempts_ended",
             "Attempts seen ending, by queue and outcome",
             self.attempts_ended.clone(),
+        );
+        registry.register(
+            "queue_paused",
+            "1 while the LeasedQueue pauses new claims, else 0",
+            self.queue_paused.clone(),
+        );
+        registry.register(
+            "queue_paused_seconds",
+            "Seconds since the LeasedQueue was paused; 0 while it is not",
+            self.queue_paused_seconds.clone(),
         );
     }
 }

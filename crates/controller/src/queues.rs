@@ -1,0 +1,272 @@
+//! The LeasedQueue objects ([`leasehold_core::queue`]): the controller follows every one it
+//! can see, tells the dispatcher which queues are paused, and, while this replica leads,
+//! writes each one's status (jobs queued and leased, the oldest queued job, the pause) and an
+//! Event `Paused` or `Resumed` when its pause changes.
+//!
+//! Status writes: when a pause changes, at once; otherwise when the counts changed, at most
+//! every [`STATUS_EVERY`] per queue, so that a busy queue costs the API server one write every
+//! few seconds, not one per job. A queue with no LeasedQueue costs nothing.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Resource, ResourceExt};
+use serde_json::json;
+use tokio::sync::Notify;
+use tracing::{info, warn};
+
+use super::Context;
+use crate::dispatch::Dispatcher;
+use leasehold_core::dispatch::QueueKey;
+use leasehold_core::queue::{self, LeasedQueue, LeasedQueueStatus, Member, Transition};
+use leasehold_core::Category;
+use leasehold_kube::events::{EventType, Note};
+use leasehold_kube::recorder::Recorder;
+use leasehold_metrics::QueueObjectLabels;
+
+/// How often the leader looks at every LeasedQueue's counts (and writes those that changed).
+pub const STATUS_EVERY: Duration = Duration::from_secs(2);
+
+/// Follows the LeasedQueues `api` sees (the controller's namespace, or all) and keeps their
+/// statuses while this replica leads; `dispatcher` is told which queues are paused. Runs
+/// until dropped.
+pub(super) async fn run(
+    api: Api<LeasedQueue>,
+    ctx: Arc<Context>,
+    dispatcher: Option<Arc<Dispatcher>>,
+) {
+    let (store, writer) = reflector::store();
+    let due = Arc::new(Notify::new());
+    let follow = follow(
+        api,
+        store.clone(),
+        writer,
+        Arc::clone(&ctx),
+        dispatcher,
+        Arc::clone(&due),
+    );
+    let report = report(store, ctx, due);
+    tokio::join!(follow, report);
+}
+
+/// Keeps `writer`'s store from the watch, the dispatcher's paused queues from it, and
+/// notifies `due` when a queue's pause differs from what its status reports.
+async fn follow(
+    api: Api<LeasedQueue>,
+    store: Store<LeasedQueue>,
+    writer: reflector::store::Writer<LeasedQueue>,
+    ctx: Arc<Context>,
+    dispatcher: Option<Arc<Dispatcher>>,
+    due: Arc<Notify>,
+) {
+    let metrics = Arc::clone(&ctx.metrics) as Arc<dyn Recorder>;
+    let stream = leasehold_kube::watch::watch(&api, watcher::Config::default(), metrics, |_| {})
+        .reflect(writer);
+    let mut stream = std::pin::pin!(stream);
+    // The queues the dispatcher was told are paused.
+    let mut paused: HashSet<QueueKey> = HashSet::new();
+    let mut warned = false;
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(watcher::Event::Apply(q)) | Ok(watcher::Event::InitApply(q)) => {
+                if queue::transition(&q).is_some() {
+                    due.notify_one();
+                }
+            }
+            Ok(watcher::Event::Delete(_) | watcher::Event::Init) => {}
+            Ok(watcher::Event::InitDone) => due.notify_one(),
+            Err(e) => {
+                match leasehold_kube::queue_object::unreadable(&e) {
+                    Some(code) if !warned => {
+                        warned = true;
+                        warn!(code, "The LeasedQueue API cannot be read (404: its CRD is not installed, see `leasehold crd`; 403: the controller's ClusterRole lacks leasedqueues): queues cannot be paused until it can be; retrying");
+                    }
+                    Some(_) => {}
+                    None => leasehold_kube::watch::log_error("LeasedQueue", &e),
+                }
+                continue;
+            }
+        }
+        // The store holds the event now: the paused set follows it whole, so that a queue
+        // deleted (or missed during a re-list) is resumed too.
+        let now: HashSet<QueueKey> = store
+            .state()
+            .iter()
+            .filter(|q| q.is_paused())
+            .filter_map(|q| key_of(q))
+            .collect();
+        if let Some(dispatcher) = &dispatcher {
+            for resumed in paused.difference(&now) {
+                dispatcher.set_paused(resumed, false);
+            }
+            for newly in now.difference(&paused) {
+                dispatcher.set_paused(newly, true);
+            }
+        }
+        paused = now;
+    }
+}
+
+/// The queue a LeasedQueue names: its namespace and name.
+fn key_of(q: &LeasedQueue) -> Option<QueueKey> {
+    Some(QueueKey {
+        namespace: q.namespace()?,
+        queue: q.name_any(),
+    })
+}
+
+/// Every [`STATUS_EVERY`], or when `due`, writes the statuses that changed (while this replica
+/// leads) and sets the per-queue metrics.
+async fn report(store: Store<LeasedQueue>, ctx: Arc<Context>, due: Arc<Notify>) {
+    let mut reported: HashSet<QueueObjectLabels> = HashSet::new();
+    loop {
+        tokio::select! {
+            () = due.notified() => {}
+            () = tokio::time::sleep(STATUS_EVERY) => {}
+        }
+        let queues = store.state();
+        let now = Timestamp::now();
+        let statuses = statuses(&ctx, &queues, now);
+        reported = set_metrics(&ctx, &queues, &statuses, now, reported);
+        if !ctx.leadership.is_leader() {
+            continue;
+        }
+        for (q, status) in queues.iter().zip(statuses) {
+            if q.status.as_ref() != Some(&status) {
+                write_status(&ctx, q, &status).await;
+            }
+        }
+    }
+}
+
+/// The status each of `queues` should have, from the controller's cache of jobs: one pass
+/// over the jobs, counting those of the queues that have a LeasedQueue.
+fn statuses(ctx: &Context, queues: &[Arc<LeasedQueue>], now: Timestamp) -> Vec<LeasedQueueStatus> {
+    let index: HashMap<(String, String), usize> = queues
+        .iter()
+        .enumerate()
+        .filter_map(|(i, q)| Some(((q.namespace()?, q.name_any()), i)))
+        .collect();
+    let jobs = ctx.jobs.lock().unwrap();
+    let mut members: Vec<Vec<Member<'_>>> = vec![Vec::new(); queues.len()];
+    if !index.is_empty() {
+        for (key, record) in jobs.records() {
+            let wanted = (key.namespace.to_string(), record.queue().to_string());
+            if let Some(&i) = index.get(&wanted) {
+                members[i].push(Member {
+                    phase: record.phase(),
+                    created: record.created(),
+                });
+            }
+        }
+    }
+    queues
+        .iter()
+        .zip(members)
+        .map(|(q, m)| queue::status_of(q, m, now))
+        .collect()
+}
+
+/// Sets `leasehold_queue_paused` and `leasehold_queue_paused_seconds` for every queue, and
+/// removes the series of queues gone since `before`. Returns the label sets set.
+fn set_metrics(
+    ctx: &Context,
+    queues: &[Arc<LeasedQueue>],
+    statuses: &[LeasedQueueStatus],
+    now: Timestamp,
+    before: HashSet<QueueObjectLabels>,
+) -> HashSet<QueueObjectLabels> {
+    let gauges = &ctx.metrics.controller;
+    let mut set = HashSet::new();
+    for (q, status) in queues.iter().zip(statuses) {
+        let labels = QueueObjectLabels {
+            queue_namespace: q.namespace().unwrap_or_default(),
+            queue: q.name_any(),
+        };
+        // The status as written, or as about to be: pausedTime is kept across failovers.
+        let since = q
+            .status
+            .as_ref()
+            .and_then(|s| s.paused_time.clone())
+            .or_else(|| status.paused_time.clone());
+        let seconds = match (q.is_paused(), since) {
+            (true, Some(t)) => now.duration_since(t.0).as_secs_f64().max(0.0),
+            _ => 0.0,
+        };
+        gauges
+            .queue_paused
+            .get_or_create(&labels)
+            .set(i64::from(q.is_paused()));
+        gauges
+            .queue_paused_seconds
+            .get_or_create(&labels)
+            .set(seconds);
+        set.insert(labels);
+    }
+    for gone in before.difference(&set) {
+        gauges.queue_paused.remove(gone);
+        gauges.queue_paused_seconds.remove(gone);
+    }
+    set
+}
+
+/// Writes `status` on `q` (a merge patch of the status subresource, absent times as null),
+/// then, if its pause changed, the Event that says so. Failures are logged; the next pass
+/// tries again.
+async fn write_status(ctx: &Context, q: &LeasedQueue, status: &LeasedQueueStatus) {
+    let Some(ns) = q.namespace() else { return };
+    let api: Api<LeasedQueue> = Api::namespaced(ctx.client.clone(), &ns);
+    let patch = json!({
+        "status": {
+            "queued": status.queued,
+            "leased": status.leased,
+            "oldestQueuedTime": status.oldest_queued_time,
+            "paused": status.paused,
+            "pausedTime": status.paused_time,
+            "observedGeneration": status.observed_generation,
+        }
+    });
+    let params = PatchParams {
+        field_manager: Some(ctx.field_manager.clone()),
+        ..PatchParams::default()
+    };
+    let name = q.name_any();
+    if let Err(e) = api
+        .patch_status(&name, &params, &Patch::Merge(&patch))
+        .await
+    {
+        if !leasehold_kube::api::is_status(&e, 404) {
+            warn!(queue = %format!("{ns}/{name}"), error = %leasehold_kube::api::error_chain(&e), "Writing the status of LeasedQueue {ns}/{name} failed; retrying in {STATUS_EVERY:?}");
+        }
+        return;
+    }
+    let Some(transition) = queue::transition(q) else {
+        return;
+    };
+    info!(queue = %format!("{ns}/{name}"), "Queue {}", transition.reason().to_lowercase());
+    let text = match transition {
+        Transition::Paused => format!(
+            "Queue {name} paused: no new claims of its jobs; the {} Leased go on ({} queued)",
+            status.leased, status.queued
+        ),
+        Transition::Resumed => format!(
+            "Queue {name} resumed: claims of its {} queued jobs go on",
+            status.queued
+        ),
+    };
+    let note = Note {
+        type_: EventType::Normal,
+        reason: transition.reason().into(),
+        action: transition.reason().into(),
+        text,
+    };
+    if let Err(e) = ctx.events.publish(&q.object_ref(&()), &note).await {
+        warn!(queue = %format!("{ns}/{name}"), category = e.category(), error = %leasehold_kube::api::error_chain(&e), "Recording Event {} on LeasedQueue {ns}/{name} failed", transition.reason());
+    }
+}
