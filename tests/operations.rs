@@ -15,7 +15,7 @@ use serde_json::json;
 
 /// Every metric the tests below prove to move when what it counts happens. Adding a metric
 /// means adding it here, to docs/protocol.md, and to a test that moves it.
-const MOVED: [&str; 17] = [
+const MOVED: [&str; 19] = [
     "leasehold_jobs",
     "leasehold_lease_expiries_total",
     "leasehold_leader",
@@ -37,6 +37,9 @@ const MOVED: [&str; 17] = [
     "leasehold_queue_watch_stops_total",
     // Moved by tests/dispatch.rs: claims offered by the dispatcher, and not.
     "leasehold_claims_offered_total",
+    // Moved by tests/queues.rs: a queue paused and resumed.
+    "leasehold_queue_paused",
+    "leasehold_queue_paused_seconds",
 ];
 
 async fn metrics_of(port: u16) -> String {

@@ -1,4 +1,4 @@
-//! The kubectl plugin's subcommands (`kubectl leasehold get|retry|cancel`).
+//! The kubectl plugin's subcommands (`kubectl leasehold get|retry|cancel|pause|resume`).
 
 use leasehold_core::crd;
 
@@ -41,6 +41,17 @@ pub struct CancelArgs {
     /// The job's name.
     name: String,
     /// Namespace of the job (default: the kubeconfig's).
+    #[arg(short = 'n', long)]
+    namespace: Option<String>,
+}
+
+/// Stop new claims of a queue: set spec.paused of its LeasedQueue, creating it if need be
+/// (`kubectl leasehold pause`); `resume` lets them go on. Jobs already Leased are not touched.
+#[derive(clap::Args)]
+pub struct QueueArgs {
+    /// The queue's name (the jobs' spec.queue).
+    queue: String,
+    /// Namespace of the queue (default: the kubeconfig's).
     #[arg(short = 'n', long)]
     namespace: Option<String>,
 }
@@ -124,6 +135,28 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<()> {
             "LeasedJob {} cancel requested ({phase}): the controller ends it now",
             job.reference()
         ),
+    }
+    Ok(())
+}
+
+/// Pauses (`paused`) or resumes a queue and says what that means.
+///
+/// # Errors
+/// Bad flags, an unreachable API server, or the API server's refusal, with the queue named.
+pub async fn set_paused(args: QueueArgs, paused: bool) -> anyhow::Result<()> {
+    let QueueArgs { queue, namespace } = args;
+    let clients = clients().await?;
+    let ns = namespace_or_default(&clients, namespace)?;
+    match plugin::queue::set_paused(&clients, &ns, &queue, paused).await? {
+        plugin::queue::Outcome::NoObject => println!(
+            "Queue {ns}/{queue} has no LeasedQueue: it is not paused; nothing was written"
+        ),
+        plugin::queue::Outcome::Written(_) if paused => println!(
+            "Queue {ns}/{queue} paused: no new claims within a second; Leased jobs go on (`kubectl get lq {queue} -n {ns}`)"
+        ),
+        plugin::queue::Outcome::Written(_) => {
+            println!("Queue {ns}/{queue} resumed: claims go on within a second")
+        }
     }
     Ok(())
 }

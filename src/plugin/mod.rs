@@ -7,10 +7,12 @@
 //! - `retry` gives a Failed or Cancelled job a new attempt, keeping its history
 //!   ([`retry`](fn@retry)).
 //! - `cancel` sets spec.cancel; the controller ends the job (docs/protocol.md).
+//! - `pause` and `resume` set spec.paused of a queue's LeasedQueue ([`queue`]).
 //!
 //! This module does the reads and writes; what is printed ([`view`]) and what a retry writes
 //! ([`retry`](fn@retry)) are pure functions beside it.
 
+pub mod queue;
 pub mod retry;
 pub mod view;
 

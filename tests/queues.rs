@@ -1,0 +1,268 @@
+//! Queues as objects (LeasedQueue) against the real control plane: a pause stops new claims
+//! within a second, through the dispatcher and without it, and a resume starts them within a
+//! second; the pause is read by each sidecar itself, so a dispatcher that offers a paused
+//! queue's job is not even asked; the controller reports the queue in its status, metrics and
+//! Events; bad LeasedQueues are refused at admission naming the field and the rule.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{ListParams, PostParams};
+use kube::Api;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::queue::LeasedQueue;
+use leasehold_testkit::*;
+use serde_json::json;
+
+const ADVERT_LEASE: &str = "leasehold-dispatcher";
+const ADDRESS: &str = "leasehold.dev/dispatcher-address";
+
+/// `kubectl leasehold pause|resume QUEUE -n NS` (the binary, as the plugin runs it).
+fn plugin(verb: &str, queue: &str, ns: &str) -> String {
+    let (ok, out) = run(&leasehold_bin(), &[verb, queue, "-n", ns], "", &[]);
+    assert!(ok, "leasehold {verb} {queue}: {out}");
+    out
+}
+
+async fn create(client: &kube::Client, ns: &str, name: &str) {
+    create_job(
+        client,
+        ns,
+        json!({"metadata": {"name": name}, "spec": {"queue": "q", "payload": {"n": name}}}),
+    )
+    .await;
+}
+
+/// The reasons of the Events regarding LeasedQueue `name`.
+async fn queue_events(client: &kube::Client, ns: &str, name: &str) -> Vec<String> {
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    let list = events.list(&ListParams::default()).await.unwrap();
+    list.items
+        .into_iter()
+        .filter(|e| {
+            e.regarding.as_ref().is_some_and(|r| {
+                r.kind.as_deref() == Some("LeasedQueue") && r.name.as_deref() == Some(name)
+            })
+        })
+        .filter_map(|e| e.reason)
+        .collect()
+}
+
+async fn address_advertised(client: &kube::Client, ns: &str) {
+    let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
+    wait_for(
+        "a dispatcher advertised",
+        Duration::from_secs(30),
+        || async {
+            let lease = leases.get_opt(ADVERT_LEASE).await.ok()??;
+            lease.metadata.annotations?.get(ADDRESS).map(|_| ())
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_pause_stops_claims_within_a_second_and_a_resume_starts_them_within_a_second() {
+    let Fixture { client, ns } = fixture!("queue-pause");
+    let controller = controller(&ns.name);
+    let ctl_port = controller.port.unwrap();
+    address_advertised(&client, &ns.name).await;
+    let token = dispatch_token_file(&ns.name);
+    // One sidecar claims through the dispatcher, the other from its own copy of the queue.
+    let dispatched = Sidecar::start(
+        &ns.name,
+        "q",
+        "pod-d",
+        &["--dispatch-token-file", token.to_str().unwrap()],
+    )
+    .await;
+    let watching = Sidecar::start(&ns.name, "q", "pod-w", &[]).await;
+
+    let out = plugin("pause", "q", &ns.name);
+    assert!(out.contains("paused"), "{out}");
+    let paused_at = Instant::now();
+    let claims: Vec<_> = [dispatched, watching]
+        .into_iter()
+        .map(|sidecar| {
+            tokio::spawn(async move {
+                let answer = sidecar.claim(30).await;
+                (answer, Instant::now(), sidecar)
+            })
+        })
+        .collect();
+    // Jobs created a second after the pause are not claimed, however long they wait.
+    tokio::time::sleep(Duration::from_secs(1).saturating_sub(paused_at.elapsed())).await;
+    for name in ["a", "b"] {
+        create(&client, &ns.name, name).await;
+    }
+    let queues: Api<LeasedQueue> = Api::namespaced(client.clone(), &ns.name);
+    let status = wait_for("the queue's status", Duration::from_secs(10), || async {
+        let status = queues.get("q").await.ok()?.status?;
+        (status.paused && status.queued == 2).then_some(status)
+    })
+    .await;
+    assert!(status.paused_time.is_some(), "{status:?}");
+    assert_eq!(status.leased, 0);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        claims.iter().all(|c| !c.is_finished()),
+        "a claim was answered while the queue was paused"
+    );
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    for name in ["a", "b"] {
+        assert_eq!(jobs.get(name).await.unwrap().phase(), Phase::Queued);
+    }
+    let m = http_get(ctl_port, "/metrics").await.unwrap().1;
+    let labels = format!("{{queue_namespace=\"{}\",queue=\"q\"}}", ns.name);
+    assert_eq!(
+        sample(&m, &format!("leasehold_queue_paused{labels}")),
+        Some(1.0)
+    );
+    let paused_for = sample(&m, &format!("leasehold_queue_paused_seconds{labels}")).unwrap();
+    assert!(paused_for >= 2.0, "paused for {paused_for} s");
+    assert_eq!(queue_events(&client, &ns.name, "q").await, vec!["Paused"]);
+
+    let out = plugin("resume", "q", &ns.name);
+    assert!(out.contains("resumed"), "{out}");
+    let resumed_at = Instant::now();
+    let mut claimed = Vec::new();
+    for claim in claims {
+        let ((status, answer), at, _sidecar) = claim.await.unwrap();
+        assert_eq!(status, 200, "{answer}");
+        let after = at.duration_since(resumed_at);
+        eprintln!("{} claimed {after:?} after the resume", answer["name"]);
+        assert!(
+            after < Duration::from_secs(1),
+            "claimed {after:?} after the resume"
+        );
+        claimed.push(answer["name"].as_str().unwrap().to_string());
+    }
+    claimed.sort();
+    assert_eq!(claimed, ["a", "b"]);
+    wait_for(
+        "the Resumed Event and status",
+        Duration::from_secs(10),
+        || async {
+            let status = queues.get("q").await.ok()?.status?;
+            let events = queue_events(&client, &ns.name, "q").await;
+            (!status.paused
+                && status.paused_time.is_none()
+                && status.leased == 2
+                && events.contains(&"Resumed".to_string()))
+            .then_some(())
+        },
+    )
+    .await;
+    let m = http_get(ctl_port, "/metrics").await.unwrap().1;
+    assert_eq!(
+        sample(&m, &format!("leasehold_queue_paused{labels}")),
+        Some(0.0)
+    );
+    assert_eq!(
+        sample(&m, &format!("leasehold_queue_paused_seconds{labels}")),
+        Some(0.0)
+    );
+}
+
+#[tokio::test]
+async fn a_paused_queue_is_not_asked_of_a_dispatcher_even_one_that_offers_it() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let Fixture { client, ns } = fixture!("queue-pause-liar");
+    let _controller = controller_with(&ns.name, "test-controller", &["--dispatch", "false"]);
+    plugin("pause", "q", &ns.name);
+    create(&client, &ns.name, "j").await;
+    // A dispatcher that offers the job whoever asks, paused or not.
+    let polls = Arc::new(AtomicUsize::new(0));
+    let router = {
+        let polls = Arc::clone(&polls);
+        axum::Router::new().route(
+            "/v1/dispatch/poll",
+            axum::routing::post(move || {
+                polls.fetch_add(1, Ordering::SeqCst);
+                async { axum::Json(json!({"name": "j", "resourceVersion": "1"})) }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    let advert: Lease = serde_json::from_value(json!({
+        "metadata": {"name": ADVERT_LEASE, "annotations": {ADDRESS: address}},
+        "spec": {"holderIdentity": "liar"},
+    }))
+    .unwrap();
+    leases
+        .create(&PostParams::default(), &advert)
+        .await
+        .unwrap();
+    let token = log_dir().join(format!("{}-any-token", ns.name));
+    std::fs::write(&token, "anything").unwrap();
+    let sidecar = Sidecar::start(
+        &ns.name,
+        "q",
+        "pod-0",
+        &["--dispatch-token-file", token.to_str().unwrap()],
+    )
+    .await;
+    let (status, answer) = sidecar.claim(2).await;
+    assert_eq!(status, 204, "nothing claimed from a paused queue: {answer}");
+    assert_eq!(polls.load(Ordering::SeqCst), 0, "the dispatcher was asked");
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    assert_eq!(jobs.get("j").await.unwrap().phase(), Phase::Queued);
+    plugin("resume", "q", &ns.name);
+    let (claimed, _token) = sidecar.claim_ok(10).await;
+    assert_eq!(claimed["name"], "j");
+    assert!(polls.load(Ordering::SeqCst) >= 1, "asked once resumed");
+}
+
+#[tokio::test]
+async fn bad_leased_queues_are_refused_naming_the_field_and_the_rule() {
+    let Fixture { client, ns } = fixture!("queue-bad");
+    let manifest = |name: &str, spec: &str| {
+        format!("apiVersion: leasehold.dev/v1alpha1\nkind: LeasedQueue\nmetadata:\n  name: {name}\n  namespace: {}\nspec:\n{spec}\n", ns.name)
+    };
+    let cases = [
+        ("typed", manifest("q", "  paused: \"yes\""), "spec.paused"),
+        (
+            "a name that is no queue's",
+            manifest("a.b", "  paused: true"),
+            "metadata.name is the queue's name",
+        ),
+        (
+            "an unknown field",
+            manifest("q", "  pasued: true"),
+            "unknown field \"spec.pasued\"",
+        ),
+    ];
+    for (what, yaml, wanted) in cases {
+        let (ok, out) = kubectl(&["apply", "-f", "-"], &yaml);
+        assert!(!ok, "{what} was accepted: {out}");
+        assert!(
+            out.contains(wanted),
+            "{what}: {out:?} does not name {wanted:?}"
+        );
+    }
+    // Nothing was half-written.
+    let queues: Api<LeasedQueue> = Api::namespaced(client.clone(), &ns.name);
+    assert!(queues
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .is_empty());
+    // Resuming a queue that has no LeasedQueue writes nothing.
+    let out = plugin("resume", "q", &ns.name);
+    assert!(out.contains("has no LeasedQueue"), "{out}");
+    assert!(queues.get_opt("q").await.unwrap().is_none());
+    // A good one is shown by `kubectl get lq`.
+    let (ok, out) = kubectl(&["apply", "-f", "-"], &manifest("q", "  paused: true"));
+    assert!(ok, "{out}");
+    let (ok, out) = kubectl(&["get", "lq", "-n", &ns.name], "");
+    assert!(
+        ok && out.contains("PAUSED") && out.contains("true"),
+        "{out}"
+    );
+}
