@@ -232,6 +232,11 @@ async fn bad_leased_queues_are_refused_naming_the_field_and_the_rule() {
             "metadata.name is the queue's name",
         ),
         (
+            "a weight of 0",
+            manifest("q", "  weights: {tenant-a: 0}"),
+            "spec.weights.tenant-a",
+        ),
+        (
             "an unknown field",
             manifest("q", "  pasued: true"),
             "unknown field \"spec.pasued\"",
@@ -245,6 +250,31 @@ async fn bad_leased_queues_are_refused_naming_the_field_and_the_rule() {
             "{what}: {out:?} does not name {wanted:?}"
         );
     }
+    // A job's concurrency key is fixed once it exists.
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "keyed"}, "spec": {"queue": "q", "concurrencyKey": "a"}}),
+    )
+    .await;
+    let (ok, out) = kubectl(
+        &[
+            "patch",
+            "ljob",
+            "keyed",
+            "-n",
+            &ns.name,
+            "--type",
+            "merge",
+            "-p",
+            r#"{"spec":{"concurrencyKey":"b"}}"#,
+        ],
+        "",
+    );
+    assert!(
+        !ok && out.contains("spec.concurrencyKey is immutable"),
+        "{out}"
+    );
     // Nothing was half-written.
     let queues: Api<LeasedQueue> = Api::namespaced(client.clone(), &ns.name);
     assert!(queues
@@ -265,4 +295,66 @@ async fn bad_leased_queues_are_refused_naming_the_field_and_the_rule() {
         ok && out.contains("PAUSED") && out.contains("true"),
         "{out}"
     );
+}
+
+#[tokio::test]
+async fn a_key_with_ten_jobs_is_not_stuck_behind_a_key_with_a_thousand() {
+    use futures::StreamExt;
+    let Fixture { client, ns } = fixture!("queue-fair");
+    let _controller = controller(&ns.name);
+    address_advertised(&client, &ns.name).await;
+    // Key a's 1,000 jobs are all older than key b's 10.
+    let jobs: Vec<(String, &str)> = (0..1000)
+        .map(|i| (format!("a-{i:04}"), "a"))
+        .chain((0..10).map(|i| (format!("b-{i:02}"), "b")))
+        .collect();
+    for chunk in jobs.chunks(500) {
+        futures::stream::iter(chunk)
+            .for_each_concurrent(16, |(name, key)| {
+                let (client, ns) = (client.clone(), ns.name.clone());
+                async move {
+                    create_job(
+                        &client,
+                        &ns,
+                        json!({"metadata": {"name": name},
+                               "spec": {"queue": "q", "concurrencyKey": key}}),
+                    )
+                    .await;
+                }
+            })
+            .await;
+    }
+    let api: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let queued = ListParams::default().fields("status.phase=Queued");
+    wait_for("1,010 jobs Queued", Duration::from_secs(60), || async {
+        (api.list_metadata(&queued).await.ok()?.items.len() == 1010).then_some(())
+    })
+    .await;
+    let token = dispatch_token_file(&ns.name);
+    let sidecar = Sidecar::start(
+        &ns.name,
+        "q",
+        "pod-0",
+        &["--dispatch-token-file", token.to_str().unwrap()],
+    )
+    .await;
+    let mut claimed = Vec::new();
+    for _ in 0..24 {
+        let (claim, token) = sidecar.claim_ok(10).await;
+        let name = claim["name"].as_str().unwrap().to_string();
+        let (status, body) = sidecar.complete(&name, &token, json!("done")).await;
+        assert_eq!(status, 200, "{body}");
+        claimed.push(name);
+    }
+    let keys: String = claimed.iter().map(|n| &n[..1]).collect();
+    assert_eq!(
+        keys,
+        format!("{}aaaa", "ab".repeat(10)),
+        "the keys take turns until b has no job left: {claimed:?}"
+    );
+    // Within a key, claim order: oldest first.
+    let b: Vec<&String> = claimed.iter().filter(|n| n.starts_with('b')).collect();
+    let mut sorted = b.clone();
+    sorted.sort();
+    assert_eq!(b, sorted);
 }

@@ -200,6 +200,11 @@ impl Dispatcher {
         }
     }
 
+    /// Sets the weights of `queue`'s concurrency keys (its LeasedQueue's spec.weights).
+    pub fn set_weights(&self, queue: &QueueKey, weights: std::collections::BTreeMap<String, i32>) {
+        self.state.lock().unwrap().set_weights(queue, weights);
+    }
+
     /// `worker` could not claim the job `name` of `queue` it was offered: offer it to others.
     pub fn declined(&self, queue: &QueueKey, name: &str, worker: &str) {
         self.state.lock().unwrap().declined(queue, name, worker);

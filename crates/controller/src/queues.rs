@@ -1,5 +1,5 @@
 //! The LeasedQueue objects ([`leasehold_core::queue`]): the controller follows every one it
-//! can see, tells the dispatcher which queues are paused, and, while this replica leads,
+//! can see, tells the dispatcher which queues are paused and how their keys share, and, while this replica leads,
 //! writes each one's status (jobs queued and leased, the oldest queued job, the pause) and an
 //! Event `Paused` or `Resumed` when its pause changes.
 //!
@@ -69,8 +69,9 @@ async fn follow(
     let stream = leasehold_kube::watch::watch(&api, watcher::Config::default(), metrics, |_| {})
         .reflect(writer);
     let mut stream = std::pin::pin!(stream);
-    // The queues the dispatcher was told are paused.
+    // The queues the dispatcher was told are paused, and have weights.
     let mut paused: HashSet<QueueKey> = HashSet::new();
+    let mut weighted: HashSet<QueueKey> = HashSet::new();
     let mut warned = false;
     while let Some(event) = stream.next().await {
         match event {
@@ -93,13 +94,18 @@ async fn follow(
                 continue;
             }
         }
-        // The store holds the event now: the paused set follows it whole, so that a queue
-        // deleted (or missed during a re-list) is resumed too.
-        let now: HashSet<QueueKey> = store
-            .state()
+        // The store holds the event now: the paused set and the weights follow it whole, so
+        // that a queue deleted (or missed during a re-list) is resumed and unweighted too.
+        let queues = store.state();
+        let now: HashSet<QueueKey> = queues
             .iter()
             .filter(|q| q.is_paused())
             .filter_map(|q| key_of(q))
+            .collect();
+        let weights: HashMap<QueueKey, _> = queues
+            .iter()
+            .filter(|q| !q.spec.weights.is_empty())
+            .filter_map(|q| Some((key_of(q)?, q.spec.weights.clone())))
             .collect();
         if let Some(dispatcher) = &dispatcher {
             for resumed in paused.difference(&now) {
@@ -108,8 +114,15 @@ async fn follow(
             for newly in now.difference(&paused) {
                 dispatcher.set_paused(newly, true);
             }
+            for gone in weighted.iter().filter(|k| !weights.contains_key(*k)) {
+                dispatcher.set_weights(gone, Default::default());
+            }
+            for (key, w) in &weights {
+                dispatcher.set_weights(key, w.clone());
+            }
         }
         paused = now;
+        weighted = weights.into_keys().collect();
     }
 }
 

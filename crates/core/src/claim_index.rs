@@ -29,8 +29,10 @@ use crate::crd::{LeasedJob, Phase};
 use crate::share;
 
 /// Where a job stands among the claimable: highest priority first, then oldest, then by name.
+/// Compared across the indexes of one queue's concurrency keys by the dispatcher
+/// ([`crate::dispatch`]).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-struct Place {
+pub(crate) struct Place {
     priority: Reverse<i32>,
     /// creationTimestamp as (second, nanosecond) ([`created_key`]): 12 bytes where an
     /// `Option<Timestamp>` takes 24, in the same order.
@@ -295,6 +297,21 @@ impl ClaimIndex {
             out.push(&*place.name);
         }
         out
+    }
+
+    /// The first job claimable at `now` that `skip` (name, resourceVersion) lets through, and
+    /// its place in claim order: [`ClaimIndex::candidates`] with a limit of 1, with the place
+    /// for comparing heads across indexes.
+    pub(crate) fn head(
+        &self,
+        now: Timestamp,
+        skip: impl Fn(&str, &str) -> bool,
+    ) -> Option<(&str, &Place)> {
+        self.order
+            .iter()
+            .filter(|(_, slot)| slot.claimable_at.is_none_or(|t| t <= now))
+            .find(|(place, slot)| !skip(&place.name, &slot.resource_version))
+            .map(|(place, _)| (&*place.name, place))
     }
 
     /// True when more than `n` jobs of the queue are claimable at `now` (any priority).

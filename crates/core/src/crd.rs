@@ -66,6 +66,7 @@ pub const MAX_JOB_BYTES: usize = 1024 * 1024;
     selectable = ".spec.queue",
     selectable = ".status.phase",
     selectable = ".status.holder",
+    validation = Rule::new("has(self.spec.concurrencyKey) == has(oldSelf.spec.concurrencyKey) && (!has(self.spec.concurrencyKey) || self.spec.concurrencyKey == oldSelf.spec.concurrencyKey)").message("spec.concurrencyKey is immutable: the job's share (and any limit) was counted under it; create a new LeasedJob instead"),
     validation = Rule::new("self.spec.queue == oldSelf.spec.queue").message("spec.queue is immutable: the sidecars of the new queue could not see this job's claim; create a new LeasedJob instead"),
     validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.phase) || oldSelf.status.phase != 'Leased' || self.spec.leaseDurationSeconds == oldSelf.spec.leaseDurationSeconds").message("spec.leaseDurationSeconds cannot change while the job is Leased: its holder was granted the lease with the old duration. Change it while the job is Queued (it applies from the next claim), or cancel the job"),
     printcolumn = r#"{"name":"Queue","type":"string","jsonPath":".spec.queue"}"#,
@@ -133,6 +134,15 @@ pub struct LeasedJobSpec {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub cancel: bool,
 
+    /// Who the job is for, when a queue is shared (a tenant, a customer, a vendor account): the
+    /// dispatcher shares the queue's claims between the keys that have waiting jobs, in turn
+    /// (each key's share is its weight in the queue's LeasedQueue, 1 by default), and orders
+    /// jobs by priority and age within a key. Jobs without one share the empty key. At most
+    /// 128 characters. Fixed once the job exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128))]
+    pub concurrency_key: Option<String>,
+
     /// Delete the job this many seconds after it finished (Succeeded, Failed or Cancelled), as
     /// batch/v1 Job's field of the same name does. Unset: keep it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -152,6 +162,7 @@ impl Default for LeasedJobSpec {
             backoff: None,
             not_before: None,
             cancel: false,
+            concurrency_key: None,
             ttl_seconds_after_finished: None,
         }
     }

@@ -21,12 +21,13 @@
 //! Pure: the caller passes the time, and feeds the watch events of every job it sees with
 //! [`Dispatch::observe`] (the jobs of every queue of every namespace it watches).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use crate::claim_index::{Change, ClaimIndex};
 use crate::crd::LeasedJob;
+use crate::queue;
 
 /// Name of the Lease through which the leading replica tells sidecars where its dispatcher
 /// answers (in the leader Lease's namespace; with `--leader-elect false`, in the controller's
@@ -72,27 +73,72 @@ struct Offer {
     until: Timestamp,
 }
 
-/// One queue's view: its claimable jobs and the offers standing on them.
+/// The claimable jobs of one concurrency key of a queue, and its turn.
+#[derive(Debug)]
+struct Lane {
+    index: ClaimIndex,
+    /// Its pass in the queue's stride schedule: the lane with the lowest (not below the
+    /// queue's [`QueueView::vtime`]) is offered next, and advances by [`STRIDE`] / weight.
+    pass: u64,
+}
+
+/// A weight of 1 advances a key's pass by this much per offer; a weight of w by this / w.
+const STRIDE: u64 = 1_000_000;
+
+/// One queue's view: its claimable jobs, by concurrency key, and the offers standing on them.
 #[derive(Debug)]
 struct QueueView {
-    index: ClaimIndex,
+    queue: String,
+    /// spec.concurrencyKey (the empty key for none) -> its jobs and turn.
+    lanes: HashMap<String, Lane>,
     /// Job name -> the offer standing on it.
     offers: HashMap<String, Offer>,
+    /// The pass of the last key offered: a key that had no waiting job for a while starts
+    /// from here, so it takes its turn but does not burst to catch up.
+    vtime: u64,
 }
 
 impl QueueView {
     fn new(queue: &str) -> QueueView {
         QueueView {
-            index: ClaimIndex::new(queue),
+            queue: queue.to_string(),
+            lanes: HashMap::new(),
             offers: HashMap::new(),
+            vtime: 0,
         }
+    }
+
+    /// The lane of `key`, made (and brought into a re-list under way) if need be.
+    fn lane(&mut self, key: &str, relisting: bool) -> &mut Lane {
+        let queue = &self.queue;
+        self.lanes.entry(key.to_string()).or_insert_with(|| {
+            let mut index = ClaimIndex::new(queue);
+            if relisting {
+                index.observe(Change::RelistBegan);
+            }
+            Lane { index, pass: 0 }
+        })
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.lanes.values().any(|l| l.index.contains(name))
     }
 
     /// Forgets offers on jobs that are no longer claimable candidates of the queue.
     fn prune(&mut self) {
-        let index = &self.index;
-        self.offers.retain(|name, _| index.contains(name));
+        let lanes = &self.lanes;
+        self.offers
+            .retain(|name, _| lanes.values().any(|l| l.index.contains(name)));
     }
+
+    fn len(&self) -> usize {
+        self.lanes.values().map(|l| l.index.len()).sum()
+    }
+}
+
+/// The concurrency key of `job` (the empty key for none).
+fn lane_key(job: &LeasedJob) -> &str {
+    job.spec.concurrency_key.as_deref().unwrap_or_default()
 }
 
 /// Every queue's view, and the offers standing on their jobs (see the module doc).
@@ -107,6 +153,8 @@ pub struct Dispatch {
     /// Queues whose LeasedQueue pauses claims: nothing of theirs is offered
     /// ([`crate::queue`]).
     paused: HashSet<QueueKey>,
+    /// The weights of the concurrency keys of the queues whose LeasedQueue sets any.
+    weights: HashMap<QueueKey, BTreeMap<String, i32>>,
 }
 
 impl Dispatch {
@@ -123,7 +171,12 @@ impl Dispatch {
                 let Some(view) = key_of(job).and_then(|k| self.queues.get_mut(&k)) else {
                     return;
                 };
-                view.index.observe(change);
+                if let Some(lane) = view.lanes.get_mut(lane_key(job)) {
+                    lane.index.observe(change);
+                    if lane.index.is_empty() && !self.relisting {
+                        view.lanes.remove(lane_key(job));
+                    }
+                }
                 if let Some(name) = job.metadata.name.as_deref() {
                     view.offers.remove(name);
                 }
@@ -139,36 +192,42 @@ impl Dispatch {
                     return;
                 }
                 let relisting = self.relisting;
-                let view = self.queues.entry(key).or_insert_with(|| {
-                    let mut view = QueueView::new(&job.spec.queue);
-                    if relisting {
-                        view.index.observe(Change::RelistBegan);
-                    }
-                    view
-                });
-                view.index.observe(change);
+                let view = self
+                    .queues
+                    .entry(key)
+                    .or_insert_with(|| QueueView::new(&job.spec.queue));
+                let lane = view.lane(lane_key(job), relisting);
+                lane.index.observe(change);
+                let empty = lane.index.is_empty();
                 if let Some(name) = job.metadata.name.as_deref() {
-                    if !view.index.contains(name) {
+                    if !view.contains(name) {
                         view.offers.remove(name);
                     }
+                }
+                // A key whose last waiting job was claimed costs nothing until it has another.
+                if empty && !relisting {
+                    view.lanes.remove(lane_key(job));
                 }
             }
             Change::RelistBegan => {
                 self.relisting = true;
-                for view in self.queues.values_mut() {
-                    view.index.observe(change);
+                for lane in self.queues.values_mut().flat_map(|v| v.lanes.values_mut()) {
+                    lane.index.observe(change);
                 }
             }
             Change::RelistDone => {
                 self.relisting = false;
                 self.listed = true;
                 for view in self.queues.values_mut() {
-                    view.index.observe(change);
+                    for lane in view.lanes.values_mut() {
+                        lane.index.observe(change);
+                    }
+                    view.lanes.retain(|_, l| !l.index.is_empty());
                     view.prune();
                 }
                 // Queues left with no job and no offer cost nothing to forget.
                 self.queues
-                    .retain(|_, v| !v.index.is_empty() || !v.offers.is_empty());
+                    .retain(|_, v| !v.lanes.is_empty() || !v.offers.is_empty());
             }
         }
     }
@@ -189,11 +248,29 @@ impl Dispatch {
         if self.paused.contains(queue) {
             return None;
         }
+        let weights = self.weights.get(queue);
         let view = self.queues.get_mut(queue)?;
-        let offers = &view.offers;
-        let taken = |name: &str, _rv: &str| offers.get(name).is_some_and(|o| o.until > now);
-        let name = view.index.candidates(now, 1, taken).first()?.to_string();
-        let resource_version = view.index.resource_version(&name)?.to_string();
+        let (key, name, pass) = {
+            let offers = &view.offers;
+            let taken = |name: &str, _rv: &str| offers.get(name).is_some_and(|o| o.until > now);
+            let vtime = view.vtime;
+            // The key whose turn it is: the lowest pass (a key back from idle at the queue's
+            // vtime), ties going to the head first in claim order (priority, then age), so a
+            // queue of one key is offered in plain claim order.
+            view.lanes
+                .iter()
+                .filter_map(|(key, lane)| {
+                    let (name, place) = lane.index.head(now, taken)?;
+                    Some((lane.pass.max(vtime), place, key, name))
+                })
+                .min_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
+                .map(|(pass, _, key, name)| (key.clone(), name.to_string(), pass))?
+        };
+        let weight = weights.map_or(1, |w| queue::weight_of(w, &key));
+        let lane = view.lanes.get_mut(&key)?;
+        lane.pass = pass + STRIDE / u64::from(weight.max(1));
+        view.vtime = pass;
+        let resource_version = lane.index.resource_version(&name)?.to_string();
         view.offers.insert(
             name.clone(),
             Offer {
@@ -234,7 +311,12 @@ impl Dispatch {
             .filter(|o| o.until > now)
             .map(|o| o.until)
             .min();
-        match (view.index.next_claimable_at(now), lapse) {
+        let opens = view
+            .lanes
+            .values()
+            .filter_map(|l| l.index.next_claimable_at(now))
+            .min();
+        match (opens, lapse) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
@@ -252,10 +334,20 @@ impl Dispatch {
         }
     }
 
+    /// Sets the weights of `queue`'s concurrency keys (its LeasedQueue's spec.weights; empty:
+    /// every key weighs 1).
+    pub fn set_weights(&mut self, queue: &QueueKey, weights: BTreeMap<String, i32>) {
+        if weights.is_empty() {
+            self.weights.remove(queue);
+        } else {
+            self.weights.insert(queue.clone(), weights);
+        }
+    }
+
     /// Claimable candidates of `queue` (Queued, not cancelled or being deleted), claimable now
     /// or later.
     pub fn queued(&self, queue: &QueueKey) -> usize {
-        self.queues.get(queue).map_or(0, |v| v.index.len())
+        self.queues.get(queue).map_or(0, QueueView::len)
     }
 
     /// Offers standing or lapsed but not yet forgotten, over every queue.
@@ -330,6 +422,71 @@ mod tests {
         // before the claim has come through the watch.
         assert_eq!(d.offer(&q("ns"), "w2", now), None);
         assert_eq!(d.next_offer_at(&q("ns"), now), Some(at_ms(12_000)));
+    }
+
+    fn keyed(name: &str, key: &str, created_s: i64) -> LeasedJob {
+        let mut j = job("ns", name, 0, created_s, Phase::Queued);
+        j.spec.concurrency_key = Some(key.into());
+        j
+    }
+
+    /// Offers `n` times to distinct workers, each claim arriving before the next offer.
+    fn offer_all(d: &mut Dispatch, n: usize, now: Timestamp) -> Vec<String> {
+        (0..n)
+            .map_while(|i| {
+                let hint = d.offer(&q("ns"), &format!("w{i}"), now)?;
+                let mut claimed = keyed(&hint.name, "", 0);
+                claimed.status.as_mut().unwrap().phase = Some(Phase::Leased);
+                // The claim's watch event: its key routes it, so set the job's own.
+                claimed.spec.concurrency_key = Some(hint.name[..1].to_string());
+                d.observe(Change::Applied(&claimed));
+                Some(hint.name)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keys_take_turns_so_a_small_key_is_not_stuck_behind_a_large_one() {
+        let mut d = Dispatch::new();
+        // Key a: 6 jobs, all older than key b's 2.
+        for i in 0..6 {
+            d.observe(Change::Applied(&keyed(&format!("a{i}"), "a", i)));
+        }
+        for i in 0..2 {
+            d.observe(Change::Applied(&keyed(&format!("b{i}"), "b", 100 + i)));
+        }
+        let got = offer_all(&mut d, 8, at_ms(1_000_000));
+        assert_eq!(got, ["a0", "b0", "a1", "b1", "a2", "a3", "a4", "a5"]);
+    }
+
+    #[test]
+    fn weights_share_offers_in_proportion() {
+        let mut d = Dispatch::new();
+        for i in 0..6 {
+            d.observe(Change::Applied(&keyed(&format!("a{i}"), "a", i)));
+            d.observe(Change::Applied(&keyed(&format!("b{i}"), "b", i)));
+        }
+        d.set_weights(&q("ns"), [("a".to_string(), 2)].into());
+        let got = offer_all(&mut d, 9, at_ms(1_000_000));
+        let a = got.iter().filter(|n| n.starts_with('a')).count();
+        assert_eq!(a, 6, "a has twice b's share: {got:?}");
+        assert_eq!(&got[..3].iter().filter(|n| n.starts_with('a')).count(), &2);
+    }
+
+    #[test]
+    fn a_key_back_from_idle_takes_its_turn_without_bursting() {
+        let mut d = Dispatch::new();
+        for i in 0..8 {
+            d.observe(Change::Applied(&keyed(&format!("a{i}"), "a", i)));
+        }
+        let now = at_ms(1_000_000);
+        assert_eq!(offer_all(&mut d, 4, now), ["a0", "a1", "a2", "a3"]);
+        // Key b arrives after a had the queue to itself for four offers: it alternates
+        // with a from now on, it is not owed those four.
+        for i in 0..3 {
+            d.observe(Change::Applied(&keyed(&format!("b{i}"), "b", 100 + i)));
+        }
+        assert_eq!(offer_all(&mut d, 4, now), ["b0", "a4", "b1", "a5"]);
     }
 
     #[test]

@@ -12,6 +12,8 @@
 //! Pure: the controller and the sidecar read it; [`status_of`] and [`transition`] are the
 //! decisions they make from it.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::CustomResource;
@@ -51,6 +53,37 @@ pub struct LeasedQueueSpec {
     /// already Leased are not touched: they heartbeat, complete, fail and expire as usual.
     #[serde(default)]
     pub paused: bool,
+
+    /// Fair sharing between the queue's concurrency keys (a LeasedJob's spec.concurrencyKey):
+    /// key -> weight, 1 to 1000. The dispatcher offers the keys that have waiting jobs in
+    /// turn, each in proportion to its weight (a key not listed weighs 1; jobs without a key
+    /// share the empty key), so a key with 10,000 waiting jobs and a key with 3 alternate.
+    /// Within a key, jobs go by priority, then age.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "weights_schema")]
+    pub weights: BTreeMap<String, i32>,
+}
+
+/// The schema of [`LeasedQueueSpec::weights`]: a map of keys (1 to 128 characters) to weights
+/// (1 to 1000), each bound checked by the API server with the field named.
+fn weights_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "description": "Fair sharing between the queue's concurrency keys (a LeasedJob's spec.concurrencyKey): key -> weight, 1 to 1000. The dispatcher offers the keys that have waiting jobs in turn, each in proportion to its weight (a key not listed weighs 1; jobs without a key share the empty key), so a key with 10,000 waiting jobs and a key with 3 alternate. Within a key, jobs go by priority, then age.",
+        "additionalProperties": {"type": "integer", "format": "int32", "minimum": 1, "maximum": 1000},
+        "maxProperties": 10000,
+        "x-kubernetes-validations": [
+            {"rule": "self.all(k, size(k) <= 128)", "message": "spec.weights: every key is a concurrency key, at most 128 characters"}
+        ]
+    })
+}
+
+/// The weight of concurrency key `key` in a queue with `weights` ([`LeasedQueueSpec::weights`]):
+/// as listed, clamped to 1..=1000, or 1.
+pub fn weight_of(weights: &BTreeMap<String, i32>, key: &str) -> u32 {
+    weights
+        .get(key)
+        .map_or(1, |w| u32::try_from((*w).clamp(1, 1000)).unwrap_or(1))
 }
 
 /// What the controller reports about a queue. Counts are of the jobs of this namespace whose
@@ -173,7 +206,13 @@ mod tests {
     use super::*;
 
     fn queue(paused: bool, status: Option<LeasedQueueStatus>) -> LeasedQueue {
-        let mut q = LeasedQueue::new("q", LeasedQueueSpec { paused });
+        let mut q = LeasedQueue::new(
+            "q",
+            LeasedQueueSpec {
+                paused,
+                ..LeasedQueueSpec::default()
+            },
+        );
         q.metadata.generation = Some(3);
         q.status = status;
         q
