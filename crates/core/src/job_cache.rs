@@ -169,6 +169,11 @@ impl JobRecord {
         }
     }
 
+    /// spec.concurrencyKey.
+    pub fn concurrency_key(&self) -> Option<&str> {
+        self.spec.concurrency_key.as_deref()
+    }
+
     /// metadata.creationTimestamp.
     pub fn created(&self) -> Option<&Time> {
         self.created.as_ref()

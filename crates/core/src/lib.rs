@@ -16,6 +16,7 @@
 //! - [`claim`]: which job a claimer picks and the Leased status a claim writes.
 //! - [`claim_index`]: a queue's claimable jobs in claim order, kept from watch events.
 //! - [`dispatch`]: which waiting job the dispatcher offers to which waiting worker.
+//! - [`slots`]: the slots that make a queue's limits exact.
 //! - [`share`]: which job a claimer tries, so that the claimers of a queue do not race.
 //! - [`fence`]: the conditional writes that end an attempt; where a stale token is refused.
 //! - [`job_cache`]: the controller's slim copy of every job it watches.
@@ -39,6 +40,7 @@ pub mod progress;
 pub mod queue;
 pub mod queue_stats;
 pub mod share;
+pub mod slots;
 pub mod token;
 
 pub use category::Category;

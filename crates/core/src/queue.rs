@@ -44,6 +44,7 @@ pub const NAME_RULE: &str =
     printcolumn = r#"{"name":"Queued","type":"integer","jsonPath":".status.queued"}"#,
     printcolumn = r#"{"name":"Leased","type":"integer","jsonPath":".status.leased"}"#,
     printcolumn = r#"{"name":"Oldest Queued","type":"date","jsonPath":".status.oldestQueuedTime"}"#,
+    printcolumn = r#"{"name":"Keys At Limit","type":"integer","jsonPath":".status.keysAtLimit"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -62,6 +63,29 @@ pub struct LeasedQueueSpec {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[schemars(schema_with = "weights_schema")]
     pub weights: BTreeMap<String, i32>,
+
+    /// At most this many jobs of the queue Leased at once, 1 to 1000; unset: no limit. Exact:
+    /// each Leased job holds one of the queue's slots, taken by a conditional write before
+    /// its claim, so the API server never sees more (docs/protocol.md, "Limits"). A slot comes
+    /// back when its job's attempt ends or its lease expires, never earlier. Lowered below the
+    /// jobs Leased now, it stops new claims until the jobs above it have ended; running jobs
+    /// are not touched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_leased: Option<i32>,
+
+    /// At most this many Leased jobs per spec.concurrencyKey value, 1 to 1000; unset: no
+    /// limit. Exact in the same way as maxLeased; jobs without a key are not limited by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_leased_per_key: Option<i32>,
+}
+
+impl LeasedQueueSpec {
+    /// Whether a claim of some job of this queue takes a slot ([`crate::slots`]).
+    pub fn limits(&self) -> bool {
+        self.max_leased.is_some() || self.max_leased_per_key.is_some()
+    }
 }
 
 /// The schema of [`LeasedQueueSpec::weights`]: a map of keys (1 to 128 characters) to weights
@@ -113,6 +137,15 @@ pub struct LeasedQueueStatus {
     /// metadata.generation of the spec this status reflects.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// True while the queue has maxLeased jobs Leased (or more, after the limit was lowered).
+    #[serde(default)]
+    pub at_limit: bool,
+    /// How many concurrency keys have maxLeasedPerKey jobs Leased (or more).
+    #[serde(default)]
+    pub keys_at_limit: i64,
+    /// The first of those keys, in order, at most 10.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keys_at_limit_shown: Vec<String>,
 }
 
 impl LeasedQueue {
@@ -129,7 +162,12 @@ pub struct Member<'a> {
     pub phase: Phase,
     /// metadata.creationTimestamp.
     pub created: Option<&'a Time>,
+    /// spec.concurrencyKey.
+    pub key: Option<&'a str>,
 }
+
+/// How many keys at their limit a LeasedQueue's status names (the rest are counted).
+pub const KEYS_AT_LIMIT_SHOWN: usize = 10;
 
 /// The status a queue should have, from its jobs, its spec and generation, and the status it
 /// has (`was`: its pausedTime is kept while the pause lasts). `now` is the controller's clock,
@@ -145,7 +183,11 @@ pub fn status_of<'a>(
         ..LeasedQueueStatus::default()
     };
     let mut oldest: Option<&Time> = None;
+    let mut per_key: BTreeMap<&str, i64> = BTreeMap::new();
     for job in jobs {
+        if let (Phase::Leased, Some(key)) = (job.phase, job.key) {
+            *per_key.entry(key).or_default() += 1;
+        }
         match job.phase {
             Phase::Queued => {
                 status.queued += 1;
@@ -160,6 +202,22 @@ pub fn status_of<'a>(
         }
     }
     status.oldest_queued_time = oldest.cloned();
+    if let Some(max) = queue.spec.max_leased {
+        status.at_limit = status.leased >= i64::from(max);
+    }
+    if let Some(max) = queue.spec.max_leased_per_key {
+        let full: Vec<&str> = per_key
+            .iter()
+            .filter(|(_, n)| **n >= i64::from(max))
+            .map(|(k, _)| *k)
+            .collect();
+        status.keys_at_limit = i64::try_from(full.len()).unwrap_or(i64::MAX);
+        status.keys_at_limit_shown = full
+            .into_iter()
+            .take(KEYS_AT_LIMIT_SHOWN)
+            .map(str::to_string)
+            .collect();
+    }
     let was = queue.status.as_ref();
     status.paused_time = match (queue.spec.paused, was) {
         (false, _) => None,
@@ -229,22 +287,27 @@ mod tests {
             Member {
                 phase: Phase::Queued,
                 created: Some(&new),
+                key: None,
             },
             Member {
                 phase: Phase::Queued,
                 created: Some(&old),
+                key: Some("a"),
             },
             Member {
                 phase: Phase::Leased,
                 created: Some(&at("2025-01-01T00:00:00Z")),
+                key: Some("a"),
             },
             Member {
                 phase: Phase::Succeeded,
                 created: None,
+                key: None,
             },
             Member {
                 phase: Phase::Queued,
                 created: None,
+                key: None,
             },
         ];
         let now: Timestamp = "2026-02-01T00:00:00Z".parse().unwrap();
@@ -258,10 +321,39 @@ mod tests {
                 paused: false,
                 paused_time: None,
                 observed_generation: Some(3),
+                ..LeasedQueueStatus::default()
             }
         );
         let empty = status_of(&queue(false, None), [], now);
         assert_eq!((empty.queued, empty.oldest_queued_time), (0, None));
+    }
+
+    #[test]
+    fn the_status_names_the_scopes_at_their_limit() {
+        let mut q = queue(false, None);
+        q.spec.max_leased = Some(3);
+        q.spec.max_leased_per_key = Some(1);
+        let leased = |key| Member {
+            phase: Phase::Leased,
+            created: None,
+            key,
+        };
+        let now: Timestamp = "2026-02-01T00:00:00Z".parse().unwrap();
+        let got = status_of(
+            &q,
+            [leased(Some("b")), leased(Some("a")), leased(None)],
+            now,
+        );
+        assert!(got.at_limit);
+        assert_eq!(
+            (got.keys_at_limit, got.keys_at_limit_shown),
+            (2, vec!["a".to_string(), "b".to_string()])
+        );
+        let got = status_of(&q, [leased(Some("a"))], now);
+        assert!(!got.at_limit);
+        let many: Vec<String> = (0..15).map(|i| format!("k{i:02}")).collect();
+        let got = status_of(&q, many.iter().map(|k| leased(Some(k))), now);
+        assert_eq!((got.keys_at_limit, got.keys_at_limit_shown.len()), (15, 10));
     }
 
     #[test]

@@ -1,0 +1,457 @@
+//! The dispatcher's decisions: which waiting job is offered to which waiting worker, so that
+//! no two workers are offered the same job while an offer stands.
+//!
+//! The dispatcher keeps one view of every queue's claimable jobs, in claim order (the
+//! [`ClaimIndex`] of each queue: priority, highest first, then age, honouring notBefore and
+//! retryAfter), and answers a worker that asks for work with a [`Hint`]: the first job in that
+//! order that stands offered to nobody else. The offer stands for [`OFFER_TTL_MS`]; it ends
+//! early when the job leaves the queue's claimable jobs (the worker's claim arrived in the
+//! watch, or anyone else's change did) or when the worker says it could not claim it
+//! ([`Dispatch::declined`]). A lapsed offer is offered again.
+//!
+//! A hint is advice, never a grant. The worker claims the job itself, with the claim write
+//! of [`crate::claim`] made from a copy it reads from the API server, guarded by that copy's
+//! resourceVersion. A stale, doubled or invented hint therefore costs the worker at most one
+//! read and one refused write, never a second holder: every safety argument of
+//! docs/protocol.md holds with a dispatcher that is wrong, slow or lying. The shape is that of
+//! Temporal's matching service, which hands a task to a long-polling worker ("sync match"),
+//! with the API server's conditional write as the arbiter instead of the matching service's
+//! own.
+//!
+//! Pure: the caller passes the time, and feeds the watch events of every job it sees with
+//! [`Dispatch::observe`] (the jobs of every queue of every namespace it watches).
+
+use std::collections::{BTreeMap, HashMap};
+
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+use crate::claim_index::{Change, ClaimIndex};
+use crate::crd::LeasedJob;
+use crate::queue;
+
+/// Name of the Lease through which the leading replica tells sidecars where its dispatcher
+/// answers (in the leader Lease's namespace; with `--leader-elect false`, in the controller's
+/// namespace). Its annotation [`ADDRESS_ANNOTATION`] holds `host:port`, its holderIdentity
+/// the leading replica's identity. Sidecars read it; they never write it.
+pub const ADVERT_LEASE: &str = "leasehold-dispatcher";
+
+/// The annotation of [`ADVERT_LEASE`] holding the dispatcher's `host:port` (plain HTTP).
+pub const ADDRESS_ANNOTATION: &str = "leasehold.dev/dispatcher-address";
+
+/// How long an offer withholds its job from every other worker, in milliseconds: long enough
+/// for the worker to read the job and write its claim (two API calls, tens of milliseconds;
+/// a second on a loaded API server), short enough that a worker that vanished with its hint
+/// delays the job by little.
+pub const OFFER_TTL_MS: i64 = 2_000;
+
+/// A queue, as the dispatcher names it: its namespace and `spec.queue`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct QueueKey {
+    /// The jobs' namespace.
+    pub namespace: String,
+    /// Their `spec.queue`.
+    pub queue: String,
+}
+
+/// A job offered to a worker: its name and the resourceVersion the dispatcher saw. The worker
+/// claims from the copy it reads itself; the resourceVersion only lets it tell that the
+/// dispatcher's view was older than its read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hint {
+    /// metadata.name of the job, in the queue's namespace.
+    pub name: String,
+    /// metadata.resourceVersion of the job as the dispatcher saw it.
+    pub resource_version: String,
+}
+
+/// One standing offer.
+#[derive(Clone, Debug)]
+struct Offer {
+    /// The job's concurrency key (the empty key for none).
+    key: String,
+    /// The worker (its identity) the job was offered to.
+    worker: String,
+    /// Until when the offer withholds the job from the others.
+    until: Timestamp,
+}
+
+/// The claimable jobs of one concurrency key of a queue, and its turn.
+#[derive(Debug)]
+struct Lane {
+    index: ClaimIndex,
+    /// Its pass in the queue's stride schedule: the lane with the lowest (not below the
+    /// queue's [`QueueView::vtime`]) is offered next, and advances by [`STRIDE`] / weight.
+    pass: u64,
+}
+
+/// A weight of 1 advances a key's pass by this much per offer; a weight of w by this / w.
+const STRIDE: u64 = 1_000_000;
+
+/// One queue's view: its claimable jobs, by concurrency key, and the offers standing on them.
+#[derive(Debug)]
+struct QueueView {
+    queue: String,
+    /// spec.concurrencyKey (the empty key for none) -> its jobs and turn.
+    lanes: HashMap<String, Lane>,
+    /// Job name -> the offer standing on it.
+    offers: HashMap<String, Offer>,
+    /// The pass of the last key offered: a key that had no waiting job for a while starts
+    /// from here, so it takes its turn but does not burst to catch up.
+    vtime: u64,
+}
+
+impl QueueView {
+    fn new(queue: &str) -> QueueView {
+        QueueView {
+            queue: queue.to_string(),
+            lanes: HashMap::new(),
+            offers: HashMap::new(),
+            vtime: 0,
+        }
+    }
+
+    /// The lane of `key`, made (and brought into a re-list under way) if need be.
+    fn lane(&mut self, key: &str, relisting: bool) -> &mut Lane {
+        let queue = &self.queue;
+        self.lanes.entry(key.to_string()).or_insert_with(|| {
+            let mut index = ClaimIndex::new(queue);
+            if relisting {
+                index.observe(Change::RelistBegan);
+            }
+            Lane { index, pass: 0 }
+        })
+    }
+
+    /// Forgets the lane of `key` if it has no waiting job and its turn has come (its pass is
+    /// not ahead of the queue's): a key whose only job was just claimed keeps its place in
+    /// the turns, so refilling it one job at a time does not jump the queue; one idle long
+    /// enough costs nothing.
+    fn forget_if_idle(&mut self, key: &str) {
+        let vtime = self.vtime;
+        if self
+            .lanes
+            .get(key)
+            .is_some_and(|l| l.index.is_empty() && l.pass <= vtime)
+        {
+            self.lanes.remove(key);
+        }
+    }
+
+    /// Forgets offers on jobs that are no longer claimable candidates of the queue.
+    fn prune(&mut self) {
+        let lanes = &self.lanes;
+        self.offers
+            .retain(|name, _| lanes.values().any(|l| l.index.contains(name)));
+    }
+
+    fn len(&self) -> usize {
+        self.lanes.values().map(|l| l.index.len()).sum()
+    }
+}
+
+/// The concurrency key of `job` (the empty key for none).
+fn lane_key(job: &LeasedJob) -> &str {
+    job.spec.concurrency_key.as_deref().unwrap_or_default()
+}
+
+/// Every queue's view, and the offers standing on their jobs (see the module doc).
+#[derive(Debug, Default)]
+pub struct Dispatch {
+    queues: HashMap<QueueKey, QueueView>,
+    /// Whether a (re-)list is under way: queues first seen during it start one too.
+    relisting: bool,
+    /// Whether a list has ended once: before that the view is not the API server's, and
+    /// nothing is offered from it.
+    listed: bool,
+    /// What the LeasedQueues of the queues that have one set: weights and limits.
+    policies: HashMap<QueueKey, Policy>,
+    /// The Leased jobs of every queue: name -> (concurrency key, the list epoch that saw it),
+    /// to keep offers within the limits (advice: the slots are what holds them).
+    leased: HashMap<QueueKey, HashMap<String, (String, u32)>>,
+    /// Bumped at each (re-)list: entries of `leased` not seen by the list are dropped at its end.
+    epoch: u32,
+}
+
+/// What a queue's LeasedQueue sets that the dispatcher follows ([`crate::queue`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Policy {
+    /// spec.weights.
+    pub weights: BTreeMap<String, i32>,
+    /// spec.maxLeased.
+    pub max_leased: Option<u32>,
+    /// spec.maxLeasedPerKey.
+    pub max_leased_per_key: Option<u32>,
+}
+
+impl Policy {
+    /// The policy `spec` sets.
+    pub fn of(spec: &queue::LeasedQueueSpec) -> Policy {
+        let limit = |l: Option<i32>| l.and_then(|l| u32::try_from(l).ok());
+        Policy {
+            weights: spec.weights.clone(),
+            max_leased: limit(spec.max_leased),
+            max_leased_per_key: limit(spec.max_leased_per_key),
+        }
+    }
+}
+
+impl Dispatch {
+    /// An empty view.
+    pub fn new() -> Dispatch {
+        Dispatch::default()
+    }
+
+    /// Follows one watch event of the jobs the dispatcher watches (every queue). A job that
+    /// stops being a claimable candidate (claimed, cancelled, deleted) takes its offer with it.
+    pub fn observe(&mut self, change: Change<'_>) {
+        match change {
+            Change::Deleted(job) => {
+                if let (Some(q), Some(name)) = (key_of(job), job.metadata.name.as_deref()) {
+                    if let Some(l) = self.leased.get_mut(&q) {
+                        l.remove(name);
+                    }
+                }
+                let Some(view) = key_of(job).and_then(|k| self.queues.get_mut(&k)) else {
+                    return;
+                };
+                if let Some(lane) = view.lanes.get_mut(lane_key(job)) {
+                    lane.index.observe(change);
+                }
+                if !self.relisting {
+                    view.forget_if_idle(lane_key(job));
+                }
+                if let Some(name) = job.metadata.name.as_deref() {
+                    view.offers.remove(name);
+                }
+            }
+            Change::Applied(job) | Change::Relisted(job) => {
+                self.note_leased(job);
+                let Some(key) = key_of(job) else {
+                    return;
+                };
+                // A job the controller has not initialised yet (no status.phase) is not
+                // offered: its initial status write, moments away, would meet the claim and
+                // one of the two would be answered 409. Its next change brings it.
+                if job.status.as_ref().and_then(|s| s.phase).is_none() {
+                    return;
+                }
+                let relisting = self.relisting;
+                let queued = job.phase() == crate::crd::Phase::Queued;
+                let lane_key = lane_key(job);
+                let view = match self.queues.get_mut(&key) {
+                    Some(view) => view,
+                    None if queued => self
+                        .queues
+                        .entry(key)
+                        .or_insert_with(|| QueueView::new(&job.spec.queue)),
+                    None => return,
+                };
+                // A lane is made for a Queued job only: other jobs leave or pass it by.
+                let lane = match view.lanes.contains_key(lane_key) {
+                    true => view.lanes.get_mut(lane_key),
+                    false if queued => Some(view.lane(lane_key, relisting)),
+                    false => None,
+                };
+                if let Some(lane) = lane {
+                    lane.index.observe(change);
+                }
+                if let Some(name) = job.metadata.name.as_deref() {
+                    let lane = view.lanes.get(lane_key);
+                    if !lane.is_some_and(|l| l.index.contains(name)) {
+                        view.offers.remove(name);
+                    }
+                }
+                if !relisting {
+                    view.forget_if_idle(lane_key);
+                }
+            }
+            Change::RelistBegan => {
+                self.relisting = true;
+                self.epoch = self.epoch.wrapping_add(1);
+                for lane in self.queues.values_mut().flat_map(|v| v.lanes.values_mut()) {
+                    lane.index.observe(change);
+                }
+            }
+            Change::RelistDone => {
+                self.relisting = false;
+                self.listed = true;
+                let epoch = self.epoch;
+                for l in self.leased.values_mut() {
+                    l.retain(|_, (_, seen)| *seen == epoch);
+                }
+                self.leased.retain(|_, l| !l.is_empty());
+                for view in self.queues.values_mut() {
+                    for lane in view.lanes.values_mut() {
+                        lane.index.observe(change);
+                    }
+                    let vtime = view.vtime;
+                    view.lanes
+                        .retain(|_, l| !l.index.is_empty() || l.pass > vtime);
+                    view.prune();
+                }
+                // Queues left with no job and no offer cost nothing to forget.
+                self.queues
+                    .retain(|_, v| !v.lanes.is_empty() || !v.offers.is_empty());
+            }
+        }
+    }
+
+    /// Whether the view has been complete once (a list of the jobs ended): a dispatcher
+    /// restarted with an empty view must not answer "no job" while it lists.
+    pub fn has_listed(&self) -> bool {
+        self.listed
+    }
+
+    /// The job to offer `worker` from `queue` at `now`, and the offer recorded: the first
+    /// claimable job in claim order on which no offer stands. Not even the worker a job stands
+    /// offered to gets it again: a worker asks again right after claiming its offer, before
+    /// the claim has come through the watch, and would be offered the job it has just
+    /// claimed. (An offer whose answer was lost lapses after [`OFFER_TTL_MS`].) `None` when
+    /// every claimable job stands offered, or none is claimable.
+    pub fn offer(&mut self, queue: &QueueKey, worker: &str, now: Timestamp) -> Option<Hint> {
+        let policy = self.policies.get(queue);
+        let leased = self.leased.get(queue);
+        let view = self.queues.get_mut(queue)?;
+        let (key, name, pass) = {
+            let offers = &view.offers;
+            let taken = |name: &str, _rv: &str| offers.get(name).is_some_and(|o| o.until > now);
+            let vtime = view.vtime;
+            // Within the limits, counting the offers that stand as claims to come: a scope
+            // at its limit is not offered (its sidecars would find no free slot).
+            let standing = |key: Option<&str>| {
+                offers
+                    .values()
+                    .filter(|o| o.until > now && key.is_none_or(|k| o.key == k))
+                    .count()
+            };
+            let leased_in = |key: Option<&str>| {
+                leased.map_or(0, |l| {
+                    l.values()
+                        .filter(|(k, _)| key.is_none_or(|key| k == key))
+                        .count()
+                })
+            };
+            let room = |max: Option<u32>, key: Option<&str>| {
+                max.is_none_or(|m| leased_in(key) + standing(key) < m as usize)
+            };
+            if !room(policy.and_then(|p| p.max_leased), None) {
+                return None;
+            }
+            let per_key = policy.and_then(|p| p.max_leased_per_key);
+            // The key whose turn it is: the lowest pass (a key back from idle at the queue's
+            // vtime), ties going to the head first in claim order (priority, then age), so a
+            // queue of one key is offered in plain claim order.
+            view.lanes
+                .iter()
+                .filter(|(key, _)| key.is_empty() || room(per_key, Some(key)))
+                .filter_map(|(key, lane)| {
+                    let (name, place) = lane.index.head(now, taken)?;
+                    Some((lane.pass.max(vtime), place, key, name))
+                })
+                .min_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
+                .map(|(pass, _, key, name)| (key.clone(), name.to_string(), pass))?
+        };
+        let weight = policy.map_or(1, |p| queue::weight_of(&p.weights, &key));
+        let lane = view.lanes.get_mut(&key)?;
+        lane.pass = pass + STRIDE / u64::from(weight.max(1));
+        view.vtime = pass;
+        let resource_version = lane.index.resource_version(&name)?.to_string();
+        // Lanes kept only for their place in the turns, whose turn has now come, go.
+        view.lanes
+            .retain(|_, l| !l.index.is_empty() || l.pass > pass);
+        view.offers.insert(
+            name.clone(),
+            Offer {
+                key,
+                worker: worker.to_string(),
+                until: now + SignedDuration::from_millis(OFFER_TTL_MS),
+            },
+        );
+        Some(Hint {
+            name,
+            resource_version,
+        })
+    }
+
+    /// `worker` could not claim the job `name` of `queue` it was offered (it was no longer
+    /// claimable when read, or the claim was refused): the offer ends, so the job is offered
+    /// to others at once. An offer standing for another worker is left alone (a worker can
+    /// only give back its own).
+    pub fn declined(&mut self, queue: &QueueKey, name: &str, worker: &str) {
+        if let Some(view) = self.queues.get_mut(queue) {
+            if view.offers.get(name).is_some_and(|o| o.worker == worker) {
+                view.offers.remove(name);
+            }
+        }
+    }
+
+    /// When a worker of `queue` that got no offer at `now` should ask again, if before its
+    /// wait ends: when a job not claimable yet becomes claimable (notBefore, retryAfter), or
+    /// when an offer to another worker lapses. New jobs are not foreseen: the caller wakes its
+    /// waiting workers on every change of the queue.
+    pub fn next_offer_at(&self, queue: &QueueKey, now: Timestamp) -> Option<Timestamp> {
+        let view = self.queues.get(queue)?;
+        let lapse = view
+            .offers
+            .values()
+            .filter(|o| o.until > now)
+            .map(|o| o.until)
+            .min();
+        let opens = view
+            .lanes
+            .values()
+            .filter_map(|l| l.index.next_claimable_at(now))
+            .min();
+        match (opens, lapse) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Sets what `queue`'s LeasedQueue says (None: it has none): its keys' weights and its
+    /// limits.
+    pub fn set_policy(&mut self, queue: &QueueKey, policy: Option<Policy>) {
+        match policy {
+            Some(p) => self.policies.insert(queue.clone(), p),
+            None => self.policies.remove(queue),
+        };
+    }
+
+    /// Follows which jobs are Leased, for the limits.
+    fn note_leased(&mut self, job: &LeasedJob) {
+        let (Some(queue), Some(name)) = (key_of(job), job.metadata.name.as_deref()) else {
+            return;
+        };
+        if job.phase() == crate::crd::Phase::Leased {
+            self.leased
+                .entry(queue)
+                .or_default()
+                .insert(name.to_string(), (lane_key(job).to_string(), self.epoch));
+        } else if let Some(l) = self.leased.get_mut(&queue) {
+            l.remove(name);
+        }
+    }
+
+    /// Claimable candidates of `queue` (Queued, not cancelled or being deleted), claimable now
+    /// or later.
+    pub fn queued(&self, queue: &QueueKey) -> usize {
+        self.queues.get(queue).map_or(0, QueueView::len)
+    }
+
+    /// Offers standing or lapsed but not yet forgotten, over every queue.
+    pub fn offers(&self) -> usize {
+        self.queues.values().map(|v| v.offers.len()).sum()
+    }
+}
+
+/// The queue of `job`: its namespace and `spec.queue` (`None` without a namespace, which a
+/// namespaced object always has).
+pub fn key_of(job: &LeasedJob) -> Option<QueueKey> {
+    Some(QueueKey {
+        namespace: job.metadata.namespace.clone()?,
+        queue: job.spec.queue.clone(),
+    })
+}
+
+#[cfg(test)]
+mod tests;

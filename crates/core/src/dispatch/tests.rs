@@ -1,0 +1,336 @@
+//! The dispatcher's decisions, case by case.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use super::*;
+use crate::crd::{LeasedJobSpec, LeasedJobStatus, Phase};
+
+fn at_ms(ms: i64) -> Timestamp {
+    Timestamp::from_millisecond(1_800_000_000_000 + ms).unwrap()
+}
+
+fn job(ns: &str, name: &str, priority: i32, created_s: i64, phase: Phase) -> LeasedJob {
+    let mut j = LeasedJob::new(
+        name,
+        LeasedJobSpec {
+            queue: "q".into(),
+            priority,
+            ..LeasedJobSpec::default()
+        },
+    );
+    j.metadata.namespace = Some(ns.into());
+    j.metadata.creation_timestamp = Some(Time(at_ms(created_s * 1000)));
+    j.metadata.resource_version = Some(format!("rv-{name}-{phase:?}"));
+    j.status = Some(LeasedJobStatus {
+        phase: Some(phase),
+        ..LeasedJobStatus::default()
+    });
+    j
+}
+
+fn q(ns: &str) -> QueueKey {
+    QueueKey {
+        namespace: ns.into(),
+        queue: "q".into(),
+    }
+}
+
+fn names(hint: Option<Hint>) -> Option<String> {
+    hint.map(|h| h.name)
+}
+
+#[test]
+fn offers_go_in_claim_order_and_never_twice_while_they_stand() {
+    let mut d = Dispatch::new();
+    d.observe(Change::Applied(&job("ns", "old", 0, 1, Phase::Queued)));
+    d.observe(Change::Applied(&job("ns", "new", 0, 2, Phase::Queued)));
+    d.observe(Change::Applied(&job("ns", "urgent", 5, 3, Phase::Queued)));
+    let now = at_ms(10_000);
+    assert_eq!(names(d.offer(&q("ns"), "w1", now)), Some("urgent".into()));
+    assert_eq!(names(d.offer(&q("ns"), "w2", now)), Some("old".into()));
+    assert_eq!(names(d.offer(&q("ns"), "w3", now)), Some("new".into()));
+    // Every job stands offered.
+    assert_eq!(d.offer(&q("ns"), "w4", now), None);
+    // Not even to the worker it stands offered to: it asks again right after its claim,
+    // before the claim has come through the watch.
+    assert_eq!(d.offer(&q("ns"), "w2", now), None);
+    assert_eq!(d.next_offer_at(&q("ns"), now), Some(at_ms(12_000)));
+}
+
+fn keyed(name: &str, key: &str, created_s: i64) -> LeasedJob {
+    let mut j = job("ns", name, 0, created_s, Phase::Queued);
+    j.spec.concurrency_key = Some(key.into());
+    j
+}
+
+/// Offers `n` times to distinct workers, each claim arriving before the next offer.
+fn offer_all(d: &mut Dispatch, n: usize, now: Timestamp) -> Vec<String> {
+    (0..n)
+        .map_while(|i| {
+            let hint = d.offer(&q("ns"), &format!("w{i}"), now)?;
+            let mut claimed = keyed(&hint.name, "", 0);
+            claimed.status.as_mut().unwrap().phase = Some(Phase::Leased);
+            // The claim's watch event: its key routes it, so set the job's own.
+            claimed.spec.concurrency_key = Some(hint.name[..1].to_string());
+            d.observe(Change::Applied(&claimed));
+            Some(hint.name)
+        })
+        .collect()
+}
+
+#[test]
+fn keys_take_turns_so_a_small_key_is_not_stuck_behind_a_large_one() {
+    let mut d = Dispatch::new();
+    // Key a: 6 jobs, all older than key b's 2.
+    for i in 0..6 {
+        d.observe(Change::Applied(&keyed(&format!("a{i}"), "a", i)));
+    }
+    for i in 0..2 {
+        d.observe(Change::Applied(&keyed(&format!("b{i}"), "b", 100 + i)));
+    }
+    let got = offer_all(&mut d, 8, at_ms(1_000_000));
+    assert_eq!(got, ["a0", "b0", "a1", "b1", "a2", "a3", "a4", "a5"]);
+}
+
+#[test]
+fn weights_share_offers_in_proportion() {
+    let mut d = Dispatch::new();
+    for i in 0..6 {
+        d.observe(Change::Applied(&keyed(&format!("a{i}"), "a", i)));
+        d.observe(Change::Applied(&keyed(&format!("b{i}"), "b", i)));
+    }
+    d.set_policy(
+        &q("ns"),
+        Some(Policy {
+            weights: [("a".to_string(), 2)].into(),
+            ..Policy::default()
+        }),
+    );
+    let got = offer_all(&mut d, 9, at_ms(1_000_000));
+    let a = got.iter().filter(|n| n.starts_with('a')).count();
+    assert_eq!(a, 6, "a has twice b's share: {got:?}");
+    assert_eq!(&got[..3].iter().filter(|n| n.starts_with('a')).count(), &2);
+}
+
+#[test]
+fn a_key_refilled_one_job_at_a_time_gets_its_weight_not_more() {
+    let mut d = Dispatch::new();
+    for i in 0..40 {
+        d.observe(Change::Applied(&keyed(&format!("a{i:02}"), "a", i)));
+    }
+    d.set_policy(
+        &q("ns"),
+        Some(Policy {
+            weights: [("a".to_string(), 3)].into(),
+            ..Policy::default()
+        }),
+    );
+    let now = at_ms(1_000_000);
+    let mut got = String::new();
+    let mut next_b = 0;
+    d.observe(Change::Applied(&keyed("b000", "b", 100)));
+    for i in 0..16 {
+        let hint = d.offer(&q("ns"), &format!("w{i}"), now).unwrap();
+        let mut claimed = keyed(&hint.name, &hint.name[..1], 0);
+        claimed.status.as_mut().unwrap().phase = Some(Phase::Leased);
+        d.observe(Change::Applied(&claimed));
+        got.push_str(&hint.name[..1]);
+        if hint.name.starts_with('b') {
+            // Key b submits its next job once its last one is claimed.
+            next_b += 1;
+            d.observe(Change::Applied(&keyed(
+                &format!("b{next_b:03}"),
+                "b",
+                100 + next_b,
+            )));
+        }
+    }
+    assert_eq!(got.matches('b').count(), 4, "3:1 for a: {got}");
+}
+
+#[test]
+fn a_key_back_from_idle_takes_its_turn_without_bursting() {
+    let mut d = Dispatch::new();
+    for i in 0..8 {
+        d.observe(Change::Applied(&keyed(&format!("a{i}"), "a", i)));
+    }
+    let now = at_ms(1_000_000);
+    assert_eq!(offer_all(&mut d, 4, now), ["a0", "a1", "a2", "a3"]);
+    // Key b arrives after a had the queue to itself for four offers: it alternates
+    // with a from now on, it is not owed those four.
+    for i in 0..3 {
+        d.observe(Change::Applied(&keyed(&format!("b{i}"), "b", 100 + i)));
+    }
+    assert_eq!(offer_all(&mut d, 4, now), ["b0", "a4", "b1", "a5"]);
+}
+
+#[test]
+fn a_scope_at_its_limit_is_not_offered_counting_standing_offers() {
+    let mut d = Dispatch::new();
+    for i in 0..4 {
+        d.observe(Change::Applied(&keyed(&format!("a{i}"), "a", i)));
+        d.observe(Change::Applied(&keyed(&format!("b{i}"), "b", 10 + i)));
+    }
+    d.set_policy(
+        &q("ns"),
+        Some(Policy {
+            max_leased_per_key: Some(1),
+            max_leased: Some(3),
+            ..Policy::default()
+        }),
+    );
+    let now = at_ms(1_000_000);
+    // One of each key: the standing offers count as claims to come.
+    assert_eq!(names(d.offer(&q("ns"), "w1", now)), Some("a0".into()));
+    assert_eq!(names(d.offer(&q("ns"), "w2", now)), Some("b0".into()));
+    assert_eq!(d.offer(&q("ns"), "w3", now), None, "each key at its limit");
+    // a0 claimed (Leased), b0's offer declined: b has room again, a has none.
+    let mut a0 = keyed("a0", "a", 0);
+    a0.status.as_mut().unwrap().phase = Some(Phase::Leased);
+    d.observe(Change::Applied(&a0));
+    d.declined(&q("ns"), "b0", "w2");
+    assert_eq!(names(d.offer(&q("ns"), "w3", now)), Some("b0".into()));
+    assert_eq!(d.offer(&q("ns"), "w4", now), None);
+    // a0 ends: a has room.
+    a0.status.as_mut().unwrap().phase = Some(Phase::Succeeded);
+    d.observe(Change::Applied(&a0));
+    assert_eq!(names(d.offer(&q("ns"), "w4", now)), Some("a1".into()));
+    // The queue-wide limit: 3 Leased jobs of keys without a per-key limit.
+    let mut d = Dispatch::new();
+    for i in 0..5 {
+        d.observe(Change::Applied(&job(
+            "ns",
+            &format!("j{i}"),
+            0,
+            i,
+            Phase::Queued,
+        )));
+    }
+    d.set_policy(
+        &q("ns"),
+        Some(Policy {
+            max_leased: Some(3),
+            ..Policy::default()
+        }),
+    );
+    let got: Vec<_> = (0..5)
+        .filter_map(|i| d.offer(&q("ns"), &format!("w{i}"), now))
+        .collect();
+    assert_eq!(got.len(), 3);
+}
+
+#[test]
+fn an_offer_lapses_after_its_ttl_and_ends_with_a_claim_or_a_decline() {
+    let mut d = Dispatch::new();
+    d.observe(Change::Applied(&job("ns", "a", 0, 1, Phase::Queued)));
+    d.observe(Change::Applied(&job("ns", "b", 0, 2, Phase::Queued)));
+    let now = at_ms(0);
+    assert_eq!(names(d.offer(&q("ns"), "w1", now)), Some("a".into()));
+    // w1 vanished with its hint: a lapses after the TTL and goes to the next worker.
+    let later = now + SignedDuration::from_millis(OFFER_TTL_MS - 1);
+    assert_eq!(names(d.offer(&q("ns"), "w2", later)), Some("b".into()));
+    let lapsed = now + SignedDuration::from_millis(OFFER_TTL_MS);
+    assert_eq!(names(d.offer(&q("ns"), "w3", lapsed)), Some("a".into()));
+    // w3 says it could not claim a: it is offered at once to the next one.
+    d.declined(&q("ns"), "a", "w3");
+    assert_eq!(names(d.offer(&q("ns"), "w4", lapsed)), Some("a".into()));
+    // Another worker cannot end w4's offer.
+    d.declined(&q("ns"), "a", "w3");
+    assert_eq!(d.offer(&q("ns"), "w5", lapsed), None);
+    // w4's claim arrives in the watch: a is no longer claimable, its offer is gone.
+    d.observe(Change::Applied(&job("ns", "a", 0, 1, Phase::Leased)));
+    assert_eq!(d.offers(), 1, "only b's offer stands");
+    assert_eq!(d.queued(&q("ns")), 1);
+}
+
+#[test]
+fn queues_and_namespaces_are_kept_apart() {
+    let mut d = Dispatch::new();
+    d.observe(Change::Applied(&job("team-a", "a1", 0, 1, Phase::Queued)));
+    let mut other = job("team-a", "x1", 0, 0, Phase::Queued);
+    other.spec.queue = "other".into();
+    d.observe(Change::Applied(&other));
+    let now = at_ms(5_000);
+    assert_eq!(d.offer(&q("team-b"), "w", now), None);
+    assert_eq!(names(d.offer(&q("team-a"), "w", now)), Some("a1".into()));
+    assert_eq!(d.queued(&q("team-a")), 1);
+}
+
+#[test]
+fn not_before_and_retry_after_hold_a_job_back_until_their_time() {
+    let mut d = Dispatch::new();
+    let mut later = job("ns", "later", 9, 1, Phase::Queued);
+    later.spec.not_before = Some(Time(at_ms(60_000)));
+    d.observe(Change::Applied(&later));
+    d.observe(Change::Applied(&job("ns", "now", 0, 2, Phase::Queued)));
+    let now = at_ms(10_000);
+    assert_eq!(names(d.offer(&q("ns"), "w", now)), Some("now".into()));
+    assert_eq!(d.offer(&q("ns"), "w2", now), None);
+    assert_eq!(d.next_offer_at(&q("ns"), now), Some(at_ms(12_000)));
+    let due = at_ms(60_000);
+    assert_eq!(names(d.offer(&q("ns"), "w2", due)), Some("later".into()));
+}
+
+#[test]
+fn a_job_is_offered_only_once_the_controller_has_initialised_it() {
+    let mut d = Dispatch::new();
+    let mut fresh = job("ns", "fresh", 0, 1, Phase::Queued);
+    fresh.status = None;
+    d.observe(Change::Applied(&fresh));
+    let now = at_ms(10_000);
+    assert_eq!(
+        d.offer(&q("ns"), "w", now),
+        None,
+        "its initial status is on its way"
+    );
+    d.observe(Change::Applied(&job("ns", "fresh", 0, 1, Phase::Queued)));
+    assert_eq!(names(d.offer(&q("ns"), "w", now)), Some("fresh".into()));
+}
+
+#[test]
+fn the_view_counts_as_listed_from_its_first_lists_end_on() {
+    let mut d = Dispatch::new();
+    assert!(!d.has_listed(), "a new view is empty, not the queue");
+    d.observe(Change::RelistBegan);
+    d.observe(Change::Relisted(&job("ns", "a", 0, 1, Phase::Queued)));
+    assert!(!d.has_listed(), "not while the first list runs");
+    d.observe(Change::RelistDone);
+    assert!(d.has_listed());
+    d.observe(Change::RelistBegan);
+    assert!(d.has_listed(), "a re-list keeps the old view answering");
+}
+
+#[test]
+fn a_relist_replaces_the_view_and_forgets_offers_on_jobs_gone_meanwhile() {
+    let mut d = Dispatch::new();
+    d.observe(Change::Applied(&job("ns", "a", 0, 1, Phase::Queued)));
+    d.observe(Change::Applied(&job("ns", "b", 0, 2, Phase::Queued)));
+    let now = at_ms(10_000);
+    assert_eq!(names(d.offer(&q("ns"), "w1", now)), Some("a".into()));
+    assert_eq!(names(d.offer(&q("ns"), "w2", now)), Some("b".into()));
+    // The watch expired (410) and re-listed: a was claimed meanwhile, c is new, and a
+    // queue of another namespace appears during the list.
+    d.observe(Change::RelistBegan);
+    d.observe(Change::Relisted(&job("ns", "a", 0, 1, Phase::Leased)));
+    d.observe(Change::Relisted(&job("ns", "b", 0, 2, Phase::Queued)));
+    d.observe(Change::Relisted(&job("ns", "c", 0, 3, Phase::Queued)));
+    d.observe(Change::Relisted(&job("ns2", "z", 0, 3, Phase::Queued)));
+    // Until the list ends, the old view answers.
+    assert_eq!(d.queued(&q("ns")), 2);
+    d.observe(Change::RelistDone);
+    assert_eq!(d.queued(&q("ns")), 2);
+    assert_eq!(d.queued(&q("ns2")), 1);
+    assert_eq!(d.offers(), 1, "b's offer stands, a's went with it");
+    assert_eq!(names(d.offer(&q("ns"), "w3", now)), Some("c".into()));
+    assert_eq!(names(d.offer(&q("ns2"), "w3", now)), Some("z".into()));
+}
+
+#[test]
+fn a_queue_emptied_by_a_relist_is_forgotten() {
+    let mut d = Dispatch::new();
+    d.observe(Change::Applied(&job("ns", "a", 0, 1, Phase::Queued)));
+    d.observe(Change::RelistBegan);
+    d.observe(Change::RelistDone);
+    assert_eq!(d.queued(&q("ns")), 0);
+    assert!(d.queues.is_empty());
+}

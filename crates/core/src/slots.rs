@@ -1,0 +1,383 @@
+//! Limits that the API server makes exact: a LeasedQueue's `maxLeased` and `maxLeasedPerKey`
+//! ([`crate::queue`]) are kept by **slots**, `coordination.k8s.io/v1` Leases, M of them per
+//! scope (the queue, or one concurrency key of it). A claim of a limited job first takes a
+//! free slot of each scope it falls in, by a conditional write of the slot, then makes its
+//! usual claim write; so at every instant the Leased jobs of a scope are at most its slots.
+//! docs/protocol.md, "Limits", has the whole argument; this module holds its rules, pure.
+//!
+//! **What a slot says.** Its holderIdentity names one claim: `<job>@<resourceVersion>#<attempt>`,
+//! the job, the resourceVersion of the copy the claim is guarded by (R0), and the attempt the
+//! claim makes. The slot is **busy** while that claim may hold the job or may still be made:
+//! - the job is still at R0 (the claim is in flight, or its claimer died before writing it:
+//!   the write, guarded by R0, could still succeed), or
+//! - the job is Leased at that attempt (the claim was made; an attempt number is made once per
+//!   resourceVersion it was claimed from, and a later claim from another copy counts here too,
+//!   which only over-counts).
+//!
+//! Otherwise it is **free**: the job moved past R0 without being Leased at that attempt now
+//! (the claim failed, or the attempt ended), or the job is gone. A free slot stays free: a
+//! resourceVersion never comes back, so no write guarded by R0 can succeed once the job moved
+//! past it, and an attempt that ended never restarts. That is why a copy read at any
+//! resourceVersion not older than R0 is enough to judge it ([`state_of`]), and why taking a
+//! free slot, conditional on the slot's own resourceVersion, can never make two Leased jobs
+//! share one slot.
+//!
+//! Pure: the sidecar lists the slots, reads the jobs they name, and writes; these functions
+//! decide.
+
+use std::collections::BTreeMap;
+
+use sha2::{Digest, Sha256};
+
+use crate::crd::{LeasedJob, Phase};
+use crate::queue::LeasedQueue;
+
+/// Label of every slot Lease: the queue's name.
+pub const SLOT_OF_LABEL: &str = "leasehold.dev/slot-of";
+/// Label of every slot Lease: its scope ([`Scope::label`]).
+pub const SLOT_SCOPE_LABEL: &str = "leasehold.dev/slot-scope";
+/// Annotation of a slot Lease: the pod that took it last (for people; nothing reads it).
+pub const TAKEN_BY_ANNOTATION: &str = "leasehold.dev/taken-by";
+/// Prefix of every slot Lease's name.
+pub const SLOT_PREFIX: &str = "lhq-";
+/// The largest limit a LeasedQueue may set: each unit of a limit is one Lease object, and a
+/// claim that finds its scope full has read the jobs of the slots it looked at.
+pub const MAX_LIMIT: i32 = 1000;
+
+/// Where a limit applies.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Scope {
+    /// Every job of the queue (`maxLeased`).
+    Queue,
+    /// The jobs of one concurrency key (`maxLeasedPerKey`).
+    Key(String),
+}
+
+impl Scope {
+    /// The scope as a label value and a part of slot names: `q`, or `k` and the first 12 hex
+    /// digits of the key's SHA-256 (keys may hold any character; 48 bits make two keys of one
+    /// queue share slots only by a collision, which would only make both stricter).
+    pub fn label(&self) -> String {
+        match self {
+            Scope::Queue => "q".into(),
+            Scope::Key(key) => {
+                let digest = Sha256::digest(key.as_bytes());
+                let hex: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
+                format!("k{hex}")
+            }
+        }
+    }
+}
+
+/// The name of slot `index` of `scope` in queue `queue`: `lhq-<queue>-<scope>-<index>` (at
+/// most 4 + 63 + 1 + 13 + 1 + 3 characters: a valid Lease name).
+pub fn slot_name(queue: &str, scope: &Scope, index: u32) -> String {
+    format!("{SLOT_PREFIX}{queue}-{}-{index}", scope.label())
+}
+
+/// The index a slot's name ends with, if it is one of `queue`'s slots of `scope`.
+pub fn index_of(name: &str, queue: &str, scope: &Scope) -> Option<u32> {
+    let prefix = format!("{SLOT_PREFIX}{queue}-{}-", scope.label());
+    name.strip_prefix(&prefix)?.parse().ok()
+}
+
+/// The limits that apply to a claim of `job` in the queue `queue` describes: the queue's
+/// `maxLeased`, and `maxLeasedPerKey` when the job has a concurrency key (a job without one is
+/// limited by `maxLeased` only). Empty when none applies: such a claim takes no slot and costs
+/// no extra write.
+pub fn scopes(queue: &LeasedQueue, job: &LeasedJob) -> Vec<(Scope, u32)> {
+    let limit = |l: Option<i32>| l.and_then(|l| u32::try_from(l.clamp(1, MAX_LIMIT)).ok());
+    let mut out = Vec::new();
+    if let Some(m) = limit(queue.spec.max_leased) {
+        out.push((Scope::Queue, m));
+    }
+    if let (Some(m), Some(key)) = (
+        limit(queue.spec.max_leased_per_key),
+        job.spec.concurrency_key.as_deref(),
+    ) {
+        out.push((Scope::Key(key.to_string()), m));
+    }
+    out
+}
+
+/// The claim a slot names (see the module doc).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotHolder {
+    /// The job's name.
+    pub job: String,
+    /// The resourceVersion the claim is guarded by (R0).
+    pub resource_version: String,
+    /// The attempt the claim makes.
+    pub attempt: i32,
+}
+
+impl SlotHolder {
+    /// The holder a claim of `job` (the copy it is guarded by) puts in its slots.
+    pub fn of_claim(job: &LeasedJob) -> Option<SlotHolder> {
+        Some(SlotHolder {
+            job: job.metadata.name.clone()?,
+            resource_version: job.metadata.resource_version.clone()?,
+            attempt: job.attempt() + 1,
+        })
+    }
+
+    /// As a holderIdentity: `<job>@<resourceVersion>#<attempt>`.
+    pub fn render(&self) -> String {
+        format!("{}@{}#{}", self.job, self.resource_version, self.attempt)
+    }
+
+    /// Reads a holderIdentity written by [`SlotHolder::render`]; `None` for anything else
+    /// (such a slot names no claim, so it is free).
+    pub fn parse(text: &str) -> Option<SlotHolder> {
+        let (job, rest) = text.split_once('@')?;
+        let (rv, attempt) = rest.split_once('#')?;
+        if job.is_empty() || rv.is_empty() {
+            return None;
+        }
+        Some(SlotHolder {
+            job: job.to_string(),
+            resource_version: rv.to_string(),
+            attempt: attempt.parse().ok()?,
+        })
+    }
+}
+
+/// Whether a slot holds a claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    /// It may be taken.
+    Free,
+    /// Its claim holds the job, or may still be made.
+    Busy,
+}
+
+/// The state of a slot naming `holder`, judged from `job`: a copy of the job it names read not
+/// older than `holder.resource_version` (`None`: the job does not exist).
+pub fn state_of(holder: &SlotHolder, job: Option<&LeasedJob>) -> SlotState {
+    let Some(job) = job else {
+        return SlotState::Free;
+    };
+    let pending = job.metadata.resource_version.as_deref() == Some(&holder.resource_version);
+    let holds = job.phase() == Phase::Leased && job.attempt() == holder.attempt;
+    if pending || holds {
+        SlotState::Busy
+    } else {
+        SlotState::Free
+    }
+}
+
+/// One slot Lease as the claimer listed it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listed {
+    /// Its index.
+    pub index: u32,
+    /// The claim it names, if any.
+    pub holder: Option<SlotHolder>,
+}
+
+/// What a claimer does in one scope, given the scope's slots as listed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// A slot already naming this very claim (a claimer of the same copy took it, and may have
+    /// died before its claim write): the claim uses it, with no write.
+    pub reuse: Option<u32>,
+    /// Slots at or above the limit (left by a higher limit) naming a claim: each must be
+    /// judged free before any slot is taken, so that a lowered limit holds.
+    pub above: Vec<(u32, SlotHolder)>,
+    /// The slots below the limit to try, in order: those naming no claim (empty, or missing:
+    /// to be created) first, then those naming one, to be judged.
+    pub candidates: Vec<(u32, Option<SlotHolder>)>,
+}
+
+/// The plan of a claim whose slots name `mine`, in a scope limited to `limit` whose slots are
+/// `listed` (any order; missing indices are slots never made).
+pub fn plan(mine: &SlotHolder, limit: u32, listed: &[Listed]) -> Plan {
+    let reuse = listed
+        .iter()
+        .find(|s| s.holder.as_ref() == Some(mine))
+        .map(|s| s.index);
+    let mut above: Vec<(u32, SlotHolder)> = listed
+        .iter()
+        .filter(|s| s.index >= limit)
+        .filter_map(|s| Some((s.index, s.holder.clone()?)))
+        .collect();
+    above.sort_by_key(|(i, _)| *i);
+    let by_index: BTreeMap<u32, &Option<SlotHolder>> =
+        listed.iter().map(|s| (s.index, &s.holder)).collect();
+    let mut empty = Vec::new();
+    let mut named = Vec::new();
+    for index in 0..limit {
+        match by_index.get(&index) {
+            None | Some(None) => empty.push((index, None)),
+            Some(Some(h)) => named.push((index, Some(h.clone()))),
+        }
+    }
+    empty.extend(named);
+    Plan {
+        reuse,
+        above,
+        candidates: empty,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::{LeasedJobSpec, LeasedJobStatus};
+    use crate::queue::LeasedQueueSpec;
+
+    fn job(rv: &str, phase: Phase, attempt: i32) -> LeasedJob {
+        let mut j = LeasedJob::new("j", LeasedJobSpec::default());
+        j.metadata.resource_version = Some(rv.into());
+        j.status = Some(LeasedJobStatus {
+            phase: Some(phase),
+            attempt,
+            ..LeasedJobStatus::default()
+        });
+        j
+    }
+
+    fn holder(rv: &str, attempt: i32) -> SlotHolder {
+        SlotHolder {
+            job: "j".into(),
+            resource_version: rv.into(),
+            attempt,
+        }
+    }
+
+    #[test]
+    fn a_holder_round_trips_and_garbage_names_no_claim() {
+        let h = holder("123", 4);
+        assert_eq!(h.render(), "j@123#4");
+        assert_eq!(SlotHolder::parse(&h.render()), Some(h));
+        for bad in ["", "j", "j@", "@1#1", "j@1", "j@1#x", "j@#1", "1.abcdef"] {
+            assert_eq!(SlotHolder::parse(bad), None, "{bad}");
+        }
+        let claim = job("77", Phase::Queued, 2);
+        assert_eq!(
+            SlotHolder::of_claim(&claim),
+            Some(SlotHolder {
+                job: "j".into(),
+                resource_version: "77".into(),
+                attempt: 3,
+            })
+        );
+    }
+
+    #[test]
+    fn a_slot_is_busy_while_its_claim_may_be_made_or_holds_the_job() {
+        let h = holder("10", 2);
+        let cases = [
+            // The claim not written yet (or its claimer died): the write could still succeed.
+            (Some(job("10", Phase::Queued, 1)), SlotState::Busy),
+            // The claim made: Leased at its attempt.
+            (Some(job("11", Phase::Leased, 2)), SlotState::Busy),
+            // Leased at that attempt by a claim from another copy: counted here too.
+            (Some(job("15", Phase::Leased, 2)), SlotState::Busy),
+            // The claim lost (another took the job at attempt 2 from... no: at attempt 3) or
+            // the attempt ended: free for good.
+            (Some(job("12", Phase::Leased, 3)), SlotState::Free),
+            (Some(job("12", Phase::Succeeded, 2)), SlotState::Free),
+            (Some(job("12", Phase::Queued, 2)), SlotState::Free),
+            (Some(job("12", Phase::Queued, 1)), SlotState::Free),
+            // Gone.
+            (None, SlotState::Free),
+        ];
+        for (copy, want) in cases {
+            assert_eq!(state_of(&h, copy.as_ref()), want, "{copy:?}");
+        }
+    }
+
+    #[test]
+    fn scopes_follow_the_limits_and_the_key() {
+        let queue = |max: Option<i32>, per_key: Option<i32>| {
+            LeasedQueue::new(
+                "q",
+                LeasedQueueSpec {
+                    max_leased: max,
+                    max_leased_per_key: per_key,
+                    ..LeasedQueueSpec::default()
+                },
+            )
+        };
+        let mut keyed = job("1", Phase::Queued, 0);
+        keyed.spec.concurrency_key = Some("acme".into());
+        let plain = job("1", Phase::Queued, 0);
+        assert_eq!(scopes(&queue(None, None), &keyed), vec![]);
+        assert_eq!(
+            scopes(&queue(Some(5), None), &plain),
+            vec![(Scope::Queue, 5)]
+        );
+        assert_eq!(scopes(&queue(None, Some(2)), &plain), vec![]);
+        assert_eq!(
+            scopes(&queue(Some(5), Some(2)), &keyed),
+            vec![(Scope::Queue, 5), (Scope::Key("acme".into()), 2)]
+        );
+    }
+
+    #[test]
+    fn slot_names_are_valid_and_read_back() {
+        let scope = Scope::Key("tenant/Ünïcode key".into());
+        let name = slot_name(&"q".repeat(63), &scope, 999);
+        assert!(name.len() <= 253 && name.starts_with("lhq-"), "{name}");
+        assert!(name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'));
+        assert_eq!(index_of(&name, &"q".repeat(63), &scope), Some(999));
+        assert_eq!(index_of(&name, &"q".repeat(63), &Scope::Queue), None);
+        assert_eq!(slot_name("media", &Scope::Queue, 0), "lhq-media-q-0");
+        assert_ne!(
+            Scope::Key("a".into()).label(),
+            Scope::Key("b".into()).label()
+        );
+    }
+
+    #[test]
+    fn a_plan_reuses_its_own_slot_judges_those_above_the_limit_and_tries_empty_ones_first() {
+        let mine = SlotHolder {
+            job: "mine".into(),
+            resource_version: "5".into(),
+            attempt: 1,
+        };
+        let other = |rv: &str| Some(holder(rv, 1));
+        let listed = vec![
+            Listed {
+                index: 1,
+                holder: other("1"),
+            },
+            Listed {
+                index: 0,
+                holder: other("2"),
+            },
+            Listed {
+                index: 3,
+                holder: None,
+            },
+            Listed {
+                index: 4,
+                holder: other("3"),
+            },
+            Listed {
+                index: 6,
+                holder: None,
+            },
+        ];
+        let p = plan(&mine, 4, &listed);
+        assert_eq!(p.reuse, None);
+        assert_eq!(p.above, vec![(4, holder("3", 1))]);
+        assert_eq!(
+            p.candidates,
+            vec![(2, None), (3, None), (0, other("2")), (1, other("1"))]
+        );
+        let mut with_mine = listed.clone();
+        with_mine.push(Listed {
+            index: 9,
+            holder: Some(mine.clone()),
+        });
+        assert_eq!(plan(&mine, 4, &with_mine).reuse, Some(9));
+        // A lowered limit: everything at or above it must be judged first.
+        let p = plan(&mine, 1, &listed);
+        assert_eq!(p.above, vec![(1, holder("1", 1)), (4, holder("3", 1))]);
+        assert_eq!(p.candidates, vec![(0, other("2"))]);
+    }
+}
