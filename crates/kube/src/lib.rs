@@ -16,6 +16,7 @@
 //!   skipped and reported instead of stalling the watch; cache readiness.
 //! - [`queue_watch`]: the watch of one queue's jobs a claimer keeps while claims come.
 //! - [`queue_object`]: a sidecar's view of its queue's LeasedQueue (is it paused?).
+//! - [`slots`]: taking the slots that make a queue's limits exact.
 //! - [`recorder`]: what the watches and the worker report (claims, heartbeats, skipped
 //!   objects), for a metrics registry above to count.
 //! - [`health`]: readiness and liveness of a process.
@@ -34,4 +35,5 @@ pub mod queue_object;
 pub mod queue_watch;
 pub mod recorder;
 pub mod shutdown;
+pub mod slots;
 pub mod watch;

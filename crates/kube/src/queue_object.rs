@@ -1,11 +1,11 @@
 //! A sidecar's view of its queue's `LeasedQueue` ([`leasehold_core::queue`]): whether claims
-//! are paused. One watch of one object (a field selector on its name), so it costs the API
-//! server nothing per job.
+//! are paused, and the limits its claims take slots for. One watch of one object (a field
+//! selector on its name), so it costs the API server nothing per job.
 //!
-//! The view is `None` until the watch has listed once; then `Some(paused)`. A queue with no
-//! LeasedQueue is not paused. When the LeasedQueue API cannot be read at all (its CRD is not
-//! installed: 404; the sidecar's Role does not grant it: 403), the view is `Some(false)` and
-//! the reason is logged once as a warning: a pause is then not honoured by this sidecar, which
+//! The view is [`Known::Unknown`] until the watch has listed once; then the object, or
+//! [`Known::Absent`]: a queue with no LeasedQueue is not paused and has no limits. When the
+//! LeasedQueue API cannot be read at all (its CRD is not installed: 404; the sidecar's Role
+//! does not grant it: 403), the view is `Absent` and the reason is logged once as a warning: a pause is then not honoured by this sidecar, which
 //! docs/protocol.md ("Flow control") states. The watch retries under
 //! [`crate::api::WatchBackoff`] meanwhile and takes the pause into account once it can.
 
@@ -20,18 +20,53 @@ use tracing::{info, warn};
 use crate::recorder::Recorder;
 use leasehold_core::queue::LeasedQueue;
 
-/// Follows the LeasedQueue named `queue` through `api` (the queue's namespace) into the
-/// returned receiver: `None` until first known, then whether it pauses claims. The future runs
-/// until dropped.
+/// A sidecar's view of its queue's LeasedQueue.
+#[derive(Clone, Debug, Default)]
+pub enum Known {
+    /// Not read yet.
+    #[default]
+    Unknown,
+    /// There is none (or it cannot be read: see the module doc).
+    Absent,
+    /// The object as last seen.
+    Present(Arc<LeasedQueue>),
+}
+
+impl Known {
+    /// Whether claims are paused; `None` while not known.
+    pub fn paused(&self) -> Option<bool> {
+        match self {
+            Known::Unknown => None,
+            Known::Absent => Some(false),
+            Known::Present(q) => Some(q.is_paused()),
+        }
+    }
+
+    /// The object, when there is one.
+    pub fn queue(&self) -> Option<&Arc<LeasedQueue>> {
+        match self {
+            Known::Present(q) => Some(q),
+            _ => None,
+        }
+    }
+
+    fn version(&self) -> Option<Option<&str>> {
+        match self {
+            Known::Unknown => None,
+            Known::Absent => Some(None),
+            Known::Present(q) => Some(q.metadata.resource_version.as_deref()),
+        }
+    }
+}
+
+/// Follows the LeasedQueue named `queue` through `api` (the queue's namespace) into `tx`
+/// (made with [`Known::Unknown`]; its receivers are the view). The future runs until dropped.
 pub fn follow(
     api: Api<LeasedQueue>,
     queue: &str,
     metrics: Arc<dyn Recorder>,
-) -> (
-    watch::Receiver<Option<bool>>,
-    impl std::future::Future<Output = ()> + Send + 'static,
-) {
-    let (tx, rx) = watch::channel(None);
+    tx: watch::Sender<Known>,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
     let config = watcher::Config::default().fields(&format!("metadata.name={queue}"));
     let queue = queue.to_string();
     let task = async move {
@@ -41,19 +76,19 @@ pub fn follow(
         let mut listed = false;
         let mut warned = false;
         while let Some(event) = events.next().await {
-            let paused = match event {
+            let now = match event {
                 Ok(watcher::Event::Init) => {
                     listed = false;
                     continue;
                 }
                 Ok(watcher::Event::InitApply(q)) => {
                     listed = true;
-                    q.is_paused()
+                    Known::Present(Arc::new(q))
                 }
-                Ok(watcher::Event::InitDone) if !listed => false,
+                Ok(watcher::Event::InitDone) if !listed => Known::Absent,
                 Ok(watcher::Event::InitDone) => continue,
-                Ok(watcher::Event::Apply(q)) => q.is_paused(),
-                Ok(watcher::Event::Delete(_)) => false,
+                Ok(watcher::Event::Apply(q)) => Known::Present(Arc::new(q)),
+                Ok(watcher::Event::Delete(_)) => Known::Absent,
                 Err(e) => {
                     if let Some(code) = unreadable(&e) {
                         if !warned {
@@ -61,11 +96,11 @@ pub fn follow(
                             warn!(
                                 queue = %queue,
                                 code,
-                                "The LeasedQueue API cannot be read (404: its CRD is not installed; 403: this sidecar's Role does not grant get, list and watch on leasedqueues): a pause of this queue is not honoured here until it can be; retrying"
+                                "The LeasedQueue API cannot be read (404: its CRD is not installed; 403: this sidecar's Role does not grant get, list and watch on leasedqueues): a pause or limit of this queue is not honoured here until it can be; retrying"
                             );
                         }
-                        if tx.borrow().is_none() {
-                            tx.send_replace(Some(false));
+                        if matches!(*tx.borrow(), Known::Unknown) {
+                            tx.send_replace(Known::Absent);
                         }
                     } else {
                         crate::watch::log_error("LeasedQueue", &e);
@@ -73,17 +108,19 @@ pub fn follow(
                     continue;
                 }
             };
-            let changed = tx.send_if_modified(|was| {
-                let changed = *was != Some(paused);
-                *was = Some(paused);
+            let (was, paused) = (tx.borrow().paused(), now.paused());
+            tx.send_if_modified(|known| {
+                let changed = known.version() != now.version();
+                *known = now;
                 changed
             });
-            if changed {
+            if was != paused {
+                let paused = paused == Some(true);
                 info!(queue = %queue, paused, "Queue {}", if paused { "paused: no new claims" } else { "running" });
             }
         }
     };
-    (rx, task)
+    task
 }
 
 /// The HTTP status when `err` says the LeasedQueue API cannot be read at all (404 or 403).

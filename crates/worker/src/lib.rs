@@ -40,6 +40,7 @@
 pub mod dispatched;
 mod end;
 mod heartbeat;
+mod limited;
 mod listed;
 mod paused;
 mod pick;
@@ -308,8 +309,12 @@ struct Inner {
     claim_write_ms: AtomicU64,
     /// The dispatcher's client, when claims go through it ([`WorkerConfig::dispatch`]).
     dispatched: Option<dispatched::Dispatched>,
-    /// Whether the queue's LeasedQueue pauses claims; `None` until first read ([`paused`]).
-    paused: watch::Receiver<Option<bool>>,
+    /// The queue's LeasedQueue: whether it pauses claims ([`paused`]), and the limits claims
+    /// take slots for ([`limited`]).
+    queue_object: watch::Receiver<leasehold_kube::queue_object::Known>,
+    /// Lets unit tests, whose watches are never answered, say what the LeasedQueue is.
+    #[cfg(test)]
+    queue_object_tx: watch::Sender<leasehold_kube::queue_object::Known>,
 }
 
 /// What a sidecar without a dispatcher keeps of its queue to choose claims from, all fed by
@@ -367,10 +372,12 @@ impl Worker {
         };
         let watched: Api<LeasedJob> = Api::namespaced(clients.watches.clone(), &config.namespace);
         let metrics = recorder;
-        let (paused, follow_pause) = leasehold_kube::queue_object::follow(
+        let (queue_object_tx, queue_object) = watch::channel(Default::default());
+        let follow_pause = leasehold_kube::queue_object::follow(
             Api::namespaced(clients.watches, &config.namespace),
             &config.queue,
             Arc::clone(&metrics),
+            queue_object_tx.clone(),
         );
         // Two watches, both filtered by the API server on selectable fields of the CRD: the
         // jobs this process holds, always, and, only without a dispatcher, the queue's jobs for
@@ -427,15 +434,15 @@ impl Worker {
         };
         let health = Health::new();
         let ready = {
-            let (health, held_synced, queue_watch, mut paused) = (
+            let (health, held_synced, queue_watch, mut known) = (
                 Arc::clone(&health),
                 held_synced.clone(),
                 queue.as_ref().map(|q| Arc::clone(&q.watch)),
-                paused.clone(),
+                queue_object.clone(),
             );
             async move {
                 held_synced.wait().await;
-                let _ = paused.wait_for(Option::is_some).await;
+                let _ = known.wait_for(|k| k.paused().is_some()).await;
                 if let Some(queue_watch) = queue_watch {
                     queue_watch.wait_ever_synced().await;
                 }
@@ -470,7 +477,9 @@ impl Worker {
             window: AtomicUsize::new(window),
             claim_write_ms: AtomicU64::new(0),
             dispatched,
-            paused,
+            queue_object,
+            #[cfg(test)]
+            queue_object_tx,
         };
         (
             Worker {

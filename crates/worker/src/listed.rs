@@ -71,6 +71,7 @@ impl Worker {
     ) -> Result<Option<Claimed>, WorkerError> {
         let dispatched = self.inner.dispatched.as_ref();
         let mut idle = 0u32;
+        let mut held_back = false;
         loop {
             if dispatched.is_some_and(|d| d.usable().is_some()) {
                 return Ok(None);
@@ -83,8 +84,10 @@ impl Worker {
                 if *draining.borrow() {
                     return Err(WorkerError::ShuttingDown);
                 }
-                if let Some(claimed) = self.try_claim(job, false).await? {
-                    return Ok(Some(claimed));
+                match self.try_claim(job, false).await? {
+                    crate::pick::Tried::Claimed(claimed) => return Ok(Some(claimed)),
+                    crate::pick::Tried::HeldBack => held_back = true,
+                    crate::pick::Tried::Lost => {}
                 }
             }
             let now = Instant::now();
@@ -94,6 +97,10 @@ impl Worker {
             // After a lost race list again at once (a short pause, so that nothing can make
             // this loop spin); otherwise after LIST_EVERY or when a job it saw opens.
             let wake = match round {
+                // Held back by a limit: the same job would be picked again at once.
+                Round::Picked(_) if std::mem::take(&mut held_back) => {
+                    now + crate::pick::HELD_BACK_PAUSE
+                }
                 Round::Picked(_) => {
                     idle = 0;
                     now + Duration::from_millis(10)

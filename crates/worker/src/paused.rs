@@ -16,7 +16,7 @@ use crate::{Worker, WorkerError};
 impl Worker {
     /// True while the queue's LeasedQueue pauses claims, or is not read yet.
     pub fn paused_now(&self) -> bool {
-        *self.inner.paused.borrow() != Some(false)
+        self.inner.queue_object.borrow().paused() != Some(false)
     }
 
     /// Waits until claims of the queue may go on: `Ok(true)` at once when they may, or when
@@ -31,9 +31,9 @@ impl Worker {
         gone: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
         draining: &mut watch::Receiver<bool>,
     ) -> Result<bool, WorkerError> {
-        let mut paused = self.inner.paused.clone();
+        let mut known = self.inner.queue_object.clone();
         tokio::select! {
-            running = paused.wait_for(|p| *p == Some(false)) => Ok(running.is_ok()),
+            running = known.wait_for(|k| k.paused() == Some(false)) => Ok(running.is_ok()),
             () = gone.as_mut() => Ok(false),
             _ = draining.wait_for(|d| *d) => Err(WorkerError::ShuttingDown),
             () = tokio::time::sleep_until(deadline) => Ok(false),

@@ -69,6 +69,20 @@ enum Dispatch {
 /// aside: a sound one's offers fail only in a race with another claim or a change.
 const MAX_DECLINED: u32 = 5;
 
+/// What [`Worker::try_claim`] did.
+pub(crate) enum Tried {
+    /// The job is this worker's.
+    Claimed(Claimed),
+    /// The copy was stale (409), or the job is no longer claimable: it is marked tried.
+    Lost,
+    /// Not attempted, nothing written or marked: the queue is paused, or a limit is reached.
+    HeldBack,
+}
+
+/// How long a claimer whose claim was held back by a limit waits before it looks again (a
+/// slot comes back when a job of the scope ends, which its copy of the queue may not show).
+pub(crate) const HELD_BACK_PAUSE: Duration = Duration::from_millis(500);
+
 /// The claim window never widens past this many times [`WorkerConfig::spread`](crate::WorkerConfig::spread).
 const MAX_WINDOW_FACTOR: usize = 64;
 
@@ -107,7 +121,8 @@ impl Worker {
         };
         let queue_watch = &queue.watch;
         let mut changes = queue.changes.clone();
-        let mut paused = self.inner.paused.clone();
+        let mut paused = self.inner.queue_object.clone();
+        let mut held_back = None;
         // The queue watch runs while this claim is in progress (and starts again if it had
         // stopped): a stopped one lists the queue first, waited for as long as `wait` and at
         // least RELIST_WAIT.
@@ -149,19 +164,24 @@ impl Worker {
                 if *draining.borrow() {
                     return Err(WorkerError::ShuttingDown);
                 }
-                let claimed = self.try_claim(&snapshot, false).await?;
-                // try_claim marked the fresh copy stale (claimed, 409, or no longer
-                // claimable); the cache holds the older snapshot until the watch brings the
-                // fresh one and then the change, so both are skipped (claim::Stale keeps two).
-                if let Some(cached) = cached {
-                    self.mark_tried(&cached);
+                match self.try_claim(&snapshot, false).await? {
+                    Tried::Claimed(claimed) => return Ok(Some(claimed)),
+                    // Paused, or a limit reached: the job is not stale; look again a little
+                    // later (a limit's slot comes back with no change of this queue's jobs
+                    // that the cache would see first).
+                    Tried::HeldBack => held_back = Some(Instant::now() + HELD_BACK_PAUSE),
+                    Tried::Lost => {
+                        // try_claim marked the fresh copy stale (claimed, 409, or no longer
+                        // claimable); the cache holds the older snapshot until the watch
+                        // brings the fresh one and then the change, so both are skipped
+                        // (claim::Stale keeps two). Lost the race (or the job went away):
+                        // the write that beat us is on its way through the watch, usually
+                        // already here; pick again from a cache at least that fresh.
+                        if let Some(cached) = cached {
+                            self.mark_tried(&cached);
+                        }
+                    }
                 }
-                if let Some(claimed) = claimed {
-                    return Ok(Some(claimed));
-                }
-                // Lost the race (or the job went away): the cache was stale. The write that
-                // beat us is on its way through the watch, usually already here; pick again
-                // from a cache at least that fresh rather than from the same stale one.
             }
             // Wake for the next job whose notBefore or retryAfter passes, if before the deadline.
             let now = Timestamp::now();
@@ -174,6 +194,7 @@ impl Worker {
             // A claimer waiting its turn for a job looks again when the turn comes, even if no
             // change arrives (the claimers ahead of it may be busy or gone).
             let wake = turn.map_or(wake, |t| wake.min(t));
+            let wake = held_back.take().map_or(wake, |t| wake.min(t));
             tokio::select! {
                 () = &mut gone => return Ok(None),
                 _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
@@ -303,7 +324,12 @@ impl Worker {
             .read_claimable(&hint.name, &hint.resource_version)
             .await
         {
-            Some(snapshot) => self.try_claim(&snapshot, true).await,
+            Some(snapshot) => match self.try_claim(&snapshot, true).await? {
+                Tried::Claimed(claimed) => Ok(Some(claimed)),
+                // An offer of a scope at its limit counts against the dispatcher, which knows
+                // the limits: one that keeps making such offers is set aside.
+                Tried::Lost | Tried::HeldBack => Ok(None),
+            },
             None => Ok(None),
         }
     }
@@ -483,16 +509,21 @@ impl Worker {
     /// Claims `snapshot`. `Ok(None)` when it was stale (409) or is no longer claimable. In
     /// both cases, and when the claim succeeds, `snapshot` is marked tried: it is known stale.
     /// A write that failed or timed out is an error and marks nothing. `offered`: the job was
-    /// offered by the dispatcher (said in the log). `Ok(None)` too, with nothing written or
-    /// marked, when the queue was paused since the job was chosen ([`crate::paused`]).
+    /// offered by the dispatcher (said in the log). [`Tried::HeldBack`], with nothing
+    /// written or marked, when the queue was paused since the job was chosen
+    /// ([`crate::paused`]) or a limit of the queue is reached ([`crate::limited`]).
     pub(crate) async fn try_claim(
         &self,
         snapshot: &LeasedJob,
         offered: bool,
-    ) -> Result<Option<Claimed>, WorkerError> {
+    ) -> Result<Tried, WorkerError> {
         if self.paused_now() {
-            return Ok(None);
+            return Ok(Tried::HeldBack);
         }
+        // A limited queue: a slot of each limit first (crate::limited).
+        let Some(slots) = self.take_slots(snapshot).await? else {
+            return Ok(Tried::HeldBack);
+        };
         let lease_duration = Duration::from_secs(
             u64::try_from(snapshot.spec.lease_duration_seconds.max(1)).unwrap_or(1),
         );
@@ -547,11 +578,13 @@ impl Worker {
                 self.mark_tried(snapshot);
                 self.inner.metrics.claim_conflict();
                 self.widen_window();
-                return Ok(None);
+                return Ok(Tried::Lost);
             }
             Ok(Err(ClaimError::NotQueued { .. } | ClaimError::Gone { .. })) => {
                 self.mark_tried(snapshot);
-                return Ok(None);
+                // Not sent (or the job is gone): its slots name a claim that is not made.
+                self.give_back_slots(&slots).await;
+                return Ok(Tried::Lost);
             }
             Ok(Err(e @ ClaimError::Api { .. })) => {
                 return Err(WorkerError::unavailable(
@@ -600,7 +633,7 @@ impl Worker {
             Some(slim),
             started,
         );
-        Ok(Some(Claimed {
+        Ok(Tried::Claimed(Claimed {
             namespace: self.inner.config.namespace.clone(),
             name: job.name_any(),
             attempt: token.attempt(),

@@ -62,6 +62,11 @@ fn worker(spread: usize) -> (Worker, Cluster) {
         dispatch: None,
     };
     let (worker, _task) = Worker::start(clients, config, Arc::new(NoRecorder));
+    // The queue has no LeasedQueue (its watch is never answered here).
+    worker
+        .inner
+        .queue_object_tx
+        .send_replace(leasehold_kube::queue_object::Known::Absent);
     (
         worker,
         Cluster {
@@ -154,7 +159,10 @@ async fn a_claim_answered_409_marks_the_snapshot_stale_and_widens_the_window() {
         let send = cluster.expect("PUT", &format!("{JOBS}/j0/status")).await;
         answer(send, 409, &status(409, "Conflict"));
         let claimed = claim.await.unwrap().expect("a 409 is not an error");
-        assert!(claimed.is_none(), "a lost race claims nothing");
+        assert!(
+            matches!(claimed, crate::pick::Tried::Lost),
+            "a lost race claims nothing"
+        );
         assert!(
             w.inner
                 .queue

@@ -1,0 +1,257 @@
+//! Taking the slots of a limited claim ([`leasehold_core::slots`]): list a scope's slot
+//! Leases, judge the claims they name by reading those jobs, and take a free one by a
+//! conditional write (an update under the slot's resourceVersion, or a create, which fails if
+//! another claimer made it first). The API server arbitrates every take: two claimers never
+//! both take one version of a slot.
+//!
+//! Reads come from the API server's watch cache (a list at any resourceVersion; a job read
+//! not older than the resourceVersion its slot names): a stale list costs a refused write, and
+//! a job copy only needs to be that recent (see the core module).
+
+use std::collections::HashMap;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::{GetParams, ListParams, PostParams};
+use kube::{Api, Resource, ResourceExt};
+use thiserror::Error;
+
+use crate::api::is_status;
+use leasehold_core::crd::LeasedJob;
+use leasehold_core::queue::LeasedQueue;
+use leasehold_core::slots::{
+    self, Listed, Scope, SlotHolder, SlotState, SLOT_OF_LABEL, SLOT_SCOPE_LABEL,
+};
+
+/// A slot a claim took (or found already naming it).
+#[derive(Clone, Debug)]
+pub struct Taken {
+    /// The slot Lease's name.
+    pub name: String,
+    /// Its resourceVersion after the take (to release it conditionally); None when the claim
+    /// reused a slot already naming it (nothing was written).
+    pub written: Option<String>,
+}
+
+/// What [`acquire`] got.
+#[derive(Debug)]
+pub enum Acquired {
+    /// A slot of every scope the claim falls in (none when the queue sets no limit for it).
+    All(Vec<Taken>),
+    /// `scope` has no free slot: the limit is reached. Slots taken in other scopes were given
+    /// back (best effort).
+    Full(Scope),
+}
+
+/// A slot could not be judged or taken.
+#[derive(Debug, Error)]
+#[error("{what} failed: {source}")]
+pub struct SlotError {
+    /// What was done, naming the Lease or job.
+    pub what: String,
+    /// The API server's answer.
+    #[source]
+    pub source: kube::Error,
+}
+
+/// Takes, for a claim of `job` (the copy the claim will be guarded by), a slot of every scope
+/// `queue` limits it in ([`slots::scopes`]), through `leases` and `jobs` (the job's
+/// namespace). `holder` is the claimer's pod, recorded on the slots it writes.
+///
+/// # Errors
+/// [`SlotError`] when a list, read or write failed for another reason than a lost race;
+/// slots already taken are given back first (best effort).
+pub async fn acquire(
+    leases: &Api<Lease>,
+    jobs: &Api<LeasedJob>,
+    queue: &LeasedQueue,
+    job: &LeasedJob,
+    holder: &str,
+) -> Result<Acquired, SlotError> {
+    let Some(mine) = SlotHolder::of_claim(job) else {
+        return Ok(Acquired::All(Vec::new()));
+    };
+    let mut taken = Vec::new();
+    for (scope, limit) in slots::scopes(queue, job) {
+        match take_one(leases, jobs, queue, &scope, limit, &mine, holder).await {
+            Ok(Some(t)) => taken.push(t),
+            Ok(None) => {
+                release(leases, &taken).await;
+                return Ok(Acquired::Full(scope));
+            }
+            Err(e) => {
+                release(leases, &taken).await;
+                return Err(e);
+            }
+        }
+    }
+    Ok(Acquired::All(taken))
+}
+
+/// Gives back the slots `taken` wrote (an update to no holder, conditional on the version
+/// the take wrote): for a claim that will not be made. Best effort: a slot not given back
+/// names a claim whose job has moved on or will, and is judged free then (the core module).
+pub async fn release(leases: &Api<Lease>, taken: &[Taken]) {
+    for t in taken {
+        let Some(rv) = &t.written else { continue };
+        let Ok(mut lease) = leases.get(&t.name).await else {
+            continue;
+        };
+        if lease.metadata.resource_version.as_deref() != Some(rv) {
+            continue;
+        }
+        if let Some(spec) = lease.spec.as_mut() {
+            spec.holder_identity = None;
+        }
+        let _ = leases
+            .replace(&t.name, &PostParams::default(), &lease)
+            .await;
+    }
+}
+
+/// Takes one slot of `scope` (limit `limit`) for `mine`; `Ok(None)` when every slot is busy.
+async fn take_one(
+    leases: &Api<Lease>,
+    jobs: &Api<LeasedJob>,
+    queue: &LeasedQueue,
+    scope: &Scope,
+    limit: u32,
+    mine: &SlotHolder,
+    holder: &str,
+) -> Result<Option<Taken>, SlotError> {
+    let queue_name = queue.name_any();
+    let selector = format!(
+        "{SLOT_OF_LABEL}={queue_name},{SLOT_SCOPE_LABEL}={}",
+        scope.label()
+    );
+    let list = leases
+        .list(&ListParams::default().labels(&selector).match_any())
+        .await
+        .map_err(|source| SlotError {
+            what: format!("listing the slots of queue {queue_name} ({selector})"),
+            source,
+        })?;
+    let mut existing: HashMap<u32, Lease> = HashMap::new();
+    let mut listed = Vec::new();
+    for lease in list.items {
+        let Some(index) = slots::index_of(&lease.name_any(), &queue_name, scope) else {
+            continue;
+        };
+        let named = leasehold_core::lease::holder_identity(&lease).and_then(SlotHolder::parse);
+        listed.push(Listed {
+            index,
+            holder: named,
+        });
+        existing.insert(index, lease);
+    }
+    let plan = slots::plan(mine, limit, &listed);
+    if let Some(index) = plan.reuse {
+        return Ok(Some(Taken {
+            name: slots::slot_name(&queue_name, scope, index),
+            written: None,
+        }));
+    }
+    for (_, named) in &plan.above {
+        if state(jobs, named).await? == SlotState::Busy {
+            return Ok(None);
+        }
+    }
+    for (index, named) in plan.candidates {
+        if let Some(named) = &named {
+            if state(jobs, named).await? == SlotState::Busy {
+                continue;
+            }
+        }
+        let name = slots::slot_name(&queue_name, scope, index);
+        let written = match existing.remove(&index) {
+            Some(mut lease) => {
+                let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+                spec.holder_identity = Some(mine.render());
+                spec.acquire_time = Some(leasehold_core::lease::micro_time(
+                    k8s_openapi::jiff::Timestamp::now(),
+                ));
+                lease
+                    .annotations_mut()
+                    .insert(slots::TAKEN_BY_ANNOTATION.into(), holder.into());
+                leases.replace(&name, &PostParams::default(), &lease).await
+            }
+            None => {
+                let lease = new_slot(queue, scope, &name, mine, holder);
+                leases.create(&PostParams::default(), &lease).await
+            }
+        };
+        match written {
+            Ok(lease) => {
+                return Ok(Some(Taken {
+                    name,
+                    written: lease.metadata.resource_version,
+                }))
+            }
+            // Another claimer took or made it first: the next one.
+            Err(e) if is_status(&e, 409) => continue,
+            Err(source) => {
+                return Err(SlotError {
+                    what: format!("taking slot Lease {name}"),
+                    source,
+                })
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The state of a slot naming `named`, from a read of that job not older than the version it
+/// names.
+async fn state(jobs: &Api<LeasedJob>, named: &SlotHolder) -> Result<SlotState, SlotError> {
+    let params = GetParams {
+        resource_version: Some(named.resource_version.clone()),
+    };
+    match jobs.get_with(&named.job, &params).await {
+        Ok(job) => Ok(slots::state_of(named, Some(&job))),
+        Err(e) if is_status(&e, 404) => Ok(slots::state_of(named, None)),
+        Err(source) => Err(SlotError {
+            what: format!("reading LeasedJob {} named by a slot", named.job),
+            source,
+        }),
+    }
+}
+
+/// A new slot Lease: labelled with its queue and scope, owned by the LeasedQueue (deleting
+/// the queue's object deletes its slots), naming `mine`.
+fn new_slot(
+    queue: &LeasedQueue,
+    scope: &Scope,
+    name: &str,
+    mine: &SlotHolder,
+    holder: &str,
+) -> Lease {
+    let owner = OwnerReference {
+        api_version: LeasedQueue::api_version(&()).into(),
+        kind: LeasedQueue::kind(&()).into(),
+        name: queue.name_any(),
+        uid: queue.uid().unwrap_or_default(),
+        ..OwnerReference::default()
+    };
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            labels: Some(
+                [
+                    (SLOT_OF_LABEL.to_string(), queue.name_any()),
+                    (SLOT_SCOPE_LABEL.to_string(), scope.label()),
+                ]
+                .into(),
+            ),
+            annotations: Some([(slots::TAKEN_BY_ANNOTATION.to_string(), holder.into())].into()),
+            owner_references: queue.uid().map(|_| vec![owner]),
+            ..ObjectMeta::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(mine.render()),
+            acquire_time: Some(leasehold_core::lease::micro_time(
+                k8s_openapi::jiff::Timestamp::now(),
+            )),
+            ..LeaseSpec::default()
+        }),
+    }
+}
