@@ -190,19 +190,13 @@ impl Dispatcher {
         }
     }
 
-    /// Pauses or resumes `queue` (its LeasedQueue's spec.paused): its polls wake on a change,
-    /// so a resumed queue's waiting sidecars are offered its jobs at once.
-    pub fn set_paused(&self, queue: &QueueKey, paused: bool) {
-        if self.state.lock().unwrap().set_paused(queue, paused) {
-            if let Some(tx) = self.changes.lock().unwrap().get(queue) {
-                tx.send_modify(|n| *n += 1);
-            }
+    /// Sets what `queue`'s LeasedQueue says (None: it has none): weights and limits. Its polls
+    /// wake, so a raised limit is offered at once.
+    pub fn set_policy(&self, queue: &QueueKey, policy: Option<leasehold_core::dispatch::Policy>) {
+        self.state.lock().unwrap().set_policy(queue, policy);
+        if let Some(tx) = self.changes.lock().unwrap().get(queue) {
+            tx.send_modify(|n| *n += 1);
         }
-    }
-
-    /// Sets the weights of `queue`'s concurrency keys (its LeasedQueue's spec.weights).
-    pub fn set_weights(&self, queue: &QueueKey, weights: std::collections::BTreeMap<String, i32>) {
-        self.state.lock().unwrap().set_weights(queue, weights);
     }
 
     /// `worker` could not claim the job `name` of `queue` it was offered: offer it to others.

@@ -326,6 +326,7 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
             queue_objects,
             Arc::clone(&ctx),
             config.dispatch.as_ref().map(|d| Arc::clone(&d.dispatcher)),
+            jobs_synced.clone(),
         )),
     ];
     let workers: Vec<_> = (0..RECONCILE_CONCURRENCY)

@@ -1,5 +1,5 @@
 //! The LeasedQueue objects ([`leasehold_core::queue`]): the controller follows every one it
-//! can see, tells the dispatcher which queues are paused and how their keys share, and, while this replica leads,
+//! can see, tells the dispatcher which queues are paused, how their keys share and their limits, and, while this replica leads,
 //! writes each one's status (jobs queued and leased, the oldest queued job, the pause) and an
 //! Event `Paused` or `Resumed` when its pause changes.
 //!
@@ -23,7 +23,7 @@ use tracing::{info, warn};
 
 use super::Context;
 use crate::dispatch::Dispatcher;
-use leasehold_core::dispatch::QueueKey;
+use leasehold_core::dispatch::{Policy, QueueKey};
 use leasehold_core::queue::{self, LeasedQueue, LeasedQueueStatus, Member, Transition};
 use leasehold_core::Category;
 use leasehold_kube::events::{EventType, Note};
@@ -31,7 +31,7 @@ use leasehold_kube::recorder::Recorder;
 use leasehold_metrics::QueueObjectLabels;
 
 /// How often the leader looks at every LeasedQueue's counts (and writes those that changed).
-pub const STATUS_EVERY: Duration = Duration::from_secs(2);
+pub const STATUS_EVERY: Duration = Duration::from_secs(5);
 
 /// Follows the LeasedQueues `api` sees (the controller's namespace, or all) and keeps their
 /// statuses while this replica leads; `dispatcher` is told which queues are paused. Runs
@@ -40,6 +40,7 @@ pub(super) async fn run(
     api: Api<LeasedQueue>,
     ctx: Arc<Context>,
     dispatcher: Option<Arc<Dispatcher>>,
+    jobs_synced: leasehold_kube::watch::Synced,
 ) {
     let (store, writer) = reflector::store();
     let due = Arc::new(Notify::new());
@@ -51,7 +52,11 @@ pub(super) async fn run(
         dispatcher,
         Arc::clone(&due),
     );
-    let report = report(store, ctx, due);
+    // No status from a job cache that has not listed the jobs yet: it would read 0 queued.
+    let report = async move {
+        jobs_synced.wait().await;
+        report(store, ctx, due).await;
+    };
     tokio::join!(follow, report);
 }
 
@@ -69,9 +74,8 @@ async fn follow(
     let stream = leasehold_kube::watch::watch(&api, watcher::Config::default(), metrics, |_| {})
         .reflect(writer);
     let mut stream = std::pin::pin!(stream);
-    // The queues the dispatcher was told are paused, and have weights.
-    let mut paused: HashSet<QueueKey> = HashSet::new();
-    let mut weighted: HashSet<QueueKey> = HashSet::new();
+    // What the dispatcher was told of each queue.
+    let mut set: HashMap<QueueKey, Policy> = HashMap::new();
     let mut warned = false;
     while let Some(event) = stream.next().await {
         match event {
@@ -94,35 +98,25 @@ async fn follow(
                 continue;
             }
         }
-        // The store holds the event now: the paused set and the weights follow it whole, so
-        // that a queue deleted (or missed during a re-list) is resumed and unweighted too.
+        // The store holds the event now: the policies follow it whole, so that a queue
+        // deleted (or missed during a re-list) loses its weights and limits too. (The pause is
+        // not the dispatcher's: each sidecar reads it, and does not ask while paused.)
         let queues = store.state();
-        let now: HashSet<QueueKey> = queues
+        let policies: HashMap<QueueKey, Policy> = queues
             .iter()
-            .filter(|q| q.is_paused())
-            .filter_map(|q| key_of(q))
-            .collect();
-        let weights: HashMap<QueueKey, _> = queues
-            .iter()
-            .filter(|q| !q.spec.weights.is_empty())
-            .filter_map(|q| Some((key_of(q)?, q.spec.weights.clone())))
+            .filter_map(|q| Some((key_of(q)?, Policy::of(&q.spec))))
             .collect();
         if let Some(dispatcher) = &dispatcher {
-            for resumed in paused.difference(&now) {
-                dispatcher.set_paused(resumed, false);
+            for gone in set.keys().filter(|k| !policies.contains_key(*k)) {
+                dispatcher.set_policy(gone, None);
             }
-            for newly in now.difference(&paused) {
-                dispatcher.set_paused(newly, true);
-            }
-            for gone in weighted.iter().filter(|k| !weights.contains_key(*k)) {
-                dispatcher.set_weights(gone, Default::default());
-            }
-            for (key, w) in &weights {
-                dispatcher.set_weights(key, w.clone());
+            for (key, policy) in &policies {
+                if set.get(key) != Some(policy) {
+                    dispatcher.set_policy(key, Some(policy.clone()));
+                }
             }
         }
-        paused = now;
-        weighted = weights.into_keys().collect();
+        set = policies;
     }
 }
 
@@ -161,20 +155,27 @@ async fn report(store: Store<LeasedQueue>, ctx: Arc<Context>, due: Arc<Notify>) 
 /// The status each of `queues` should have, from the controller's cache of jobs: one pass
 /// over the jobs, counting those of the queues that have a LeasedQueue.
 fn statuses(ctx: &Context, queues: &[Arc<LeasedQueue>], now: Timestamp) -> Vec<LeasedQueueStatus> {
-    let index: HashMap<(String, String), usize> = queues
-        .iter()
-        .enumerate()
-        .filter_map(|(i, q)| Some(((q.namespace()?, q.name_any()), i)))
-        .collect();
+    // namespace -> queue -> index in `queues`, borrowed: no allocation per job.
+    let mut index: HashMap<&str, HashMap<&str, usize>> = HashMap::new();
+    for (i, q) in queues.iter().enumerate() {
+        let (Some(ns), Some(name)) = (q.metadata.namespace.as_deref(), q.metadata.name.as_deref())
+        else {
+            continue;
+        };
+        index.entry(ns).or_default().insert(name, i);
+    }
     let jobs = ctx.jobs.lock().unwrap();
     let mut members: Vec<Vec<Member<'_>>> = vec![Vec::new(); queues.len()];
     if !index.is_empty() {
         for (key, record) in jobs.records() {
-            let wanted = (key.namespace.to_string(), record.queue().to_string());
-            if let Some(&i) = index.get(&wanted) {
+            let found = index
+                .get(&*key.namespace)
+                .and_then(|q| q.get(record.queue()));
+            if let Some(&i) = found {
                 members[i].push(Member {
                     phase: record.phase(),
                     created: record.created(),
+                    key: record.concurrency_key(),
                 });
             }
         }
@@ -186,7 +187,7 @@ fn statuses(ctx: &Context, queues: &[Arc<LeasedQueue>], now: Timestamp) -> Vec<L
         .collect()
 }
 
-/// Sets `leasehold_queue_paused` and `leasehold_queue_paused_seconds` for every queue, and
+/// Sets the per-LeasedQueue gauges (paused, paused for, at limit, keys at limit), and
 /// removes the series of queues gone since `before`. Returns the label sets set.
 fn set_metrics(
     ctx: &Context,
@@ -220,20 +221,39 @@ fn set_metrics(
             .queue_paused_seconds
             .get_or_create(&labels)
             .set(seconds);
+        gauges
+            .queue_at_limit
+            .get_or_create(&labels)
+            .set(i64::from(status.at_limit));
+        gauges
+            .queue_keys_at_limit
+            .get_or_create(&labels)
+            .set(status.keys_at_limit);
         set.insert(labels);
     }
     for gone in before.difference(&set) {
         gauges.queue_paused.remove(gone);
         gauges.queue_paused_seconds.remove(gone);
+        gauges.queue_at_limit.remove(gone);
+        gauges.queue_keys_at_limit.remove(gone);
     }
     set
 }
 
-/// Writes `status` on `q` (a merge patch of the status subresource, absent times as null),
-/// then, if its pause changed, the Event that says so. Failures are logged; the next pass
-/// tries again.
+/// Records the Event of a pause change of `q`, if any, then writes `status` on it (a merge
+/// patch of the status subresource, absent times as null), each only while this replica
+/// leads. Failures are logged and the next pass tries again: an Event is recorded again only
+/// when its status write failed, and never missed.
 async fn write_status(ctx: &Context, q: &LeasedQueue, status: &LeasedQueueStatus) {
-    let Some(ns) = q.namespace() else { return };
+    let (Some(ns), name) = (q.namespace(), q.name_any()) else {
+        return;
+    };
+    if let Some(transition) = queue::transition(q) {
+        if !ctx.leadership.is_leader() {
+            return;
+        }
+        record(ctx, q, transition, status).await;
+    }
     let api: Api<LeasedQueue> = Api::namespaced(ctx.client.clone(), &ns);
     let patch = json!({
         "status": {
@@ -243,25 +263,36 @@ async fn write_status(ctx: &Context, q: &LeasedQueue, status: &LeasedQueueStatus
             "paused": status.paused,
             "pausedTime": status.paused_time,
             "observedGeneration": status.observed_generation,
+            "atLimit": status.at_limit,
+            "keysAtLimit": status.keys_at_limit,
+            "keysAtLimitShown": status.keys_at_limit_shown,
         }
     });
     let params = PatchParams {
         field_manager: Some(ctx.field_manager.clone()),
         ..PatchParams::default()
     };
-    let name = q.name_any();
-    if let Err(e) = api
+    if !ctx.leadership.is_leader() {
+        return;
+    }
+    let written = api
         .patch_status(&name, &params, &Patch::Merge(&patch))
-        .await
-    {
+        .await;
+    if let Err(e) = written {
         if !leasehold_kube::api::is_status(&e, 404) {
             warn!(queue = %format!("{ns}/{name}"), error = %leasehold_kube::api::error_chain(&e), "Writing the status of LeasedQueue {ns}/{name} failed; retrying in {STATUS_EVERY:?}");
         }
-        return;
     }
-    let Some(transition) = queue::transition(q) else {
-        return;
-    };
+}
+
+/// Records the Event `Paused` or `Resumed` on `q` (best effort: a failure is logged).
+async fn record(
+    ctx: &Context,
+    q: &LeasedQueue,
+    transition: Transition,
+    status: &LeasedQueueStatus,
+) {
+    let (ns, name) = (q.namespace().unwrap_or_default(), q.name_any());
     info!(queue = %format!("{ns}/{name}"), "Queue {}", transition.reason().to_lowercase());
     let text = match transition {
         Transition::Paused => format!(

@@ -115,6 +115,12 @@ pub struct ControllerMetrics {
     /// status.pausedTime (when the leading controller saw the pause), by the controller's wall
     /// clock; 0 while it is not paused. The alert "paused for long" is written on it.
     pub queue_paused_seconds: Family<QueueObjectLabels, SecondsGauge>,
+    /// `leasehold_queue_at_limit{queue_namespace,queue}`: 1 while the LeasedQueue has its
+    /// maxLeased jobs Leased (or more), else 0.
+    pub queue_at_limit: Family<QueueObjectLabels, Gauge>,
+    /// `leasehold_queue_keys_at_limit{queue_namespace,queue}`: how many of its concurrency keys
+    /// have their maxLeasedPerKey jobs Leased (a count, not a label per key: keys are many).
+    pub queue_keys_at_limit: Family<QueueObjectLabels, Gauge>,
 }
 
 impl ControllerMetrics {
@@ -127,6 +133,8 @@ impl ControllerMetrics {
             attempts_ended: Family::default(),
             queue_paused: Family::default(),
             queue_paused_seconds: Family::default(),
+            queue_at_limit: Family::default(),
+            queue_keys_at_limit: Family::default(),
         }
     }
 
@@ -165,6 +173,16 @@ impl ControllerMetrics {
             "queue_paused_seconds",
             "Seconds since the LeasedQueue was paused; 0 while it is not",
             self.queue_paused_seconds.clone(),
+        );
+        registry.register(
+            "queue_at_limit",
+            "1 while the LeasedQueue has maxLeased jobs Leased, else 0",
+            self.queue_at_limit.clone(),
+        );
+        registry.register(
+            "queue_keys_at_limit",
+            "Concurrency keys of the LeasedQueue with maxLeasedPerKey jobs Leased",
+            self.queue_keys_at_limit.clone(),
         );
     }
 }
