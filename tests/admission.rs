@@ -509,6 +509,19 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
         raw(&w.a, "POST", &w.leases_path(), "application/json", &other).await,
         "job-leases-only",
     );
+    // The slots of a queue's limits are theirs to take, naming a claim.
+    let slot = json!({
+        "metadata": {"name": "lhq-q-q-0", "labels": {"leasehold.dev/slot-of": "q", "leasehold.dev/slot-scope": "q"}},
+        "spec": {"holderIdentity": "j@123#1"}
+    });
+    raw(&w.a, "POST", &w.leases_path(), "application/json", &slot)
+        .await
+        .expect("a worker takes a slot");
+    let garbage = json!({"spec": {"holderIdentity": "not a claim"}});
+    assert_refused(
+        merge_patch(&w.b, &w.lease_path("lhq-q-q-0"), &garbage).await,
+        "job-leases-only",
+    );
     let unlabel = json!({"metadata": {"labels": {"app.kubernetes.io/managed-by": null}}});
     assert_refused(
         merge_patch(&w.b, &w.lease_path(&name), &unlabel).await,

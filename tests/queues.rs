@@ -232,6 +232,16 @@ async fn bad_leased_queues_are_refused_naming_the_field_and_the_rule() {
             "metadata.name is the queue's name",
         ),
         (
+            "a limit of 0",
+            manifest("q", "  maxLeasedPerKey: 0"),
+            "spec.maxLeasedPerKey",
+        ),
+        (
+            "a limit past 1000",
+            manifest("q", "  maxLeased: 5000"),
+            "spec.maxLeased",
+        ),
+        (
             "a weight of 0",
             manifest("q", "  weights: {tenant-a: 0}"),
             "spec.weights.tenant-a",

@@ -1,0 +1,246 @@
+//! A LeasedQueue's limits against the real control plane: `maxLeasedPerKey` and `maxLeased`
+//! hold at every instant as the API server's own watch shows it, with claimers racing through
+//! the dispatcher and without it, holders SIGKILLed (their slots come back when their leases
+//! expire, never earlier) and the dispatcher SIGKILLed; a lowered limit stops new claims until
+//! the jobs above it have ended; a deleted LeasedQueue takes its limits with it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, ResourceExt};
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::queue::LeasedQueue;
+use leasehold_testkit::*;
+use serde_json::json;
+
+/// The most Leased jobs seen at once, per key and in all, over every event of the API
+/// server's watch of the namespace's jobs.
+#[derive(Default, Debug)]
+struct Peaks {
+    per_key: BTreeMap<String, usize>,
+    all: usize,
+    /// Jobs seen Succeeded.
+    done: usize,
+}
+
+/// Follows every job of `ns` from the API server's watch and records [`Peaks`]; runs until
+/// aborted.
+fn monitor(client: &kube::Client, ns: &str) -> (Arc<Mutex<Peaks>>, tokio::task::JoinHandle<()>) {
+    let peaks = Arc::new(Mutex::new(Peaks::default()));
+    let api: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
+    let task = {
+        let peaks = Arc::clone(&peaks);
+        tokio::spawn(async move {
+            let mut phases: HashMap<String, (String, Phase)> = HashMap::new();
+            let mut events =
+                std::pin::pin!(watcher(api, watcher::Config::default()).applied_objects());
+            while let Some(job) = events.next().await {
+                let Ok(job) = job else { continue };
+                let key = job.spec.concurrency_key.clone().unwrap_or_default();
+                phases.insert(job.name_any(), (key, job.phase()));
+                let mut p = peaks.lock().unwrap();
+                let mut now: BTreeMap<String, usize> = BTreeMap::new();
+                for (key, phase) in phases.values() {
+                    if *phase == Phase::Leased {
+                        *now.entry(key.clone()).or_default() += 1;
+                    }
+                }
+                for (key, n) in &now {
+                    let peak = p.per_key.entry(key.clone()).or_default();
+                    *peak = (*peak).max(*n);
+                }
+                p.all = p.all.max(now.values().sum());
+                p.done = phases
+                    .values()
+                    .filter(|(_, ph)| *ph == Phase::Succeeded)
+                    .count();
+            }
+        })
+    };
+    (peaks, task)
+}
+
+fn queue_manifest(ns: &str, spec: serde_json::Value) -> LeasedQueue {
+    serde_json::from_value(json!({
+        "apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedQueue",
+        "metadata": {"name": "q", "namespace": ns},
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+async fn apply_queue(client: &kube::Client, ns: &str, spec: serde_json::Value) {
+    let api: Api<LeasedQueue> = Api::namespaced(client.clone(), ns);
+    api.patch(
+        "q",
+        &PatchParams::apply("limits-test").force(),
+        &Patch::Apply(&queue_manifest(ns, spec)),
+    )
+    .await
+    .unwrap();
+}
+
+async fn create_keyed(client: &kube::Client, ns: &str, name: &str, key: &str) {
+    create_job(
+        client,
+        ns,
+        json!({"metadata": {"name": name},
+               "spec": {"queue": "q", "concurrencyKey": key, "leaseDurationSeconds": 5}}),
+    )
+    .await;
+}
+
+/// Claims and completes jobs, holding each for `hold`, until `stop`.
+async fn work(sidecar: Sidecar, hold: Duration, stop: Arc<AtomicBool>) -> Sidecar {
+    while !stop.load(Ordering::SeqCst) {
+        let (status, claim) = sidecar.claim(1).await;
+        if status != 200 {
+            continue;
+        }
+        tokio::time::sleep(hold).await;
+        let name = claim["name"].as_str().unwrap().to_string();
+        let token = token_of(&claim);
+        let _ = sidecar.complete(&name, &token, json!("done")).await;
+    }
+    sidecar
+}
+
+#[tokio::test]
+async fn limits_hold_at_every_instant_through_killed_holders_and_a_killed_dispatcher() {
+    let Fixture { client, ns } = fixture!("limits");
+    let mut controller = controller(&ns.name);
+    apply_queue(
+        &client,
+        &ns.name,
+        json!({"maxLeasedPerKey": 2, "maxLeased": 5}),
+    )
+    .await;
+    let (peaks, watching) = monitor(&client, &ns.name);
+    for key in ["a", "b", "c"] {
+        for i in 0..12 {
+            create_keyed(&client, &ns.name, &format!("{key}-{i:02}"), key).await;
+        }
+    }
+    let token = dispatch_token_file(&ns.name);
+    let token = token.to_str().unwrap().to_string();
+    // Two holders that never finish: SIGKILLed below, their leases expire.
+    let mut doomed = Vec::new();
+    for i in 0..2 {
+        let sidecar = Sidecar::start(&ns.name, "q", &format!("doomed-{i}"), &[]).await;
+        let (claim, _) = sidecar.claim_ok(20).await;
+        eprintln!("doomed-{i} holds {}", claim["name"]);
+        doomed.push(sidecar);
+    }
+    // Eight claimers racing: four through the dispatcher, four choosing on their own.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for i in 0..8 {
+        let extra: Vec<&str> = if i % 2 == 0 {
+            vec!["--dispatch-token-file", &token]
+        } else {
+            vec![]
+        };
+        let sidecar = Sidecar::start(&ns.name, "q", &format!("pod-{i}"), &extra).await;
+        workers.push(tokio::spawn(work(
+            sidecar,
+            Duration::from_millis(150),
+            Arc::clone(&stop),
+        )));
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for sidecar in &doomed {
+        sidecar.proc.signal("KILL");
+    }
+    // The dispatcher dies too (the controller: expiry waits for its successor).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    controller.signal("KILL");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    controller = controller_with(&ns.name, "test-controller-2", &[]);
+    wait_for("every job done", Duration::from_secs(120), || async {
+        (peaks.lock().unwrap().done == 36).then_some(())
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    for w in workers {
+        w.await.unwrap();
+    }
+    watching.abort();
+    drop(controller);
+    let peaks = peaks.lock().unwrap();
+    eprintln!("peaks: {peaks:?}");
+    for (key, peak) in &peaks.per_key {
+        assert!(*peak <= 2, "key {key}: {peak} Leased at once, limit 2");
+    }
+    assert!(peaks.all <= 5, "{} Leased at once, limit 5", peaks.all);
+    // The limits were reached, so they were what held the claims back.
+    assert_eq!(peaks.all, 5, "{peaks:?}");
+    assert!(peaks.per_key.values().all(|p| *p == 2), "{peaks:?}");
+}
+
+#[tokio::test]
+async fn a_lowered_limit_waits_for_the_jobs_above_it_and_a_deleted_queue_lifts_it() {
+    let Fixture { client, ns } = fixture!("limits-lower");
+    let controller = controller(&ns.name);
+    let ctl_port = controller.port.unwrap();
+    apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 3})).await;
+    for i in 0..6 {
+        create_keyed(&client, &ns.name, &format!("a-{i}"), "a").await;
+    }
+    let mut holders = Vec::new();
+    for i in 0..3 {
+        let sidecar = Sidecar::start(&ns.name, "q", &format!("holder-{i}"), &[]).await;
+        let (claim, token) = sidecar.claim_ok(20).await;
+        holders.push((sidecar, claim["name"].as_str().unwrap().to_string(), token));
+    }
+    // The controller says so.
+    let queues: Api<LeasedQueue> = Api::namespaced(client.clone(), &ns.name);
+    let labels = format!("{{queue_namespace=\"{}\",queue=\"q\"}}", ns.name);
+    wait_for(
+        "key a reported at its limit",
+        Duration::from_secs(15),
+        || async {
+            let status = queues.get("q").await.ok()?.status?;
+            let m = http_get(ctl_port, "/metrics").await?.1;
+            (status.keys_at_limit == 1
+                && status.keys_at_limit_shown == ["a"]
+                && sample(&m, &format!("leasehold_queue_keys_at_limit{labels}")) == Some(1.0)
+                && sample(&m, &format!("leasehold_queue_at_limit{labels}")) == Some(0.0))
+            .then_some(())
+        },
+    )
+    .await;
+    // A fourth claimer finds the key full.
+    let waiter = Sidecar::start(&ns.name, "q", "waiter", &[]).await;
+    let (status, answer) = waiter.claim(2).await;
+    assert_eq!(status, 204, "a fourth job of key a was claimed: {answer}");
+    // Lowered to 1 with 3 Leased: two ending leaves 1, which is not below 1: no claim.
+    apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 1})).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for (sidecar, name, token) in holders.drain(..2) {
+        let (s, b) = sidecar.complete(&name, &token, json!("done")).await;
+        assert_eq!(s, 200, "{b}");
+    }
+    let (status, answer) = waiter.claim(2).await;
+    assert_eq!(
+        status, 204,
+        "claimed while 1 of key a was Leased, limit 1: {answer}"
+    );
+    // The last one ends: one claim.
+    let (sidecar, name, token) = holders.pop().unwrap();
+    let (s, b) = sidecar.complete(&name, &token, json!("done")).await;
+    assert_eq!(s, 200, "{b}");
+    let (claim, _) = waiter.claim_ok(5).await;
+    eprintln!("claimed {} once the key was below its limit", claim["name"]);
+    let other = Sidecar::start(&ns.name, "q", "other", &[]).await;
+    let (status, answer) = other.claim(2).await;
+    assert_eq!(status, 204, "a second job of key a, limit 1: {answer}");
+    // The LeasedQueue deleted: no limit.
+    queues.delete("q", &Default::default()).await.unwrap();
+    let (claim, _) = other.claim_ok(5).await;
+    eprintln!("claimed {} with the limit gone", claim["name"]);
+}
