@@ -8,6 +8,9 @@
 //! them its path from the sidecars stalls, and both controllers are killed and restarted, so
 //! the new leader starts with an empty view.
 //!
+//! One job in four carries a concurrency key (two keys) of a queue limited to one Leased job
+//! per key: the limit is asserted at every event of the API server's watch of the jobs.
+//!
 //! It asserts: no job lost (every job Succeeded), no result accepted twice, no write accepted
 //! from a superseded attempt (each attempt ends exactly once: one accepted complete, fail or
 //! release, or one expiry), every result equal to what the payload determines, no job Lease left
@@ -86,6 +89,10 @@ const FILES: &[&str] = &[
 ];
 const DATA_DIR: &str = "/usr/share/common-licenses";
 const CHUNK_BYTES: usize = 4096;
+/// The concurrency keys of the limited jobs, and the queue's maxLeasedPerKey: the limit binds
+/// (the pods outnumber it), and is asserted at every event of the API server's watch.
+const KEYS: usize = 2;
+const PER_KEY: usize = 1;
 /// Seconds of simulated work per chunk: a job takes 0.6 to 1.5 s.
 const CHUNK_DELAY: f64 = 0.3;
 
@@ -298,13 +305,17 @@ impl Chaos {
             let name = format!("w-{k:04}");
             let file = FILES[k % FILES.len()];
             let task = if k % 3 == 0 { "sha256" } else { "wordcount" };
-            self.create(json!({
+            let mut manifest = json!({
                 "metadata": {"name": name},
                 "spec": {"queue": "work", "leaseDurationSeconds": LEASE_SECONDS, "maxAttempts": 50,
                     "payload": {"task": task, "file": file, "chunkBytes": CHUNK_BYTES,
                         "chunkDelaySeconds": CHUNK_DELAY}}
-            }))
-            .await;
+            });
+            // One job in four is limited: KEYS keys, at most PER_KEY Leased each.
+            if k % 4 == 1 {
+                manifest["spec"]["concurrencyKey"] = json!(format!("key-{}", (k / 4) % KEYS));
+            }
+            self.create(manifest).await;
             self.expected.insert(name, expected_result(task, file));
         }
     }
@@ -365,6 +376,19 @@ async fn no_job_lost_or_accepted_twice_under_chaos() {
         size.seed, size.seed, size.jobs, size.pods, size.rounds
     );
     let Fixture { client, ns } = fixture!("chaos");
+    // The queue's limit, and a watch that checks it at every state the API server shows.
+    let queue: leasehold_core::queue::LeasedQueue = serde_json::from_value(json!({
+        "apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedQueue",
+        "metadata": {"name": "work", "namespace": ns.name},
+        "spec": {"maxLeasedPerKey": PER_KEY},
+    }))
+    .unwrap();
+    Api::<leasehold_core::queue::LeasedQueue>::namespaced(client.clone(), &ns.name)
+        .create(&Default::default(), &queue)
+        .await
+        .unwrap();
+    let (peaks, peaks_task) =
+        leasehold_testkit::peaks::follow(Api::namespaced(client.clone(), &ns.name), Some(PER_KEY));
     let mut rng = StdRng::seed_from_u64(size.seed);
     let mut schedule = Vec::new();
     for _ in 0..size.rounds {
@@ -517,6 +541,17 @@ async fn no_job_lost_or_accepted_twice_under_chaos() {
         ));
     }
 
+    peaks_task.abort();
+    let peaks = peaks.lock().unwrap().clone();
+    for (key, n, job) in &peaks.over {
+        chaos.violations.push(format!(
+            "{n} jobs of key {key} Leased at once (maxLeasedPerKey {PER_KEY}), at the event of {job}"
+        ));
+    }
+    chaos.log(&format!(
+        "limits: at most {:?} Leased at once per key (limit {PER_KEY})",
+        peaks.per_key
+    ));
     let table = chaos.table();
     println!("\n{table}");
     let _ = std::fs::write(log_dir().join("chaos-figures.txt"), &table);

@@ -4,66 +4,15 @@
 //! expire, never earlier) and the dispatcher SIGKILLed; a lowered limit stops new claims until
 //! the jobs above it have ended; a deleted LeasedQueue takes its limits with it.
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use kube::api::{Patch, PatchParams};
-use kube::runtime::{watcher, WatchStreamExt};
-use kube::{Api, ResourceExt};
-use leasehold_core::crd::{LeasedJob, Phase};
+use kube::Api;
 use leasehold_core::queue::LeasedQueue;
 use leasehold_testkit::*;
 use serde_json::json;
-
-/// The most Leased jobs seen at once, per key and in all, over every event of the API
-/// server's watch of the namespace's jobs.
-#[derive(Default, Debug)]
-struct Peaks {
-    per_key: BTreeMap<String, usize>,
-    all: usize,
-    /// Jobs seen Succeeded.
-    done: usize,
-}
-
-/// Follows every job of `ns` from the API server's watch and records [`Peaks`]; runs until
-/// aborted.
-fn monitor(client: &kube::Client, ns: &str) -> (Arc<Mutex<Peaks>>, tokio::task::JoinHandle<()>) {
-    let peaks = Arc::new(Mutex::new(Peaks::default()));
-    let api: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
-    let task = {
-        let peaks = Arc::clone(&peaks);
-        tokio::spawn(async move {
-            let mut phases: HashMap<String, (String, Phase)> = HashMap::new();
-            let mut events =
-                std::pin::pin!(watcher(api, watcher::Config::default()).applied_objects());
-            while let Some(job) = events.next().await {
-                let Ok(job) = job else { continue };
-                let key = job.spec.concurrency_key.clone().unwrap_or_default();
-                phases.insert(job.name_any(), (key, job.phase()));
-                let mut p = peaks.lock().unwrap();
-                let mut now: BTreeMap<String, usize> = BTreeMap::new();
-                for (key, phase) in phases.values() {
-                    if *phase == Phase::Leased {
-                        *now.entry(key.clone()).or_default() += 1;
-                    }
-                }
-                for (key, n) in &now {
-                    let peak = p.per_key.entry(key.clone()).or_default();
-                    *peak = (*peak).max(*n);
-                }
-                p.all = p.all.max(now.values().sum());
-                p.done = phases
-                    .values()
-                    .filter(|(_, ph)| *ph == Phase::Succeeded)
-                    .count();
-            }
-        })
-    };
-    (peaks, task)
-}
 
 fn queue_manifest(ns: &str, spec: serde_json::Value) -> LeasedQueue {
     serde_json::from_value(json!({
@@ -120,7 +69,8 @@ async fn limits_hold_at_every_instant_through_killed_holders_and_a_killed_dispat
         json!({"maxLeasedPerKey": 2, "maxLeased": 5}),
     )
     .await;
-    let (peaks, watching) = monitor(&client, &ns.name);
+    let (peaks, watching) =
+        leasehold_testkit::peaks::follow(Api::namespaced(client.clone(), &ns.name), Some(2));
     for key in ["a", "b", "c"] {
         for i in 0..12 {
             create_keyed(&client, &ns.name, &format!("{key}-{i:02}"), key).await;
@@ -173,6 +123,11 @@ async fn limits_hold_at_every_instant_through_killed_holders_and_a_killed_dispat
     drop(controller);
     let peaks = peaks.lock().unwrap();
     eprintln!("peaks: {peaks:?}");
+    assert!(
+        peaks.over.is_empty(),
+        "over the per-key limit of 2: {:?}",
+        peaks.over
+    );
     for (key, peak) in &peaks.per_key {
         assert!(*peak <= 2, "key {key}: {peak} Leased at once, limit 2");
     }

@@ -14,6 +14,7 @@
 
 mod args;
 pub mod faults;
+pub mod peaks;
 mod process;
 mod sidecar;
 pub mod workers;
