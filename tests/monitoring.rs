@@ -24,7 +24,7 @@ use leasehold_testkit::*;
 use monitoring_support::*;
 use serde_json::{json, Value};
 
-const ALERTS: [(&str, &str); 8] = [
+const ALERTS: [(&str, &str); 9] = [
     ("LeaseholdJobsPastLease", "jobsPastLease"),
     ("LeaseholdAttemptRunningLong", "attemptRunningLong"),
     ("LeaseholdHighExpiryRate", "highExpiryRate"),
@@ -33,6 +33,7 @@ const ALERTS: [(&str, &str); 8] = [
     ("LeaseholdControllerNotReady", "controllerNotReady"),
     ("LeaseholdClaimConflicts", "claimConflicts"),
     ("LeaseholdQueuePausedLong", "queuePausedLong"),
+    ("LeaseholdKeyStarved", "keyStarved"),
 ];
 
 /// The chart's alert rules pass `promtool check rules` and their unit tests.
@@ -44,7 +45,7 @@ fn alert_rules_pass_promtool() {
     std::fs::write(dir.join("rules.yaml"), &rules).unwrap();
     let (ok, out) = promtool(&dir, &["check", "rules", "rules.yaml"]);
     assert!(ok, "promtool check rules:\n{out}\n{rules}");
-    assert!(out.contains("SUCCESS: 8 rules found"), "{out}");
+    assert!(out.contains("SUCCESS: 9 rules found"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
     // Every option set differently still renders rules promtool accepts.
     let dir = scratch("check-options");
@@ -61,7 +62,7 @@ fn alert_rules_pass_promtool() {
     std::fs::write(dir.join("rules.yaml"), &rules).unwrap();
     let (ok, out) = promtool(&dir, &["check", "rules", "rules.yaml"]);
     assert!(
-        ok && out.contains("SUCCESS: 7 rules found"),
+        ok && out.contains("SUCCESS: 8 rules found"),
         "{out}\n{rules}"
     );
     assert!(
@@ -116,6 +117,10 @@ fn alert_tests_catch_looser_alerts() {
         (
             "LeaseholdQueuePausedLong",
             &["queuePausedLong.seconds=1800", "queuePausedLong.for=1m"],
+        ),
+        (
+            "LeaseholdKeyStarved",
+            &["keyStarved.seconds=1800", "keyStarved.for=1m"],
         ),
     ];
     for (alert, key) in ALERTS {

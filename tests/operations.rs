@@ -15,7 +15,7 @@ use serde_json::json;
 
 /// Every metric the tests below prove to move when what it counts happens. Adding a metric
 /// means adding it here, to docs/protocol.md, and to a test that moves it.
-const MOVED: [&str; 21] = [
+const MOVED: [&str; 22] = [
     "leasehold_jobs",
     "leasehold_lease_expiries_total",
     "leasehold_leader",
@@ -40,6 +40,7 @@ const MOVED: [&str; 21] = [
     // Moved by tests/queues.rs: a queue paused and resumed.
     "leasehold_queue_paused",
     "leasehold_queue_paused_seconds",
+    "leasehold_queue_oldest_queued_seconds",
     // Moved by tests/limits.rs: a key at its limit.
     "leasehold_queue_at_limit",
     "leasehold_queue_keys_at_limit",

@@ -121,6 +121,12 @@ async fn a_pause_stops_claims_within_a_second_and_a_resume_starts_them_within_a_
     );
     let paused_for = sample(&m, &format!("leasehold_queue_paused_seconds{labels}")).unwrap();
     assert!(paused_for >= 2.0, "paused for {paused_for} s");
+    let waited = sample(
+        &m,
+        &format!("leasehold_queue_oldest_queued_seconds{labels}"),
+    )
+    .unwrap();
+    assert!(waited >= 2.0, "the oldest job waited {waited} s");
     assert_eq!(queue_events(&client, &ns.name, "q").await, vec!["Paused"]);
 
     let out = plugin("resume", "q", &ns.name);

@@ -221,6 +221,14 @@ fn set_metrics(
             .queue_paused_seconds
             .get_or_create(&labels)
             .set(seconds);
+        let oldest = status
+            .oldest_queued_time
+            .as_ref()
+            .map_or(0.0, |t| now.duration_since(t.0).as_secs_f64().max(0.0));
+        gauges
+            .queue_oldest_queued_seconds
+            .get_or_create(&labels)
+            .set(oldest);
         gauges
             .queue_at_limit
             .get_or_create(&labels)
@@ -234,6 +242,7 @@ fn set_metrics(
     for gone in before.difference(&set) {
         gauges.queue_paused.remove(gone);
         gauges.queue_paused_seconds.remove(gone);
+        gauges.queue_oldest_queued_seconds.remove(gone);
         gauges.queue_at_limit.remove(gone);
         gauges.queue_keys_at_limit.remove(gone);
     }
@@ -260,6 +269,7 @@ async fn write_status(ctx: &Context, q: &LeasedQueue, status: &LeasedQueueStatus
             "queued": status.queued,
             "leased": status.leased,
             "oldestQueuedTime": status.oldest_queued_time,
+            "oldestQueuedKey": status.oldest_queued_key,
             "paused": status.paused,
             "pausedTime": status.paused_time,
             "observedGeneration": status.observed_generation,

@@ -126,6 +126,10 @@ pub struct LeasedQueueStatus {
     /// shows its age.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oldest_queued_time: Option<Time>,
+    /// The concurrency key of that job (absent for none): with fair sharing, a key whose jobs
+    /// are not served (at its limit, or outweighed) shows here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_queued_key: Option<String>,
     /// Whether the controller has taken the pause into account: spec.paused as of
     /// observedGeneration.
     #[serde(default)]
@@ -182,7 +186,7 @@ pub fn status_of<'a>(
         observed_generation: queue.metadata.generation,
         ..LeasedQueueStatus::default()
     };
-    let mut oldest: Option<&Time> = None;
+    let mut oldest: Option<(&Time, Option<&str>)> = None;
     let mut per_key: BTreeMap<&str, i64> = BTreeMap::new();
     for job in jobs {
         if let (Phase::Leased, Some(key)) = (job.phase, job.key) {
@@ -192,8 +196,8 @@ pub fn status_of<'a>(
             Phase::Queued => {
                 status.queued += 1;
                 if let Some(created) = job.created {
-                    if oldest.is_none_or(|o| created.0 < o.0) {
-                        oldest = Some(created);
+                    if oldest.is_none_or(|(o, _)| created.0 < o.0) {
+                        oldest = Some((created, job.key));
                     }
                 }
             }
@@ -201,7 +205,8 @@ pub fn status_of<'a>(
             _ => {}
         }
     }
-    status.oldest_queued_time = oldest.cloned();
+    status.oldest_queued_time = oldest.map(|(t, _)| t.clone());
+    status.oldest_queued_key = oldest.and_then(|(_, k)| k.map(str::to_string));
     if let Some(max) = queue.spec.max_leased {
         status.at_limit = status.leased >= i64::from(max);
     }
@@ -318,6 +323,7 @@ mod tests {
                 queued: 3,
                 leased: 1,
                 oldest_queued_time: Some(old),
+                oldest_queued_key: Some("a".into()),
                 paused: false,
                 paused_time: None,
                 observed_generation: Some(3),

@@ -115,6 +115,11 @@ pub struct ControllerMetrics {
     /// status.pausedTime (when the leading controller saw the pause), by the controller's wall
     /// clock; 0 while it is not paused. The alert "paused for long" is written on it.
     pub queue_paused_seconds: Family<QueueObjectLabels, SecondsGauge>,
+    /// `leasehold_queue_oldest_queued_seconds{queue_namespace,queue}`: seconds since the
+    /// creation of the LeasedQueue's oldest Queued job (its status.oldestQueuedTime), by the
+    /// controller's wall clock; 0 when none is queued. With fair sharing, a key whose jobs are
+    /// not served shows here: its oldest job grows old while the others' are claimed.
+    pub queue_oldest_queued_seconds: Family<QueueObjectLabels, SecondsGauge>,
     /// `leasehold_queue_at_limit{queue_namespace,queue}`: 1 while the LeasedQueue has its
     /// maxLeased jobs Leased (or more), else 0.
     pub queue_at_limit: Family<QueueObjectLabels, Gauge>,
@@ -133,6 +138,7 @@ impl ControllerMetrics {
             attempts_ended: Family::default(),
             queue_paused: Family::default(),
             queue_paused_seconds: Family::default(),
+            queue_oldest_queued_seconds: Family::default(),
             queue_at_limit: Family::default(),
             queue_keys_at_limit: Family::default(),
         }
@@ -173,6 +179,11 @@ impl ControllerMetrics {
             "queue_paused_seconds",
             "Seconds since the LeasedQueue was paused; 0 while it is not",
             self.queue_paused_seconds.clone(),
+        );
+        registry.register(
+            "queue_oldest_queued_seconds",
+            "Seconds since the creation of the LeasedQueue's oldest Queued job; 0 when none is",
+            self.queue_oldest_queued_seconds.clone(),
         );
         registry.register(
             "queue_at_limit",
