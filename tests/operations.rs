@@ -9,7 +9,7 @@ use kube::api::{Patch, PatchParams};
 use kube::Api;
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::lease;
-use leasehold_metrics::{JobLabels, Metrics, OutcomeLabels, QueueLabel};
+use leasehold_metrics::{JobLabels, Metrics, OutcomeLabels, QueueLabel, QueueObjectLabels};
 use leasehold_testkit::*;
 use serde_json::json;
 
@@ -248,6 +248,18 @@ fn every_metric_is_exercised() {
             outcome: "failed",
         })
         .inc();
+    let object = QueueObjectLabels {
+        queue_namespace: "ns".into(),
+        queue: "q".into(),
+    };
+    let c = &metrics.controller;
+    c.queue_paused.get_or_create(&object).set(1);
+    c.queue_paused_seconds.get_or_create(&object).set(1.0);
+    c.queue_oldest_queued_seconds
+        .get_or_create(&object)
+        .set(1.0);
+    c.queue_at_limit.get_or_create(&object).set(0);
+    c.queue_keys_at_limit.get_or_create(&object).set(0);
     metrics.heartbeat(true);
     metrics.undecodable("LeasedJob");
     metrics
