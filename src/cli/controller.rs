@@ -91,6 +91,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     let election = election.config(&identity, namespace.as_deref())?;
     let clients = clients().await?;
     controller::crd_check::check(&clients.requests).await?;
+    controller::crd_check::check_queues(&clients.requests).await?;
     let metrics = Arc::new(Metrics::controller());
     let health = Health::new();
     let listener = tokio::net::TcpListener::bind(metrics_addr)

@@ -107,6 +107,54 @@ pub enum CrdCheckError {
         /// Everything missing, in schema order; never empty.
         missing: Vec<Missing>,
     },
+    /// The installed LeasedQueue CRD lacks what this binary needs: a limit or weight it
+    /// declares would be pruned, and silently not applied.
+    #[error(
+        "the installed CustomResourceDefinition {QUEUE_CRD_NAME} is out of date for leasehold          {binary}: it lacks {}; the API server would silently drop those fields of every          LeasedQueue (its limits, its weights). Refusing to start. Upgrade the CRDs, then          restart the controller: {FIX_COMMAND}",
+        list(.missing)
+    )]
+    QueueOutOfDate {
+        /// This binary's version.
+        binary: &'static str,
+        /// Everything missing, in schema order; never empty.
+        missing: Vec<Missing>,
+    },
+}
+
+/// Name of the LeasedQueue CustomResourceDefinition.
+pub const QUEUE_CRD_NAME: &str = "leasedqueues.leasehold.dev";
+
+/// Reads the installed LeasedQueue CRD and compares it with this binary's
+/// ([`leasehold_core::crd::queue_definition`]). LeasedQueues are optional: a CRD that is not
+/// installed, or that the controller may not read, is a warning (queues cannot be paused or
+/// limited until it is), not a refusal.
+///
+/// # Errors
+/// [`CrdCheckError::QueueOutOfDate`] naming everything missing and [`FIX_COMMAND`];
+/// [`CrdCheckError::Api`] when the API server could not be asked.
+pub async fn check_queues(client: &Client) -> Result<(), CrdCheckError> {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let installed = match api.get(QUEUE_CRD_NAME).await {
+        Ok(crd) => crd,
+        Err(e) if is_status(&e, 404) || is_status(&e, 403) => {
+            tracing::warn!(
+                "The CustomResourceDefinition {QUEUE_CRD_NAME} is not installed (or not readable): \
+                 LeasedQueues, and with them pauses, weights and limits, are off until it is: \
+                 {FIX_COMMAND}"
+            );
+            return Ok(());
+        }
+        Err(e) => return Err(CrdCheckError::Api(e)),
+    };
+    let missing = missing(&leasehold_core::crd::queue_definition(), &installed);
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(CrdCheckError::QueueOutOfDate {
+            binary: env!("CARGO_PKG_VERSION"),
+            missing,
+        })
+    }
 }
 
 fn list(missing: &[Missing]) -> String {
@@ -263,6 +311,26 @@ mod tests {
             node = node.properties.as_mut().unwrap().get_mut(*p).unwrap();
         }
         node
+    }
+
+    #[test]
+    fn a_queue_crd_without_the_limits_is_out_of_date() {
+        let mut old = leasehold_core::crd::queue_definition();
+        props(&mut old, &["spec"])
+            .properties
+            .as_mut()
+            .unwrap()
+            .remove("maxLeasedPerKey");
+        let got = missing(&leasehold_core::crd::queue_definition(), &old);
+        assert_eq!(
+            got,
+            vec![Missing::Field {
+                version: "v1alpha1".into(),
+                path: "spec.maxLeasedPerKey".into()
+            }]
+        );
+        let current = leasehold_core::crd::queue_definition();
+        assert_eq!(missing(&current, &current), vec![]);
     }
 
     #[test]
