@@ -52,6 +52,18 @@ async fn create_job_in(client: &kube::Client, ns: &str, queue: &str, name: &str,
     jobs.create(&PostParams::default(), &job).await.unwrap();
 }
 
+/// Waits until the controller's own cache (fed by the watch the dispatcher follows, after the
+/// dispatcher has seen each event) counts `n` Queued jobs of queue `q`: the API server showing
+/// a job Queued does not mean the dispatcher's view does yet (its watch is milliseconds behind).
+async fn dispatcher_sees(ctl_port: u16, n: usize) {
+    let metric = "leasehold_jobs{queue=\"q\",phase=\"Queued\"}";
+    wait_for("the dispatcher's view", Duration::from_secs(10), || async {
+        let m = http_get(ctl_port, "/metrics").await?.1;
+        (sample(&m, metric)? >= n as f64).then_some(())
+    })
+    .await;
+}
+
 async fn wait_queued(client: &kube::Client, ns: &str, names: &[&str]) {
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
     for name in names {
@@ -106,7 +118,7 @@ fn name(answer: &(u16, Value)) -> &str {
 #[tokio::test]
 async fn offers_go_in_claim_order_never_twice_and_only_to_those_who_may_claim() {
     let Fixture { client, ns } = fixture!("dispatch");
-    let _controller = controller(&ns.name);
+    let controller = controller(&ns.name);
     let address = advertised(&client, &ns.name).await;
     service_account(&ns.name, "claimer", true);
     service_account(&ns.name, "reader", false);
@@ -116,6 +128,7 @@ async fn offers_go_in_claim_order_never_twice_and_only_to_those_who_may_claim() 
     create_job(&client, &ns.name, "low-new", 0).await;
     create_job(&client, &ns.name, "high", 5).await;
     wait_queued(&client, &ns.name, &["low-old", "low-new", "high"]).await;
+    dispatcher_sees(controller.port.unwrap(), 3).await;
 
     // Claim order: priority first, then age; each job to one worker while its offer stands.
     let c = Some(claimer.as_str());
@@ -261,7 +274,7 @@ async fn claim_name(sidecar: &Sidecar) -> String {
 #[tokio::test]
 async fn sidecars_claim_in_the_dispatchers_global_order() {
     let Fixture { client, ns } = fixture!("dispatch-order");
-    let _controller = controller(&ns.name);
+    let controller = controller(&ns.name);
     advertised(&client, &ns.name).await;
     let token = dispatch_token_file(&ns.name);
     let token = token.to_str().unwrap();
@@ -291,6 +304,7 @@ async fn sidecars_claim_in_the_dispatchers_global_order() {
         &names.iter().map(String::as_str).collect::<Vec<_>>(),
     )
     .await;
+    dispatcher_sees(controller.port.unwrap(), 12).await;
     let expected = in_claim_order(&client, &ns.name, &names).await;
     let mut claimed = Vec::new();
     for i in 0..12 {
