@@ -31,8 +31,14 @@ impl Worker {
         gone: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
         draining: &mut watch::Receiver<bool>,
     ) -> Result<bool, WorkerError> {
+        // Running now: go on at once, even when the deadline has passed (a claim with wait=0
+        // still gets its one look; select! would pick among ready branches at random).
+        if !self.paused_now() {
+            return Ok(true);
+        }
         let mut known = self.inner.queue_object.clone();
         tokio::select! {
+            biased;
             running = known.wait_for(|k| k.paused() == Some(false)) => Ok(running.is_ok()),
             () = gone.as_mut() => Ok(false),
             _ = draining.wait_for(|d| *d) => Err(WorkerError::ShuttingDown),
