@@ -307,11 +307,8 @@ impl ClaimIndex {
         now: Timestamp,
         skip: impl Fn(&str, &str) -> bool,
     ) -> Option<(&str, &Place)> {
-        self.order
-            .iter()
-            .filter(|(_, slot)| slot.claimable_at.is_none_or(|t| t <= now))
-            .find(|(place, slot)| !skip(&place.name, &slot.resource_version))
-            .map(|(place, _)| (&*place.name, place))
+        let name = *self.candidates(now, 1, skip).first()?;
+        Some((name, self.entries.get(name)?))
     }
 
     /// True when more than `n` jobs of the queue are claimable at `now` (any priority).

@@ -17,7 +17,11 @@ use kube::Api;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde_json::value::RawValue;
+
 use crate::recorder::Recorder;
+use crate::watch::FromParts;
 use leasehold_core::queue::LeasedQueue;
 
 /// A sidecar's view of its queue's LeasedQueue.
@@ -134,4 +138,25 @@ pub fn unreadable(err: &watcher::Error) -> Option<u16> {
         return None;
     };
     matches!(status.code, 403 | 404).then_some(status.code)
+}
+
+/// A LeasedQueue as [`crate::watch::watch`] decodes it: a missing spec is the default one.
+impl FromParts for LeasedQueue {
+    fn from_parts(
+        metadata: ObjectMeta,
+        spec: Option<&RawValue>,
+        status: Option<&RawValue>,
+    ) -> Result<Self, String> {
+        Ok(LeasedQueue {
+            metadata,
+            spec: spec
+                .map(|s| crate::watch::part("spec", s))
+                .transpose()?
+                .unwrap_or_default(),
+            status: status
+                .map(|s| crate::watch::part("status", s))
+                .transpose()?
+                .flatten(),
+        })
+    }
 }

@@ -31,7 +31,6 @@ use tracing::warn;
 
 use crate::recorder::Recorder;
 use leasehold_core::crd::LeasedJob;
-use leasehold_core::queue::LeasedQueue;
 
 /// A `K` as the API server sent it, decoded only as far as its metadata: the unit a LIST or
 /// WATCH of `K` can always decode, whatever the spec or status holds.
@@ -213,7 +212,7 @@ pub trait FromParts: Sized {
 }
 
 /// Decodes one part of an object, naming it in the error.
-fn part<T: DeserializeOwned>(name: &str, text: &RawValue) -> Result<T, String> {
+pub(crate) fn part<T: DeserializeOwned>(name: &str, text: &RawValue) -> Result<T, String> {
     serde_json::from_str(text.get()).map_err(|e| format!("{name}: {e}"))
 }
 
@@ -227,23 +226,6 @@ impl FromParts for LeasedJob {
         Ok(LeasedJob {
             metadata,
             spec: part("spec", spec)?,
-            status: status.map(|s| part("status", s)).transpose()?.flatten(),
-        })
-    }
-}
-
-impl FromParts for LeasedQueue {
-    fn from_parts(
-        metadata: ObjectMeta,
-        spec: Option<&RawValue>,
-        status: Option<&RawValue>,
-    ) -> Result<Self, String> {
-        Ok(LeasedQueue {
-            metadata,
-            spec: spec
-                .map(|s| part("spec", s))
-                .transpose()?
-                .unwrap_or_default(),
             status: status.map(|s| part("status", s)).transpose()?.flatten(),
         })
     }

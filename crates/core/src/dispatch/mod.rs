@@ -317,33 +317,30 @@ impl Dispatch {
             let taken = |name: &str, _rv: &str| offers.get(name).is_some_and(|o| o.until > now);
             let vtime = view.vtime;
             // Within the limits, counting the offers that stand as claims to come: a scope
-            // at its limit is not offered (its sidecars would find no free slot).
-            let standing = |key: Option<&str>| {
-                offers
-                    .values()
-                    .filter(|o| o.until > now && key.is_none_or(|k| o.key == k))
-                    .count()
-            };
-            let leased_in = |key: Option<&str>| {
-                leased.map_or(0, |l| {
-                    l.values()
-                        .filter(|(k, _)| key.is_none_or(|key| k == key))
-                        .count()
-                })
-            };
-            let room = |max: Option<u32>, key: Option<&str>| {
-                max.is_none_or(|m| leased_in(key) + standing(key) < m as usize)
-            };
-            if !room(policy.and_then(|p| p.max_leased), None) {
+            // at its limit is not offered (its sidecars would find no free slot). Counted
+            // once per offer, by key, and only for a queue with limits.
+            let (max, per_key) =
+                policy.map_or((None, None), |p| (p.max_leased, p.max_leased_per_key));
+            let mut used: HashMap<&str, usize> = HashMap::new();
+            if max.is_some() || per_key.is_some() {
+                let leased_keys = leased.into_iter().flat_map(|l| l.values().map(|(k, _)| k));
+                let offered_keys = offers.values().filter(|o| o.until > now).map(|o| &o.key);
+                for key in leased_keys.chain(offered_keys) {
+                    *used.entry(key).or_default() += 1;
+                }
+            }
+            let room = |max: Option<u32>, n: usize| max.is_none_or(|m| n < m as usize);
+            if !room(max, used.values().sum()) {
                 return None;
             }
-            let per_key = policy.and_then(|p| p.max_leased_per_key);
             // The key whose turn it is: the lowest pass (a key back from idle at the queue's
             // vtime), ties going to the head first in claim order (priority, then age), so a
             // queue of one key is offered in plain claim order.
             view.lanes
                 .iter()
-                .filter(|(key, _)| key.is_empty() || room(per_key, Some(key)))
+                .filter(|(key, _)| {
+                    key.is_empty() || room(per_key, used.get(key.as_str()).copied().unwrap_or(0))
+                })
                 .filter_map(|(key, lane)| {
                     let (name, place) = lane.index.head(now, taken)?;
                     Some((lane.pass.max(vtime), place, key, name))
