@@ -165,14 +165,7 @@ async fn take_one(
         let name = slots::slot_name(&queue_name, scope, index);
         let written = match existing.remove(&index) {
             Some(mut lease) => {
-                let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
-                spec.holder_identity = Some(mine.render());
-                spec.acquire_time = Some(leasehold_core::lease::micro_time(
-                    k8s_openapi::jiff::Timestamp::now(),
-                ));
-                lease
-                    .annotations_mut()
-                    .insert(slots::TAKEN_BY_ANNOTATION.into(), holder.into());
+                stamp(&mut lease, queue, mine, holder);
                 leases.replace(&name, &PostParams::default(), &lease).await
             }
             None => {
@@ -216,8 +209,7 @@ async fn state(jobs: &Api<LeasedJob>, named: &SlotHolder) -> Result<SlotState, S
     }
 }
 
-/// A new slot Lease: labelled with its queue and scope, owned by the LeasedQueue (deleting
-/// the queue's object deletes its slots), naming `mine`.
+/// A new slot Lease: labelled with its queue and scope, [`stamp`]ed for `mine`.
 fn new_slot(
     queue: &LeasedQueue,
     scope: &Scope,
@@ -225,14 +217,7 @@ fn new_slot(
     mine: &SlotHolder,
     holder: &str,
 ) -> Lease {
-    let owner = OwnerReference {
-        api_version: LeasedQueue::api_version(&()).into(),
-        kind: LeasedQueue::kind(&()).into(),
-        name: queue.name_any(),
-        uid: queue.uid().unwrap_or_default(),
-        ..OwnerReference::default()
-    };
-    Lease {
+    let mut lease = Lease {
         metadata: ObjectMeta {
             name: Some(name.into()),
             labels: Some(
@@ -242,16 +227,34 @@ fn new_slot(
                 ]
                 .into(),
             ),
-            annotations: Some([(slots::TAKEN_BY_ANNOTATION.to_string(), holder.into())].into()),
-            owner_references: queue.uid().map(|_| vec![owner]),
             ..ObjectMeta::default()
         },
-        spec: Some(LeaseSpec {
-            holder_identity: Some(mine.render()),
-            acquire_time: Some(leasehold_core::lease::micro_time(
-                k8s_openapi::jiff::Timestamp::now(),
-            )),
-            ..LeaseSpec::default()
-        }),
-    }
+        spec: None,
+    };
+    stamp(&mut lease, queue, mine, holder);
+    lease
+}
+
+/// Makes `lease` name `mine`, taken now by pod `holder`, and owned by `queue` as it is now
+/// (deleting that LeasedQueue deletes its slots; a slot left by an earlier object of the same
+/// name is owned by the new one from its next take, so garbage collection of the old one
+/// does not delete it).
+fn stamp(lease: &mut Lease, queue: &LeasedQueue, mine: &SlotHolder, holder: &str) {
+    let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+    spec.holder_identity = Some(mine.render());
+    spec.acquire_time = Some(leasehold_core::lease::micro_time(
+        k8s_openapi::jiff::Timestamp::now(),
+    ));
+    lease
+        .annotations_mut()
+        .insert(slots::TAKEN_BY_ANNOTATION.into(), holder.into());
+    lease.metadata.owner_references = queue.uid().map(|uid| {
+        vec![OwnerReference {
+            api_version: LeasedQueue::api_version(&()).into(),
+            kind: LeasedQueue::kind(&()).into(),
+            name: queue.name_any(),
+            uid,
+            ..OwnerReference::default()
+        }]
+    });
 }
