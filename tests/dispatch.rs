@@ -12,30 +12,7 @@ use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_testkit::*;
 use serde_json::{json, Value};
 
-const ADVERT_LEASE: &str = "leasehold-dispatcher";
-const ADDRESS: &str = "leasehold.dev/dispatcher-address";
-
-/// The address the controller advertises in `ns`, once it does.
-async fn advertised(client: &kube::Client, ns: &str) -> String {
-    let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(Some(lease)) = leases.get_opt(ADVERT_LEASE).await {
-            if let Some(a) = lease
-                .metadata
-                .annotations
-                .and_then(|a| a.get(ADDRESS).cloned())
-            {
-                return a;
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no dispatcher advertised in {ns}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
+use leasehold_testkit::dispatcher::{advertised, fake_dispatcher};
 
 async fn create_job(client: &kube::Client, ns: &str, name: &str, priority: i32) {
     create_job_in(client, ns, "q", name, priority).await;
@@ -255,7 +232,10 @@ async fn offers_go_in_claim_order_never_twice_and_only_to_those_who_may_claim() 
 
     // The advert names the leading replica; nobody else writes it.
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
-    let advert = leases.get(ADVERT_LEASE).await.unwrap();
+    let advert = leases
+        .get(leasehold_core::dispatch::ADVERT_LEASE)
+        .await
+        .unwrap();
     assert_eq!(
         advert.spec.and_then(|s| s.holder_identity).as_deref(),
         Some("test-controller")
@@ -531,22 +511,7 @@ async fn a_lying_dispatcher_costs_a_read_never_a_second_holder() {
                 }),
             )
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap().to_string();
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
-    let advert: Lease = serde_json::from_value(json!({
-        "metadata": {"name": ADVERT_LEASE, "annotations": {ADDRESS: address}},
-        "spec": {"holderIdentity": "liar"},
-    }))
-    .unwrap();
-    leases
-        .create(&PostParams::default(), &advert)
-        .await
-        .unwrap();
-
-    let token = log_dir().join(format!("{}-any-token", ns.name));
-    std::fs::write(&token, "anything").unwrap();
+    let token = fake_dispatcher(&client, &ns.name, router).await;
     let asker = Sidecar::start(
         &ns.name,
         "q",

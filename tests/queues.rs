@@ -6,17 +6,15 @@
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::events::v1::Event;
-use kube::api::{ListParams, PostParams};
+use kube::api::ListParams;
 use kube::Api;
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::queue::LeasedQueue;
 use leasehold_testkit::*;
 use serde_json::json;
 
-const ADVERT_LEASE: &str = "leasehold-dispatcher";
-const ADDRESS: &str = "leasehold.dev/dispatcher-address";
+use leasehold_testkit::dispatcher::{advertised, fake_dispatcher};
 
 /// `kubectl leasehold pause|resume QUEUE -n NS` (the binary, as the plugin runs it).
 fn plugin(verb: &str, queue: &str, ns: &str) -> String {
@@ -49,25 +47,12 @@ async fn queue_events(client: &kube::Client, ns: &str, name: &str) -> Vec<String
         .collect()
 }
 
-async fn address_advertised(client: &kube::Client, ns: &str) {
-    let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
-    wait_for(
-        "a dispatcher advertised",
-        Duration::from_secs(30),
-        || async {
-            let lease = leases.get_opt(ADVERT_LEASE).await.ok()??;
-            lease.metadata.annotations?.get(ADDRESS).map(|_| ())
-        },
-    )
-    .await;
-}
-
 #[tokio::test]
 async fn a_pause_stops_claims_within_a_second_and_a_resume_starts_them_within_a_second() {
     let Fixture { client, ns } = fixture!("queue-pause");
     let controller = controller(&ns.name);
     let ctl_port = controller.port.unwrap();
-    address_advertised(&client, &ns.name).await;
+    advertised(&client, &ns.name).await;
     let token = dispatch_token_file(&ns.name);
     // One sidecar claims through the dispatcher, the other from its own copy of the queue.
     let dispatched = Sidecar::start(
@@ -191,21 +176,7 @@ async fn a_paused_queue_is_not_asked_of_a_dispatcher_even_one_that_offers_it() {
             }),
         )
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap().to_string();
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
-    let advert: Lease = serde_json::from_value(json!({
-        "metadata": {"name": ADVERT_LEASE, "annotations": {ADDRESS: address}},
-        "spec": {"holderIdentity": "liar"},
-    }))
-    .unwrap();
-    leases
-        .create(&PostParams::default(), &advert)
-        .await
-        .unwrap();
-    let token = log_dir().join(format!("{}-any-token", ns.name));
-    std::fs::write(&token, "anything").unwrap();
+    let token = fake_dispatcher(&client, &ns.name, router).await;
     let sidecar = Sidecar::start(
         &ns.name,
         "q",
@@ -318,7 +289,7 @@ async fn a_key_with_ten_jobs_is_not_stuck_behind_a_key_with_a_thousand() {
     use futures::StreamExt;
     let Fixture { client, ns } = fixture!("queue-fair");
     let _controller = controller(&ns.name);
-    address_advertised(&client, &ns.name).await;
+    advertised(&client, &ns.name).await;
     // Key a's 1,000 jobs are all older than key b's 10.
     let jobs: Vec<(String, &str)> = (0..1000)
         .map(|i| (format!("a-{i:04}"), "a"))

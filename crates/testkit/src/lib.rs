@@ -13,6 +13,7 @@
 //! how to run them.
 
 mod args;
+pub mod dispatcher;
 pub mod faults;
 pub mod peaks;
 mod process;
