@@ -6,9 +6,9 @@ use std::fmt::Write as _;
 use crate::report::{Report, Row, Verdict};
 use crate::*;
 
-/// Rows 1, 2 and 2d, round by round: at each N, the ceiling, then (with `claims`) the claim
-/// run compared with it, and at N > 1 the same through the dispatcher. A failed measurement
-/// is recorded and the rest goes on.
+/// Rows 1, 2, 2d and 2k, round by round: at each N, the ceiling, then (with `claims`) the
+/// claim run compared with it, and at N > 1 the same through the dispatcher, without limits
+/// and with a limit per key. A failed measurement is recorded and the rest goes on.
 pub(crate) async fn rows_1_and_2(
     bench: &cluster::Bench,
     sizes: &Sizes,
@@ -36,7 +36,7 @@ pub(crate) async fn rows_1_and_2(
             }
             if claims {
                 eprintln!("row 2: claim throughput, N = {n}, round {}", round + 1);
-                match claims::run(bench, n, sizes.claim_jobs, round, false).await {
+                match claims::run(bench, n, sizes.claim_jobs, round, claims::Mode::Plain).await {
                     Ok(c) => results.push(c),
                     Err(e) => failures.push(("2", e)),
                 }
@@ -48,9 +48,19 @@ pub(crate) async fn rows_1_and_2(
                     "row 2d: claim throughput through the dispatcher, N = {n}, round {}",
                     round + 1
                 );
-                match claims::run(bench, n, sizes.claim_jobs, round, true).await {
+                match claims::run(bench, n, sizes.claim_jobs, round, claims::Mode::Dispatched).await
+                {
                     Ok(c) => results.push(c),
                     Err(e) => failures.push(("2d", e)),
+                }
+                // And with a limit per concurrency key: row 2k.
+                eprintln!(
+                    "row 2k: claim throughput with limits per key, N = {n}, round {}",
+                    round + 1
+                );
+                match claims::run(bench, n, sizes.claim_jobs, round, claims::Mode::Limited).await {
+                    Ok(c) => results.push(c),
+                    Err(e) => failures.push(("2k", e)),
                 }
             }
         }

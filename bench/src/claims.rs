@@ -5,13 +5,20 @@
 //!
 //! Dispatched runs (row 2d) are the same with the dispatcher: each `Worker` has a dispatcher
 //! token, keeps no copy of the queue and claims what the controller's dispatcher offers it.
+//!
+//! Limited runs (row 2k) are dispatched runs in a queue with limits: its LeasedQueue sets
+//! `maxLeasedPerKey` ([`PER_KEY`]) and every job has one of [`KEYS`] concurrency keys, so
+//! every claim first takes a slot Lease of its key (docs/protocol.md, "Limits").
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
-use leasehold_core::crd::Phase;
+use anyhow::{bail, Context as _};
+use futures::{StreamExt as _, TryStreamExt as _};
+use kube::api::{Api, PostParams};
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::queue::{LeasedQueue, LeasedQueueSpec};
 use leasehold_worker::dispatched::DispatchConfig;
 use leasehold_worker::{Worker, WorkerConfig, DEFAULT_SPREAD, DEFAULT_WORKER_TIMEOUT};
 use serde_json::json;
@@ -21,15 +28,42 @@ use crate::cluster::{wait_until, Bench, JobWatch};
 use crate::metrics::{self, Key, Requests};
 use crate::procs::{self, CpuWindow};
 
+/// How the claimers of a run find their jobs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Each chooses from its own copy of the queue (row 2).
+    Plain,
+    /// Each claims what the dispatcher offers it (row 2d).
+    Dispatched,
+    /// As `Dispatched`, in a queue whose LeasedQueue limits every key (row 2k).
+    Limited,
+}
+
+impl Mode {
+    /// The part of the run's namespace that tells the mode: `bench-claim<part><N>-<round>`.
+    fn part(self) -> &'static str {
+        match self {
+            Mode::Plain => "",
+            Mode::Dispatched => "d",
+            Mode::Limited => "k",
+        }
+    }
+}
+
+/// Limited runs: the jobs' concurrency keys, `tenant-0` to `tenant-9`, in turn ...
+pub const KEYS: usize = 10;
+/// ... and the queue's `maxLeasedPerKey`: 40 slots in all, more than the most claimers (32),
+/// so that the run measures what the slots cost rather than claimers waiting for a key.
+pub const PER_KEY: i32 = 4;
+
 /// The claim throughput at one N.
 pub struct Claims {
     /// Concurrent claimers.
     pub claimers: usize,
     /// The round (0-based): each round has a namespace and queue of its own.
     pub round: usize,
-    /// Whether the claimers asked the dispatcher (row 2d) rather than choosing from their own
-    /// copy of the queue.
-    pub dispatched: bool,
+    /// How the claimers found their jobs.
+    pub mode: Mode,
     /// Jobs claimed and completed.
     pub jobs: usize,
     /// Jobs claimed (and completed) per second.
@@ -61,19 +95,19 @@ pub fn is_claim_write(k: &Key) -> bool {
 }
 
 /// Runs M = `jobs` jobs through N = `claimers` claimers, in the namespace
-/// `bench-claim<N>-<round>` (`bench-claimd<N>-<round>` when `dispatched`).
+/// `bench-claim<N>-<round>` (`bench-claimd…` dispatched, `bench-claimk…` limited).
 pub async fn run(
     bench: &Bench,
     claimers: usize,
     jobs: usize,
     round: usize,
-    dispatched: bool,
+    mode: Mode,
 ) -> anyhow::Result<Claims> {
-    let d = if dispatched { "d" } else { "" };
     let ns = bench
-        .namespace(&format!("bench-claim{d}{claimers}-{round}"))
+        .namespace(&format!("bench-claim{}{claimers}-{round}", mode.part()))
         .await?;
     let queue = "claim";
+    let dispatched = mode != Mode::Plain;
     let dispatch = if dispatched {
         Some(DispatchConfig {
             token_file: crate::fleet::dispatch_token(bench, &ns).await?,
@@ -86,7 +120,12 @@ pub async fn run(
     if dispatched {
         crate::fleet::wait_for_advert(bench, &ns).await?;
     }
-    bench.create_jobs(&ns, queue, "j", jobs, 60, 16).await?;
+    if mode == Mode::Limited {
+        limit_keys(bench, &ns, queue).await?;
+        create_keyed_jobs(bench, &ns, queue, jobs).await?;
+    } else {
+        bench.create_jobs(&ns, queue, "j", jobs, 60, 16).await?;
+    }
     {
         let watch = JobWatch::start(bench.client.clone(), &ns).await?;
         let queued = watch.wait_phase(jobs, Phase::Queued, Duration::from_secs(300));
@@ -118,6 +157,21 @@ pub async fn run(
         || async { workers.iter().all(Worker::is_ready).then_some(()) },
     )
     .await?;
+    if mode == Mode::Limited {
+        // A claimer that had not read the LeasedQueue yet would wait for it (or, before this
+        // run's queue existed, claim without slots): every one sees the limit first.
+        wait_until(
+            "the claimers to read the LeasedQueue",
+            Duration::from_secs(60),
+            || async {
+                workers
+                    .iter()
+                    .all(|w| w.queue_object().is_some_and(|q| q.spec.limits()))
+                    .then_some(())
+            },
+        )
+        .await?;
+    }
 
     let m0 = metrics::scrape(&bench.client).await?;
     let mut groups = bench.controlplane.groups();
@@ -227,7 +281,7 @@ pub async fn run(
     Ok(Claims {
         claimers,
         round,
-        dispatched,
+        mode,
         jobs,
         per_second: jobs as f64 / elapsed.as_secs_f64(),
         conflict_split,
@@ -242,4 +296,43 @@ pub async fn run(
         cpu,
         elapsed,
     })
+}
+
+/// Creates the LeasedQueue `queue` of a limited run: [`PER_KEY`] Leased jobs per key.
+async fn limit_keys(bench: &Bench, ns: &str, queue: &str) -> anyhow::Result<()> {
+    let api: Api<LeasedQueue> = Api::namespaced(bench.client.clone(), ns);
+    let object = LeasedQueue::new(
+        queue,
+        LeasedQueueSpec {
+            max_leased_per_key: Some(PER_KEY),
+            ..Default::default()
+        },
+    );
+    api.create(&PostParams::default(), &object)
+        .await
+        .with_context(|| format!("create LeasedQueue {ns}/{queue}"))?;
+    Ok(())
+}
+
+/// Creates `jobs` jobs `j-<i>` of `queue`, job i with the key `tenant-<i mod KEYS>`.
+async fn create_keyed_jobs(
+    bench: &Bench,
+    ns: &str,
+    queue: &str,
+    jobs: usize,
+) -> anyhow::Result<()> {
+    let api: Api<LeasedJob> = Api::namespaced(bench.client.clone(), ns);
+    futures::stream::iter(0..jobs)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let mut job = crate::cluster::job(&format!("j-{i}"), queue, 60);
+                job.spec.concurrency_key = Some(format!("tenant-{}", i % KEYS));
+                crate::cluster::create_with_retry(&api, &job).await
+            }
+        })
+        .buffer_unordered(16)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
 }

@@ -142,14 +142,27 @@ impl Bench {
         )
         .await
         .context("apply the LeasedJob CRD")?;
+        // As the chart installs it: sidecars and the controller then follow LeasedQueues (row
+        // 2k sets limits with one) rather than logging that the API is not served.
+        api.patch(
+            "leasedqueues.leasehold.dev",
+            &PatchParams::apply("leasehold-bench").force(),
+            &Patch::Apply(&leasehold_core::definition::queue_definition()),
+        )
+        .await
+        .context("apply the LeasedQueue CRD")?;
         // Served = a one-item list answers; raw, so that a job no binary can decode (or
         // thousands of jobs) left on a reused control plane does not read as "not served".
         let jobs: Api<leasehold_kube::watch::Raw<LeasedJob>> = Api::all(self.client.clone());
         let one = kube::api::ListParams::default().limit(1);
+        let queues: Api<leasehold_core::queue::LeasedQueue> = Api::all(self.client.clone());
         wait_until(
-            "the LeasedJob API to be served",
+            "the LeasedJob and LeasedQueue APIs to be served",
             Duration::from_secs(60),
-            || async { jobs.list(&one).await.ok().map(|_| ()) },
+            || async {
+                jobs.list(&one).await.ok()?;
+                queues.list(&one).await.ok().map(|_| ())
+            },
         )
         .await?;
         // kube-controller-manager (its garbage collector and quota monitors) finds a new

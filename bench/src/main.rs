@@ -1,7 +1,8 @@
 //! `leasehold-bench`: measures leasehold against the API server it runs on, side by side in one
 //! run, and prints the table (also written into docs/benchmarks.md with `--out`).
 //!
-//! Rows: 1 the ceiling (raw conditional status updates/s), 2 claim throughput, 3 dispatch
+//! Rows: 1 the ceiling (raw conditional status updates/s), 2 claim throughput (2d through
+//! the dispatcher, 2k with limits per key), 3 dispatch
 //! latency, 4 expiry latency, 5 heartbeat cost, 6 footprint, 7 against batch/v1 Jobs, 8 memory
 //! against payload bytes, 9 watch fan-out against sidecars, 10 queue length, 11 the fleet
 //! (waiting sidecars with the dispatcher), 12 the leading dispatcher killed. Every
@@ -23,6 +24,7 @@ mod fanout;
 mod fleet;
 mod fleet_rows;
 mod footprint;
+mod limit_rows;
 mod metrics;
 mod paired;
 mod payload;
@@ -104,13 +106,27 @@ async fn main() -> anyhow::Result<()> {
         let (ceilings, results) = rows_1_and_2(&bench, &sizes, want(2), &mut failures).await;
         ceiling_rows(&mut report, &ceilings, &sizes);
         if want(2) {
-            let (dispatched, plain): (Vec<_>, Vec<_>) =
-                results.into_iter().partition(|c| c.dispatched);
+            let of = |mode: claims::Mode| -> Vec<&claims::Claims> {
+                results.iter().filter(|c| c.mode == mode).collect()
+            };
+            let (plain, dispatched, limited) = (
+                of(claims::Mode::Plain),
+                of(claims::Mode::Dispatched),
+                of(claims::Mode::Limited),
+            );
             let at = paired::at_each_n(&ceilings, &plain);
             claim_rows(&mut report, &at, &ceilings, &sizes);
             charts.extend(claim_charts(&at));
-            let at = paired::at_each_n(&ceilings, &dispatched);
-            dispatched_claim_rows(&mut report, &at, &ceilings, &sizes);
+            let at_dispatched = paired::at_each_n(&ceilings, &dispatched);
+            dispatched_claim_rows(&mut report, &at_dispatched, &ceilings, &sizes);
+            let at_limited = paired::at_each_n(&ceilings, &limited);
+            limit_rows::limited_claim_rows(
+                &mut report,
+                &at_limited,
+                &at_dispatched,
+                &ceilings,
+                &sizes,
+            );
         }
     }
     if want(3) {

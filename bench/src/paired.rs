@@ -38,7 +38,7 @@ pub struct AtN<'a> {
 
 /// Groups the claim runs by N (in the order the Ns first appear) and pairs each with the
 /// ceiling of its round.
-pub fn at_each_n<'a>(ceilings: &[Ceiling], results: &'a [Claims]) -> Vec<AtN<'a>> {
+pub fn at_each_n<'a>(ceilings: &[Ceiling], results: &[&'a Claims]) -> Vec<AtN<'a>> {
     let mut ns: Vec<usize> = Vec::new();
     for c in results {
         if !ns.contains(&c.claimers) {
@@ -47,7 +47,11 @@ pub fn at_each_n<'a>(ceilings: &[Ceiling], results: &'a [Claims]) -> Vec<AtN<'a>
     }
     ns.into_iter()
         .map(|n| {
-            let mut runs: Vec<&Claims> = results.iter().filter(|c| c.claimers == n).collect();
+            let mut runs: Vec<&Claims> = results
+                .iter()
+                .copied()
+                .filter(|c| c.claimers == n)
+                .collect();
             runs.sort_by_key(|c| c.round);
             let ratios: Vec<Option<f64>> = runs
                 .iter()
@@ -136,7 +140,7 @@ mod tests {
         Claims {
             claimers,
             round,
-            dispatched: false,
+            mode: claims::Mode::Plain,
             jobs: 100,
             per_second,
             conflict_share: conflicts / puts,
@@ -163,7 +167,7 @@ mod tests {
             run(8, 0, 120.0, 100.0, 2.0),
             run(8, 1, 160.0, 110.0, 9.0),
         ];
-        let at = at_each_n(&ceilings, &results);
+        let at = at_each_n(&ceilings, &results.iter().collect::<Vec<_>>());
         assert_eq!(at.len(), 1);
         let at = &at[0];
         assert_eq!(
@@ -188,6 +192,7 @@ mod tests {
     fn a_round_without_a_ceiling_has_no_ratio_and_is_left_out_of_the_median() {
         let ceilings = [ceiling(32, 0, 400.0), ceiling(8, 1, 500.0)];
         let results = [run(32, 0, 100.0, 10.0, 0.0), run(32, 1, 300.0, 10.0, 0.0)];
+        let results: Vec<&Claims> = results.iter().collect();
         let at = &at_each_n(&ceilings, &results)[0];
         assert_eq!(at.ratios, [Some(0.25), None]);
         assert_eq!(at.ratio, Some(0.25));
@@ -200,7 +205,7 @@ mod tests {
     fn ns_keep_their_order_and_one_round_prints_one_ratio() {
         let ceilings = [ceiling(1, 0, 200.0), ceiling(8, 0, 400.0)];
         let results = [run(1, 0, 50.0, 10.0, 0.0), run(8, 0, 100.0, 10.0, 0.0)];
-        let at = at_each_n(&ceilings, &results);
+        let at = at_each_n(&ceilings, &results.iter().collect::<Vec<_>>());
         assert_eq!(at.iter().map(|a| a.claimers).collect::<Vec<_>>(), [1, 8]);
         assert_eq!(ratio_text(&at[1]), "0.25");
         let (rounds, rate) = ceiling_at(&ceilings, 8);

@@ -25,8 +25,7 @@ impl Worker {
         &self,
         snapshot: &LeasedJob,
     ) -> Result<Option<Vec<Taken>>, WorkerError> {
-        let queue = self.inner.queue_object.borrow().queue().cloned();
-        let Some(queue) = queue.filter(|q| q.spec.limits()) else {
+        let Some(queue) = self.queue_object().filter(|q| q.spec.limits()) else {
             return Ok(Some(Vec::new()));
         };
         let acquired = slots::acquire(

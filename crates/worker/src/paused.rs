@@ -14,6 +14,12 @@ use tokio::time::Instant;
 use crate::{Worker, WorkerError};
 
 impl Worker {
+    /// The queue's LeasedQueue as this worker's watch of it last read it; None while it is
+    /// absent, unreadable or not read yet.
+    pub fn queue_object(&self) -> Option<std::sync::Arc<leasehold_core::queue::LeasedQueue>> {
+        self.inner.queue_object.borrow().queue().cloned()
+    }
+
     /// True while the queue's LeasedQueue pauses claims, or is not read yet.
     pub fn paused_now(&self) -> bool {
         self.inner.queue_object.borrow().paused() != Some(false)
