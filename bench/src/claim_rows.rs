@@ -213,23 +213,32 @@ pub(crate) fn claim_rows(
         });
     }
     report.rows.push(writes_per_job_row(at));
-    let columns: Vec<(String, &metrics::Requests, f64)> = at
-        .iter()
-        .map(|a| (format!("N={}", a.claimers), &a.requests, a.jobs as f64))
-        .collect();
-    let columns: Vec<(&str, &metrics::Requests, f64)> = columns
-        .iter()
-        .map(|(n, r, p)| (n.as_str(), *r, *p))
-        .collect();
     let _ = write!(
         detail,
         "\nRequests per job, counted by the API server over every round (all clients: \
          claimers, controller, and the controller's Events):\n\n{}",
-        requests_table(&columns)
+        requests_per_n(at)
     );
     report
         .details
         .push(("Row 2: claim throughput".into(), detail));
+}
+
+/// The table of requests per job at each N of `at`, every round together.
+pub(crate) fn requests_per_n(at: &[paired::AtN]) -> String {
+    let names: Vec<String> = at.iter().map(|a| format!("N={}", a.claimers)).collect();
+    let columns: Vec<(&str, &metrics::Requests, f64)> = at
+        .iter()
+        .zip(&names)
+        .map(|(a, n)| (n.as_str(), &a.requests, a.jobs as f64))
+        .collect();
+    requests_table(&columns)
+}
+
+/// API writes (LeasedJobs, Leases, Events) per job claimed and completed at one N, every
+/// round together.
+pub(crate) fn writes_per_job(a: &paired::AtN) -> f64 {
+    a.requests.sum(is_job_write) / a.jobs.max(1) as f64
 }
 
 /// One line of row 2's detail: one claim run.
@@ -431,10 +440,7 @@ pub(crate) fn dispatched_claim_rows(
     row.id = "2d (all N)".into();
     row.what = "API writes per short job through the dispatcher (claim + complete)".into();
     row.goal = format!("<= {FLEET_WRITES_GOAL} at every N");
-    row.verdict = Verdict::of(
-        at.iter()
-            .all(|a| a.requests.sum(is_job_write) / a.jobs.max(1) as f64 <= FLEET_WRITES_GOAL),
-    );
+    row.verdict = Verdict::of(at.iter().all(|a| writes_per_job(a) <= FLEET_WRITES_GOAL));
     report.rows.push(row);
     report.details.push((
         "Row 2d: claim throughput through the dispatcher".into(),

@@ -135,22 +135,22 @@ impl Bench {
     /// kube-controller-manager watches it.
     pub async fn install_crd(&self) -> anyhow::Result<()> {
         let api: Api<CustomResourceDefinition> = Api::all(self.client.clone());
-        api.patch(
-            "leasedjobs.leasehold.dev",
-            &PatchParams::apply("leasehold-bench").force(),
-            &Patch::Apply(&leasehold_core::crd::definition()),
-        )
-        .await
-        .context("apply the LeasedJob CRD")?;
-        // As the chart installs it: sidecars and the controller then follow LeasedQueues (row
-        // 2k sets limits with one) rather than logging that the API is not served.
-        api.patch(
-            "leasedqueues.leasehold.dev",
-            &PatchParams::apply("leasehold-bench").force(),
-            &Patch::Apply(&leasehold_core::definition::queue_definition()),
-        )
-        .await
-        .context("apply the LeasedQueue CRD")?;
+        // Both, as the chart installs them: sidecars and the controller then follow
+        // LeasedQueues (row 2k sets limits with one) rather than logging that the API is not
+        // served.
+        for crd in [
+            leasehold_core::crd::definition(),
+            leasehold_core::definition::queue_definition(),
+        ] {
+            let name = crd.metadata.name.clone().unwrap_or_default();
+            api.patch(
+                &name,
+                &PatchParams::apply("leasehold-bench").force(),
+                &Patch::Apply(&crd),
+            )
+            .await
+            .with_context(|| format!("apply the CustomResourceDefinition {name}"))?;
+        }
         // Served = a one-item list answers; raw, so that a job no binary can decode (or
         // thousands of jobs) left on a reused control plane does not read as "not served".
         let jobs: Api<leasehold_kube::watch::Raw<LeasedJob>> = Api::all(self.client.clone());

@@ -14,11 +14,6 @@ pub(crate) const LIMITED_RATIO_GOAL: f64 = 0.3;
 /// limits (the slot's one conditional write).
 pub(crate) const LIMITED_EXTRA_WRITES_GOAL: f64 = 1.0;
 
-/// API writes (LeasedJobs, Leases, Events) per job claimed and completed, every round together.
-fn writes_per_job(a: &paired::AtN) -> f64 {
-    a.requests.sum(is_job_write) / a.jobs.max(1) as f64
-}
-
 /// Rows 2k: `limited`, the limited runs grouped by N, and `plain`, the dispatched runs
 /// without limits (row 2d) to compare their writes with.
 pub(crate) fn limited_claim_rows(
@@ -78,18 +73,10 @@ pub(crate) fn limited_claim_rows(
     if limited.is_empty() {
         return;
     }
-    let columns: Vec<(String, &metrics::Requests, f64)> = limited
-        .iter()
-        .map(|a| (format!("N={}", a.claimers), &a.requests, a.jobs as f64))
-        .collect();
-    let columns: Vec<(&str, &metrics::Requests, f64)> = columns
-        .iter()
-        .map(|(n, r, p)| (n.as_str(), *r, *p))
-        .collect();
     let _ = write!(
         detail,
         "\nRequests per job, counted by the API server over every round (all clients):\n\n{}",
-        requests_table(&columns)
+        requests_per_n(limited)
     );
     report.details.push((
         "Row 2k: claim throughput with a limit per key".into(),
