@@ -226,7 +226,7 @@ async fn claims_are_made_only_in_the_requesting_pods_name() {
 
     // A claim keeps the job's history: failures cannot be wiped on the way.
     w.create_job("k").await;
-    let (k, tk) = leasehold_kube::claim::claim(&w.jobs(&w.a), &w.job("k").await, "pod-a")
+    let (k, tk) = leasehold_kube::claim::claim(&w.jobs(&w.a), &w.job("k").await, "pod-a", None)
         .await
         .expect("claim through the library, as pod-a");
     let failed = Outcome::Fail {
@@ -263,7 +263,7 @@ async fn only_the_holder_writes_status() {
     let w = World::new(fixture!("adm-holder"), &[]).await;
     let (jobs_a, jobs_b) = (w.jobs(&w.a), w.jobs(&w.b));
     w.create_job("j").await;
-    let (_, t1) = leasehold_kube::claim::claim(&jobs_a, &w.job("j").await, "pod-a")
+    let (_, t1) = leasehold_kube::claim::claim(&jobs_a, &w.job("j").await, "pod-a", None)
         .await
         .unwrap();
 
@@ -284,7 +284,7 @@ async fn only_the_holder_writes_status() {
     )
     .await
     .unwrap();
-    let (_, t2) = leasehold_kube::claim::claim(&jobs_b, &w.job("j").await, "pod-b")
+    let (_, t2) = leasehold_kube::claim::claim(&jobs_b, &w.job("j").await, "pod-b", None)
         .await
         .unwrap();
     assert_eq!(t2.attempt(), 2);
@@ -338,7 +338,7 @@ async fn only_the_holder_writes_status() {
 
     // The holder itself may add to the failures, never rewrite them.
     w.create_job("m").await;
-    let (_, m1) = leasehold_kube::claim::claim(&jobs_a, &w.job("m").await, "pod-a")
+    let (_, m1) = leasehold_kube::claim::claim(&jobs_a, &w.job("m").await, "pod-a", None)
         .await
         .unwrap();
     let failed = Outcome::Fail {
@@ -350,7 +350,7 @@ async fn only_the_holder_writes_status() {
     leasehold_kube::fence::apply(&jobs_a, &w.ns.name, "m", &m1, &failed)
         .await
         .unwrap();
-    leasehold_kube::claim::claim(&jobs_a, &w.job("m").await, "pod-a")
+    leasehold_kube::claim::claim(&jobs_a, &w.job("m").await, "pod-a", None)
         .await
         .unwrap();
     let wipe = json!({"status": {"failures": []}});
@@ -359,6 +359,20 @@ async fn only_the_holder_writes_status() {
         "failures-append-only",
     );
     assert_eq!(w.job("m").await.failed_attempts(), 1);
+    // Nor grant itself more attempts, or a longer lease, than its claim recorded.
+    let recorded = w
+        .job("m")
+        .await
+        .status
+        .unwrap()
+        .policy
+        .expect("status.policy");
+    let more = json!({"status": {"policy": {"maxAttempts": 100}}});
+    assert_refused(
+        merge_patch(&w.a, &w.status_path("m"), &more).await,
+        "policy-fixed-by-claim",
+    );
+    assert_eq!(w.job("m").await.status.unwrap().policy, Some(recorded));
 }
 
 #[tokio::test]
@@ -367,7 +381,7 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
     let (jobs_a, jobs_b) = (w.jobs(&w.a), w.jobs(&w.b));
     let (leases_a, leases_b) = (w.leases(&w.a), w.leases(&w.b));
     w.create_job("j").await;
-    let (job, t1) = leasehold_kube::claim::claim(&jobs_a, &w.job("j").await, "pod-a")
+    let (job, t1) = leasehold_kube::claim::claim(&jobs_a, &w.job("j").await, "pod-a", None)
         .await
         .unwrap();
     let acquired = leasehold_kube::lease::acquire(&leases_a, &job, &t1, &Default::default())
@@ -478,7 +492,7 @@ async fn workers_renew_and_release_only_the_leases_they_hold() {
     )
     .await
     .unwrap();
-    let (job, t2) = leasehold_kube::claim::claim(&jobs_b, &w.job("j").await, "pod-b")
+    let (job, t2) = leasehold_kube::claim::claim(&jobs_b, &w.job("j").await, "pod-b", None)
         .await
         .unwrap();
     let taken = leasehold_kube::lease::acquire(&leases_b, &job, &t2, &Default::default())

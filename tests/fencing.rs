@@ -40,7 +40,7 @@ async fn claim_race_has_one_winner() {
             tasks.push(tokio::spawn(async move {
                 let snapshot = jobs.get(&name).await.unwrap();
                 barrier.wait().await;
-                leasehold_kube::claim::claim(&jobs, &snapshot, &format!("claimer-{c}")).await
+                leasehold_kube::claim::claim(&jobs, &snapshot, &format!("claimer-{c}"), None).await
             }));
         }
         let mut winners = Vec::new();
@@ -82,7 +82,7 @@ async fn stale_token_refused_by_the_api_server() {
         json!({"metadata": {"name": "j"}, "spec": {}}),
     )
     .await;
-    let (job, t1) = leasehold_kube::claim::claim(&jobs, &job, "a")
+    let (job, t1) = leasehold_kube::claim::claim(&jobs, &job, "a", None)
         .await
         .unwrap();
     leasehold_kube::lease::acquire(&leases, &job, &t1, &Default::default())
@@ -99,7 +99,7 @@ async fn stale_token_refused_by_the_api_server() {
     .await
     .unwrap();
     let job = jobs.get("j").await.unwrap();
-    let (job, t2) = leasehold_kube::claim::claim(&jobs, &job, "b")
+    let (job, t2) = leasehold_kube::claim::claim(&jobs, &job, "b", None)
         .await
         .unwrap();
     leasehold_kube::lease::acquire(&leases, &job, &t2, &Default::default())
@@ -206,7 +206,7 @@ async fn late_result_against_expiry() {
         tasks.push(tokio::spawn(async move {
             let name = format!("late-{i}");
             let snapshot = jobs.get(&name).await.unwrap();
-            let (job, token) = leasehold_kube::claim::claim(&jobs, &snapshot, "holder")
+            let (job, token) = leasehold_kube::claim::claim(&jobs, &snapshot, "holder", None)
                 .await
                 .unwrap();
             leasehold_kube::lease::acquire(&leases, &job, &token, &Default::default())

@@ -580,6 +580,6 @@ async fn the_lease_duration_of_a_leased_job_cannot_change() {
             .await
             .spec
             .lease_duration_seconds,
-        30
+        Some(30)
     );
 }

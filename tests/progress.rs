@@ -310,7 +310,8 @@ async fn retry_keeps_past_failures() {
     let status = job.status.clone().unwrap();
     assert_eq!(job.phase(), Phase::Queued);
     assert_eq!(
-        job.spec.max_attempts, 2,
+        job.spec.max_attempts,
+        Some(2),
         "raised so the new attempt may fail and retry"
     );
     assert_eq!(status.attempt, 1);

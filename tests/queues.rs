@@ -224,6 +224,24 @@ async fn bad_leased_queues_are_refused_naming_the_field_and_the_rule() {
             "spec.weights.tenant-a",
         ),
         (
+            "a default lease under 5 s",
+            manifest("q", "  defaults: {leaseDurationSeconds: 2}"),
+            "spec.defaults.leaseDurationSeconds",
+        ),
+        (
+            "default attempts of 0",
+            manifest("q", "  defaults: {maxAttempts: 0}"),
+            "spec.defaults.maxAttempts",
+        ),
+        (
+            "an inverted default backoff",
+            manifest(
+                "q",
+                "  defaults: {backoff: {initialSeconds: 60, maxSeconds: 10}}",
+            ),
+            "spec.defaults.backoff: Invalid value: initialSeconds must not exceed maxSeconds",
+        ),
+        (
             "an unknown field",
             manifest("q", "  pasued: true"),
             "unknown field \"spec.pasued\"",

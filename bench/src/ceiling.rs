@@ -81,6 +81,7 @@ pub async fn measure(
                     &token,
                     "bench-ceiling",
                     k8s_openapi::jiff::Timestamp::now(),
+                    None,
                 ));
                 match api
                     .replace_status(&current.name_any(), &PostParams::default(), &next)

@@ -278,7 +278,7 @@ pub fn job(name: &str, queue: &str, lease_seconds: i32) -> LeasedJob {
         LeasedJobSpec {
             queue: queue.into(),
             payload: serde_json::json!({"input": format!("s3://bench/{name}.wav"), "lang": "ko"}),
-            lease_duration_seconds: lease_seconds,
+            lease_duration_seconds: Some(lease_seconds),
             ..Default::default()
         },
     )

@@ -110,7 +110,9 @@ pub async fn retry(args: RetryArgs) -> anyhow::Result<()> {
         job.reference(),
         job.attempt() + 1,
         job.failed_attempts(),
-        job.spec.max_attempts
+        job.spec
+            .max_attempts
+            .unwrap_or_else(|| job.policy().max_attempts)
     );
     Ok(())
 }

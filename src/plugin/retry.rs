@@ -64,7 +64,13 @@ pub fn spec_patch(
     if job.spec.cancel {
         ops.push(json!({"op": "remove", "path": "/spec/cancel"}));
     }
-    if job.spec.max_attempts < wanted {
+    // A job that sets none ran under its queue's default (or leasehold's), as its last claim
+    // recorded: raised past that, the job sets its own from now on.
+    let current = job
+        .spec
+        .max_attempts
+        .unwrap_or_else(|| job.policy().max_attempts);
+    if current < wanted {
         ops.push(json!({"op": "add", "path": "/spec/maxAttempts", "value": wanted}));
     }
     if ops.len() == 1 {
@@ -169,7 +175,7 @@ mod tests {
         let mut j = LeasedJob::new(
             "x",
             LeasedJobSpec {
-                max_attempts,
+                max_attempts: Some(max_attempts),
                 cancel,
                 ..Default::default()
             },

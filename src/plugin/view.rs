@@ -61,7 +61,7 @@ impl Row {
                 heartbeat_age = Some(age);
                 let duration = i64::from(
                     spec.lease_duration_seconds
-                        .unwrap_or(job.spec.lease_duration_seconds),
+                        .unwrap_or_else(|| job.policy().lease_duration_seconds),
                 );
                 expires_in = Some(duration - age);
             }
@@ -229,7 +229,7 @@ mod tests {
             "transcode-42",
             LeasedJobSpec {
                 queue: "media".into(),
-                lease_duration_seconds: 60,
+                lease_duration_seconds: Some(60),
                 ..Default::default()
             },
         );

@@ -176,7 +176,8 @@ async fn expire(
             rand::random(),
         )
     };
-    let next = fence::next_phase(&outcome, job.failed_attempts(), job.spec.max_attempts);
+    let max_attempts = job.policy().max_attempts;
+    let next = fence::next_phase(&outcome, job.failed_attempts(), max_attempts);
     let action = "requeue after lease expiry";
     let written = match ctx
         .patch_status_if_unchanged(jobs, job, patch(&outcome), action)
@@ -222,10 +223,7 @@ async fn expire(
         (EventType::Warning, REASON_LEASE_EXPIRED)
     };
     let note = if next == Phase::Failed {
-        format!(
-            "{message}; failed attempts reached maxAttempts {}, job Failed",
-            job.spec.max_attempts
-        )
+        format!("{message}; failed attempts reached maxAttempts {max_attempts}, job Failed")
     } else {
         format!("{message}; requeued")
     };

@@ -16,6 +16,7 @@ use rand::Rng;
 
 use crate::crd::{LeasedJob, LeasedJobStatus, Phase};
 use crate::lease::lease_name;
+use crate::policy::{self, JobDefaults};
 use crate::token::Token;
 
 /// True when `job` may be claimed from `queue` at `now`: Queued, in that queue, not cancelled,
@@ -208,14 +209,18 @@ fn fifo_key(job: &LeasedJob) -> (Option<Timestamp>, Option<&str>) {
 }
 
 /// The status a successful claim writes: Leased, attempt + 1, the new token and holder, the
-/// claim time, the Lease's name. Everything else (failures, checkpoint, conditions) is kept.
+/// claim time, the Lease's name, and the policy the attempt runs under (the job's own lease
+/// duration, maxAttempts and backoff over its queue's `defaults`: [`policy::resolve`]).
+/// Everything else (failures, checkpoint, conditions) is kept.
 pub fn claimed_status(
     job: &LeasedJob,
     token: &Token,
     holder: &str,
     now: Timestamp,
+    defaults: Option<&JobDefaults>,
 ) -> LeasedJobStatus {
     let mut status = job.status.clone().unwrap_or_default();
+    status.policy = Some(policy::resolve(&job.spec, defaults));
     status.phase = Some(Phase::Leased);
     status.attempt = token.attempt();
     status.token = Some(token.as_str().to_string());
@@ -439,7 +444,7 @@ mod tests {
         j.status.as_mut().unwrap().attempt = 2;
         j.status.as_mut().unwrap().checkpoint = Some(serde_json::json!({"offset": 9}));
         let t = Token::issue(3);
-        let s = claimed_status(&j, &t, "pod-a", Timestamp::UNIX_EPOCH);
+        let s = claimed_status(&j, &t, "pod-a", Timestamp::UNIX_EPOCH, None);
         assert_eq!(s.phase, Some(Phase::Leased));
         assert_eq!(s.attempt, 3);
         assert_eq!(s.token.as_deref(), Some(t.as_str()));
@@ -447,5 +452,26 @@ mod tests {
         assert_eq!(s.checkpoint, Some(serde_json::json!({"offset": 9})));
         assert_eq!(s.queued_time, j.metadata.creation_timestamp);
         assert_eq!(s.lease_name.as_deref(), Some("ljob-j"));
+        assert_eq!(s.policy, Some(policy::resolve(&j.spec, None)));
+    }
+
+    #[test]
+    fn a_claim_records_the_queue_s_defaults_where_the_job_sets_none() {
+        let mut j = (*job("j", "q", 0, 5, Some(Phase::Queued))).clone();
+        j.spec.max_attempts = Some(7);
+        let defaults = JobDefaults {
+            lease_duration_seconds: Some(600),
+            max_attempts: Some(1),
+            backoff: None,
+        };
+        let s = claimed_status(
+            &j,
+            &Token::issue(1),
+            "pod-a",
+            Timestamp::UNIX_EPOCH,
+            Some(&defaults),
+        );
+        let p = s.policy.expect("recorded");
+        assert_eq!((p.lease_duration_seconds, p.max_attempts), (600, 7));
     }
 }

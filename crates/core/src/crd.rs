@@ -68,7 +68,7 @@ pub const MAX_JOB_BYTES: usize = 1024 * 1024;
     selectable = ".status.holder",
     validation = Rule::new("has(self.spec.concurrencyKey) == has(oldSelf.spec.concurrencyKey) && (!has(self.spec.concurrencyKey) || self.spec.concurrencyKey == oldSelf.spec.concurrencyKey)").message("spec.concurrencyKey is immutable: the job's share (and any limit) was counted under it; create a new LeasedJob instead"),
     validation = Rule::new("self.spec.queue == oldSelf.spec.queue").message("spec.queue is immutable: the sidecars of the new queue could not see this job's claim; create a new LeasedJob instead"),
-    validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.phase) || oldSelf.status.phase != 'Leased' || self.spec.leaseDurationSeconds == oldSelf.spec.leaseDurationSeconds").message("spec.leaseDurationSeconds cannot change while the job is Leased: its holder was granted the lease with the old duration. Change it while the job is Queued (it applies from the next claim), or cancel the job"),
+    validation = Rule::new("!has(oldSelf.status) || !has(oldSelf.status.phase) || oldSelf.status.phase != 'Leased' || (has(self.spec.leaseDurationSeconds) == has(oldSelf.spec.leaseDurationSeconds) && (!has(self.spec.leaseDurationSeconds) || self.spec.leaseDurationSeconds == oldSelf.spec.leaseDurationSeconds))").message("spec.leaseDurationSeconds cannot change while the job is Leased: its holder was granted the lease with the old duration. Change it while the job is Queued (it applies from the next claim), or cancel the job"),
     printcolumn = r#"{"name":"Queue","type":"string","jsonPath":".spec.queue"}"#,
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"Attempt","type":"integer","jsonPath":".status.attempt"}"#,
@@ -94,25 +94,28 @@ pub struct LeasedJobSpec {
     pub payload: Value,
 
     /// How long, in seconds, a claim stays valid without a heartbeat. The controller requeues a
-    /// job whose Lease it has not seen renewed for this long. 5 to 86400; default 60. Fixed
-    /// while the job is Leased (a change is refused): it applies from the next claim.
-    #[serde(default = "default_lease_duration_seconds")]
+    /// job whose Lease it has not seen renewed for this long. 5 to 86400. Unset: the queue's
+    /// LeasedQueue spec.defaults.leaseDurationSeconds, else 60. Each claim records the value
+    /// its attempt runs under in status.policy. Fixed while the job is Leased (a change is
+    /// refused): it applies from the next claim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 5, max = 86400))]
-    pub lease_duration_seconds: i32,
+    pub lease_duration_seconds: Option<i32>,
 
     /// How many attempts may fail (an explicit failure or an expired lease) before the job ends
-    /// Failed. A release (the worker hands the job back) does not count. At least 1; default 3.
-    #[serde(default = "default_max_attempts")]
+    /// Failed. A release (the worker hands the job back) does not count. At least 1. Unset: the
+    /// queue's LeasedQueue spec.defaults.maxAttempts, else 3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
-    pub max_attempts: i32,
+    pub max_attempts: Option<i32>,
 
     /// Higher priorities are claimed first; among equal priorities, older jobs first. Default 0.
     #[serde(default)]
     pub priority: i32,
 
     /// Delay before the next attempt after a retryable failure or an expired lease:
-    /// exponential in the number of failed attempts, with jitter. Without it the job is
-    /// claimable again at once.
+    /// exponential in the number of failed attempts, with jitter. Unset: the queue's LeasedQueue
+    /// spec.defaults.backoff, else none (the job is claimable again at once).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backoff: Option<Backoff>,
 
@@ -156,8 +159,8 @@ impl Default for LeasedJobSpec {
         LeasedJobSpec {
             queue: default_queue(),
             payload: Value::Null,
-            lease_duration_seconds: default_lease_duration_seconds(),
-            max_attempts: default_max_attempts(),
+            lease_duration_seconds: None,
+            max_attempts: None,
             priority: 0,
             backoff: None,
             not_before: None,
@@ -173,7 +176,7 @@ impl Default for LeasedJobSpec {
 /// jitter", so that retries of many jobs failed together spread out).
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("self.initialSeconds <= self.maxSeconds").message("spec.backoff.initialSeconds must not exceed spec.backoff.maxSeconds"))]
+#[x_kube(validation = Rule::new("self.initialSeconds <= self.maxSeconds").message("initialSeconds must not exceed maxSeconds"))]
 pub struct Backoff {
     /// Delay after the first failed attempt, in seconds (before jitter). Default 1.
     #[serde(default = "default_backoff_initial")]
@@ -317,6 +320,13 @@ pub struct LeasedJobStatus {
     )]
     pub conditions: Vec<Condition>,
 
+    /// The lease duration, maxAttempts and backoff the latest attempt runs under, as its claim
+    /// resolved them (the spec's, else the LeasedQueue's spec.defaults, else leasehold's) and
+    /// wrote them in the same write: the sidecar, the Lease and the controller's expiry all
+    /// read these, so a change of either applies from the next claim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<crate::policy::Policy>,
+
     /// The metadata.generation the controller last initialised this status from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
@@ -421,14 +431,6 @@ fn lenient_conditions<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Cond
 
 fn default_queue() -> String {
     "default".to_string()
-}
-
-fn default_lease_duration_seconds() -> i32 {
-    60
-}
-
-fn default_max_attempts() -> i32 {
-    3
 }
 
 /// Schema for a field that holds any JSON value, kept unpruned

@@ -120,14 +120,16 @@ pub fn record_of(job: &LeasedJob, lease: Option<&Lease>) -> Record {
 }
 
 /// The lease duration in force: the Lease's while it carries the current attempt's heartbeats
-/// ([`lease::names_attempt`]), else the job's.
+/// ([`lease::names_attempt`]), else the one the attempt's claim recorded ([`LeasedJob::policy`]).
 pub fn lease_duration(job: &LeasedJob, lease: Option<&Lease>, token: &str) -> Duration {
     let holder = job.status.as_ref().and_then(|s| s.holder.as_deref());
     let from_lease = lease
         .filter(|l| lease::names_attempt(l, token, holder))
         .and_then(|l| l.spec.as_ref())
         .and_then(|s| s.lease_duration_seconds);
-    let secs = from_lease.unwrap_or(job.spec.lease_duration_seconds).max(1);
+    let secs = from_lease
+        .unwrap_or_else(|| job.policy().lease_duration_seconds)
+        .max(1);
     Duration::from_secs(u64::try_from(secs).unwrap_or(1))
 }
 

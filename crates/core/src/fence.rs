@@ -226,9 +226,11 @@ fn ceil_to_second(t: Timestamp) -> Timestamp {
 
 /// The JSON Patch that ends attempt `token` of `job` with `outcome`, made by `holder` at `now`.
 /// Its first operations test the token and the Leased phase; the token and holder themselves
-/// stay (they name the latest attempt's owner), and attempt is never touched. A failure that
-/// requeues a job with spec.backoff sets status.retryAfter ([`retry_delay`] with `jitter` in
-/// [0, 1]).
+/// stay (they name the latest attempt's owner), and attempt is never touched. Whether a
+/// failure requeues or ends the job, and its backoff, follow the policy the attempt's claim
+/// recorded ([`LeasedJob::policy`]: maxAttempts and backoff from the spec, else the queue's
+/// defaults). A failure that requeues a job with a backoff sets status.retryAfter
+/// ([`retry_delay`] with `jitter` in [0, 1]).
 pub fn end_attempt_patch(
     job: &LeasedJob,
     token: &Token,
@@ -238,7 +240,8 @@ pub fn end_attempt_patch(
     jitter: f64,
 ) -> json_patch::Patch {
     let failures_before = job.failed_attempts();
-    let phase = next_phase(outcome, failures_before, job.spec.max_attempts);
+    let policy = job.policy();
+    let phase = next_phase(outcome, failures_before, policy.max_attempts);
     let time = Time(now);
     let mut ops = vec![
         json!({"op": "test", "path": "/status/token", "value": token.as_str()}),
@@ -283,7 +286,7 @@ pub fn end_attempt_patch(
             if let Some(c) = checkpoint {
                 ops.push(json!({"op": "add", "path": "/status/checkpoint", "value": c}));
             }
-            if let (Phase::Queued, Some(backoff)) = (phase, &job.spec.backoff) {
+            if let (Phase::Queued, Some(backoff)) = (phase, &policy.backoff) {
                 let delay = retry_delay(backoff, failures_before + 1, jitter);
                 let at = Time(ceil_to_second(now + delay));
                 ops.push(json!({"op": "add", "path": "/status/retryAfter", "value": at}));
@@ -335,7 +338,7 @@ pub fn end_attempt_patch(
                         format!(
                             "{} failed attempts reached maxAttempts {}; the last: {reason}: {message}",
                             failures_before + 1,
-                            job.spec.max_attempts
+                            policy.max_attempts
                         ),
                     )
                 } else {
@@ -546,6 +549,41 @@ mod tests {
         j.spec.backoff = None;
         let p = serde_json::to_value(end_attempt_patch(&j, &t, "w", &fail, now, 1.0)).unwrap();
         assert!(!p.to_string().contains("retryAfter"));
+    }
+
+    #[test]
+    fn a_failure_follows_the_policy_its_claim_recorded_not_the_spec() {
+        let t = Token::issue(1);
+        let mut j = job(Phase::Leased, 1, Some(&t), 0);
+        j.spec.max_attempts = Some(5);
+        j.status.as_mut().unwrap().policy = Some(crate::policy::Policy {
+            lease_duration_seconds: 60,
+            max_attempts: 2,
+            backoff: Some(Backoff {
+                initial_seconds: 10,
+                max_seconds: 10,
+            }),
+        });
+        let fail = Outcome::Fail {
+            reason: "R".into(),
+            message: String::new(),
+            retryable: true,
+            checkpoint: None,
+        };
+        let now = Timestamp::from_second(100).unwrap();
+        // The first of 2 failed attempts requeues, after the recorded backoff.
+        let p = serde_json::to_value(end_attempt_patch(&j, &t, "w", &fail, now, 1.0)).unwrap();
+        assert!(p.to_string().contains("1970-01-01T00:01:50Z"), "{p}");
+        // The second ends it, though the spec would allow 5.
+        j.status.as_mut().unwrap().failures.push(AttemptFailure {
+            attempt: 0,
+            holder: "w".into(),
+            reason: "R".into(),
+            message: String::new(),
+            time: Time(now),
+        });
+        let p = serde_json::to_value(end_attempt_patch(&j, &t, "w", &fail, now, 1.0)).unwrap();
+        assert!(p.to_string().contains("reached maxAttempts 2"), "{p}");
     }
 
     #[test]

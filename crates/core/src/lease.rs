@@ -194,7 +194,8 @@ pub fn may_take_over(current: Option<&str>, ours: &Token) -> bool {
 }
 
 /// The Lease object for a fresh claim of `job` with `token`: holderIdentity is the token,
-/// acquireTime and renewTime are `now`, leaseTransitions is `transitions`,
+/// leaseDurationSeconds the one its claim recorded ([`LeasedJob::policy`]), acquireTime and
+/// renewTime are `now`, leaseTransitions is `transitions`,
 /// [`HOLDER_ANNOTATION`] is the claim's holder (status.holder), and the job owns it (so it is
 /// garbage-collected with the job).
 pub fn lease_for_claim(
@@ -230,7 +231,7 @@ pub fn lease_for_claim(
         metadata: meta,
         spec: Some(LeaseSpec {
             holder_identity: Some(token.as_str().to_string()),
-            lease_duration_seconds: Some(job.spec.lease_duration_seconds),
+            lease_duration_seconds: Some(job.policy().lease_duration_seconds),
             acquire_time: Some(micro_time(now)),
             renew_time: Some(micro_time(now)),
             lease_transitions: Some(transitions),
@@ -395,7 +396,7 @@ mod tests {
             "j",
             LeasedJobSpec {
                 queue: "q".into(),
-                lease_duration_seconds: 30,
+                lease_duration_seconds: Some(30),
                 ..Default::default()
             },
         );

@@ -20,6 +20,7 @@
 //! - [`share`]: which job a claimer tries, so that the claimers of a queue do not race.
 //! - [`fence`]: the conditional writes that end an attempt; where a stale token is refused.
 //! - [`job_cache`]: the controller's slim copy of every job it watches.
+//! - [`policy`]: a job's lease duration, maxAttempts and backoff: its own, else its queue's.
 //! - [`lease`]: the per-job `coordination.k8s.io/v1` Lease: its name, whose it is, its patches.
 //! - [`expiry`]: how the controller judges a lease expired (on its own clock).
 //! - [`progress`]: how far a job is (fraction and message), carried by heartbeats.
@@ -36,6 +37,7 @@ pub mod expiry;
 pub mod fence;
 pub mod job_cache;
 pub mod lease;
+pub mod policy;
 pub mod progress;
 pub mod queue;
 pub mod queue_stats;

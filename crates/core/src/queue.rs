@@ -79,6 +79,13 @@ pub struct LeasedQueueSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1000))]
     pub max_leased_per_key: Option<i32>,
+
+    /// What the queue's jobs get where their spec sets none: leaseDurationSeconds (5 to 86400),
+    /// maxAttempts (at least 1), backoff. Each claim resolves them (the job's own value, else
+    /// this, else leasehold's 60 s, 3 attempts, no backoff) and records the result in the
+    /// job's status.policy, so a change applies from each job's next claim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub defaults: Option<crate::policy::JobDefaults>,
 }
 
 impl LeasedQueueSpec {

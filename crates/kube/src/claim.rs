@@ -10,6 +10,7 @@ use thiserror::Error;
 
 use leasehold_core::claim::{claimable, claimed_status};
 use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::policy::JobDefaults;
 use leasehold_core::token::Token;
 
 use crate::api::is_status;
@@ -51,8 +52,9 @@ pub enum ClaimError {
 }
 
 /// Claims `snapshot` for `holder`: replaces its status with [`claimed_status`] under the
-/// snapshot's resourceVersion. Returns the claimed job (as the API server stored it) and the
-/// token. Does not touch the Lease: see [`crate::lease::acquire`].
+/// snapshot's resourceVersion, recording the attempt's policy resolved over `defaults` (its
+/// queue's LeasedQueue spec.defaults; None without one). Returns the claimed job (as the API
+/// server stored it) and the token. Does not touch the Lease: see [`crate::lease::acquire`].
 ///
 /// # Errors
 /// [`ClaimError::Conflict`] when anyone wrote the job since the snapshot;
@@ -62,6 +64,7 @@ pub async fn claim(
     api: &Api<LeasedJob>,
     snapshot: &LeasedJob,
     holder: &str,
+    defaults: Option<&JobDefaults>,
 ) -> Result<(LeasedJob, Token), ClaimError> {
     let job = snapshot.reference();
     if !claimable(snapshot, &snapshot.spec.queue, Timestamp::now()) {
@@ -72,7 +75,13 @@ pub async fn claim(
     }
     let token = Token::issue(snapshot.attempt() + 1);
     let mut next = snapshot.clone();
-    next.status = Some(claimed_status(snapshot, &token, holder, Timestamp::now()));
+    next.status = Some(claimed_status(
+        snapshot,
+        &token,
+        holder,
+        Timestamp::now(),
+        defaults,
+    ));
     match api
         .replace_status(&snapshot.name_any(), &PostParams::default(), &next)
         .await

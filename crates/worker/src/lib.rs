@@ -586,7 +586,7 @@ impl Worker {
             .held_store
             .get(&key)
             .or_else(|| self.inner.queue.as_ref()?.store.get(&key))
-            .map_or(5, |j| j.spec.lease_duration_seconds.max(1));
+            .map_or(5, |j| j.policy().lease_duration_seconds.max(1));
         let secs = u64::try_from(secs).unwrap_or(5);
         (call_bound(Duration::from_secs(secs)), None)
     }

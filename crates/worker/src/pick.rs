@@ -524,9 +524,12 @@ impl Worker {
         let Some(slots) = self.take_slots(snapshot).await? else {
             return Ok(Tried::HeldBack);
         };
-        let lease_duration = Duration::from_secs(
-            u64::try_from(snapshot.spec.lease_duration_seconds.max(1)).unwrap_or(1),
-        );
+        // The queue's defaults, for what the job sets none of: the claim records the result
+        // (status.policy), which every later decision about the attempt reads.
+        let defaults = self.queue_object().and_then(|q| q.spec.defaults.clone());
+        let policy = leasehold_core::policy::resolve(&snapshot.spec, defaults.as_ref());
+        let lease_duration =
+            Duration::from_secs(u64::try_from(policy.lease_duration_seconds.max(1)).unwrap_or(1));
         let bound = call_bound(lease_duration);
         // The claim write runs as a task of its own, so that one whose answer comes too late
         // is still seen through: if it got through after all, it is given back.
@@ -536,7 +539,8 @@ impl Worker {
             let (me, snapshot) = (self.clone(), snapshot.clone());
             tokio::spawn(async move {
                 let identity = &me.inner.config.identity;
-                leasehold_kube::claim::claim(&me.inner.jobs, &snapshot, identity).await
+                leasehold_kube::claim::claim(&me.inner.jobs, &snapshot, identity, defaults.as_ref())
+                    .await
             })
         };
         let claimed = match tokio::time::timeout(bound, &mut write).await {
@@ -626,10 +630,11 @@ impl Worker {
         let status = job.status.clone().unwrap_or_default();
         let mut slim = job.clone();
         slim.drop_payload_and_result();
+        let lease_duration_seconds = job.policy().lease_duration_seconds;
         self.hold(
             &job.name_any(),
             token.clone(),
-            job.spec.lease_duration_seconds,
+            lease_duration_seconds,
             Some(slim),
             started,
         );
@@ -639,7 +644,7 @@ impl Worker {
             attempt: token.attempt(),
             token,
             payload: job.spec.payload.clone(),
-            lease_duration_seconds: job.spec.lease_duration_seconds,
+            lease_duration_seconds,
             checkpoint: status.checkpoint,
         }))
     }
