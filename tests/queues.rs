@@ -2,7 +2,8 @@
 //! within a second, through the dispatcher and without it, and a resume starts them within a
 //! second; the pause is read by each sidecar itself, so a dispatcher that offers a paused
 //! queue's job is not even asked; the controller reports the queue in its status, metrics and
-//! Events; bad LeasedQueues are refused at admission naming the field and the rule.
+//! Events; bad LeasedQueues are refused at admission naming the field and the rule; a sidecar
+//! that may not read its LeasedQueue claims nothing.
 
 use std::time::{Duration, Instant};
 
@@ -362,4 +363,82 @@ async fn a_key_with_ten_jobs_is_not_stuck_behind_a_key_with_a_thousand() {
     let mut sorted = b.clone();
     sorted.sort();
     assert_eq!(b, sorted);
+}
+
+/// A sidecar whose Role does not grant `leasedqueues` cannot know whether its queue is paused
+/// or limited, so it claims nothing (fail closed: a limit is exact only if every claimer
+/// honours it) and is not ready; once its Role grants them, it reads the LeasedQueue and
+/// claims within the queue's limit.
+#[tokio::test]
+async fn a_sidecar_that_may_not_read_its_leased_queue_claims_nothing_until_it_may() {
+    let Fixture { client, ns } = fixture!("queue-forbidden");
+    let _controller = controller(&ns.name);
+    // The chart's worker Role, without leasedqueues.
+    let mut rules = vec![
+        json!({"apiGroups": ["leasehold.dev"], "resources": ["leasedjobs"],
+               "verbs": ["get", "list", "watch"]}),
+        json!({"apiGroups": ["leasehold.dev"], "resources": ["leasedjobs/status"],
+               "verbs": ["update", "patch"]}),
+        json!({"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+               "verbs": ["get", "list", "create", "update", "patch"]}),
+    ];
+    let role = |rules: &[serde_json::Value]| {
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+               "metadata": {"name": "narrow", "namespace": ns.name}, "rules": rules})
+    };
+    let apply = |object: serde_json::Value| {
+        let (ok, out) = kubectl(&["apply", "--server-side", "-f", "-"], &object.to_string());
+        assert!(ok, "kubectl apply: {out}");
+    };
+    apply(json!({"apiVersion": "v1", "kind": "ServiceAccount",
+                 "metadata": {"name": "narrow", "namespace": ns.name}}));
+    apply(role(&rules));
+    apply(
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                 "metadata": {"name": "narrow", "namespace": ns.name},
+                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "narrow"},
+                 "subjects": [{"kind": "ServiceAccount", "name": "narrow", "namespace": ns.name}]}),
+    );
+    apply(
+        json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedQueue",
+                 "metadata": {"name": "q", "namespace": ns.name}, "spec": {"maxLeased": 1}}),
+    );
+    create(&client, &ns.name, "a").await;
+    create(&client, &ns.name, "b").await;
+    let token = sa_token(&ns.name, "narrow", None);
+    let kubeconfig = token_kubeconfig(&format!("{}-narrow", ns.name), &token, &ns.name);
+    let sc = Sidecar::start_serving(&ns.name, "q", "pod-a", &[], &kubeconfig).await;
+    let (s, body) = sc.claim(2).await;
+    assert_ne!(s, 200, "claimed without reading the LeasedQueue: {body}");
+    let (ready, _) = http_get(sc.proc.port.unwrap(), "/readyz").await.unwrap();
+    assert_ne!(ready, 200, "ready without reading the LeasedQueue");
+    assert!(
+        sc.proc
+            .log_text()
+            .contains("does not grant get, list and watch on leasedqueues"),
+        "{}",
+        sc.proc.log_text()
+    );
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    for name in ["a", "b"] {
+        assert_eq!(jobs.get(name).await.unwrap().attempt(), 0, "{name} claimed");
+    }
+    // Granted: it claims, and the limit it now reads holds.
+    rules.push(
+        json!({"apiGroups": ["leasehold.dev"], "resources": ["leasedqueues"],
+                      "verbs": ["get", "list", "watch"]}),
+    );
+    apply(role(&rules));
+    let granted = Instant::now();
+    wait_for("a claim once granted", Duration::from_secs(20), || async {
+        (sc.claim(1).await.0 == 200).then_some(())
+    })
+    .await;
+    assert!(
+        granted.elapsed() < Duration::from_secs(10),
+        "claimed {:?} after the grant (the watch retries within 1 s)",
+        granted.elapsed()
+    );
+    let (s, body) = sc.claim(2).await;
+    assert_ne!(s, 200, "a second job Leased under maxLeased 1: {body}");
 }

@@ -14,7 +14,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 use serde_json::{json, Value};
 
-use leasehold_testkit::{kubeconfig_path, kubectl, leasehold_bin, run, wait_for, Proc};
+use leasehold_testkit::{kubectl, leasehold_bin, run, wait_for, Proc};
 
 /// The chart's directory in the repository.
 pub fn chart_dir() -> PathBuf {
@@ -167,29 +167,6 @@ pub fn unbound_token(ns: &str, sa: &str) -> String {
     );
     assert!(ok, "kubectl create token: {out}");
     out.trim().to_string()
-}
-
-/// Writes a kubeconfig that authenticates with `token` to the test API server, with `ns` as
-/// its namespace; returns its path.
-pub fn token_kubeconfig(file: &str, token: &str, ns: &str) -> PathBuf {
-    let admin = Kubeconfig::read_from(kubeconfig_path()).expect("admin kubeconfig");
-    let cluster = admin.clusters[0].cluster.clone().expect("cluster");
-    let kc = json!({
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "test", "cluster": {
-            "server": cluster.server,
-            "certificate-authority-data": cluster.certificate_authority_data,
-        }}],
-        "users": [{"name": file, "user": {"token": token}}],
-        "contexts": [{"name": "test", "context": {"cluster": "test", "user": file, "namespace": ns}}],
-        "current-context": "test",
-    });
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kubeconfigs");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(file);
-    std::fs::write(&path, serde_yaml::to_string(&kc).unwrap()).unwrap();
-    path
 }
 
 /// A client that authenticates with the kubeconfig at `path`.

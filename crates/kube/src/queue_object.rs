@@ -4,10 +4,16 @@
 //!
 //! The view is [`Known::Unknown`] until the watch has listed once; then the object, or
 //! [`Known::Absent`]: a queue with no LeasedQueue is not paused and has no limits. When the
-//! LeasedQueue API cannot be read at all (its CRD is not installed: 404; the sidecar's Role
-//! does not grant it: 403), the view is `Absent` and the reason is logged once as a warning: a pause is then not honoured by this sidecar, which
-//! docs/protocol.md ("Flow control") states. The watch retries under
-//! [`crate::api::WatchBackoff`] meanwhile and takes the pause into account once it can.
+//! LeasedQueue API cannot be read, the reason is logged once as a warning, and the view says
+//! what can be concluded (docs/protocol.md, "Flow control"):
+//! - 404, its CRD is not installed: no LeasedQueue can exist, so the view is `Absent`, exactly.
+//! - 403, the sidecar's Role does not grant it: a LeasedQueue may exist and limit or pause the
+//!   queue, so the view is `Unknown` (fail closed: the sidecar claims nothing and is not
+//!   ready), also when it had read one before. A limit is exact only if every claimer honours
+//!   it.
+//!
+//! The watch retries under [`crate::api::WatchBackoff`] meanwhile and takes the LeasedQueue
+//! into account once it can.
 
 use std::sync::Arc;
 
@@ -78,7 +84,8 @@ pub fn follow(
         let mut events = std::pin::pin!(events);
         // Whether the (re-)list under way has brought the object.
         let mut listed = false;
-        let mut warned = false;
+        // The code of the last unreadable answer warned about.
+        let mut warned = None;
         while let Some(event) = events.next().await {
             let now = match event {
                 Ok(watcher::Event::Init) => {
@@ -95,16 +102,25 @@ pub fn follow(
                 Ok(watcher::Event::Delete(_)) => Known::Absent,
                 Err(e) => {
                     if let Some(code) = unreadable(&e) {
-                        if !warned {
-                            warned = true;
-                            warn!(
-                                queue = %queue,
-                                code,
-                                "The LeasedQueue API cannot be read (404: its CRD is not installed; 403: this sidecar's Role does not grant get, list and watch on leasedqueues): a pause or limit of this queue is not honoured here until it can be; retrying"
-                            );
+                        if warned != Some(code) {
+                            warned = Some(code);
+                            if code == 403 {
+                                warn!(
+                                    queue = %queue,
+                                    code,
+                                    "This sidecar's Role does not grant get, list and watch on leasedqueues (403), so it cannot know whether queue {queue} is paused or limited: it makes no claims, and is not ready, until it can read it; retrying"
+                                );
+                            } else {
+                                warn!(
+                                    queue = %queue,
+                                    code,
+                                    "The LeasedQueue CRD is not installed (404): queue {queue} has no pause and no limits until it is; retrying"
+                                );
+                            }
                         }
-                        if matches!(*tx.borrow(), Known::Unknown) {
-                            tx.send_replace(Known::Absent);
+                        let now = after_unreadable(&tx.borrow(), code);
+                        if let Some(now) = now {
+                            tx.send_replace(now);
                         }
                     } else {
                         crate::watch::log_error("LeasedQueue", &e);
@@ -125,6 +141,19 @@ pub fn follow(
         }
     };
     task
+}
+
+/// What the view becomes when the LeasedQueue API answers `code` (403 or 404, see
+/// [`unreadable`]) while the view is `known`; None: it stays. A 403 forgets what was known
+/// (fail closed: a LeasedQueue this sidecar may not read may pause or limit the queue); a
+/// 404 means there is no LeasedQueue API, so none exists.
+pub fn after_unreadable(known: &Known, code: u16) -> Option<Known> {
+    match (code, known) {
+        (403, Known::Unknown) => None,
+        (403, _) => Some(Known::Unknown),
+        (_, Known::Absent) => None,
+        _ => Some(Known::Absent),
+    }
 }
 
 /// The HTTP status when `err` says the LeasedQueue API cannot be read at all (404 or 403).
@@ -158,5 +187,31 @@ impl FromParts for LeasedQueue {
                 .transpose()?
                 .flatten(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_forbidden_queue_object_fails_closed_and_a_missing_api_means_none() {
+        let present = Known::Present(Arc::new(LeasedQueue::new("q", Default::default())));
+        for known in [Known::Unknown, Known::Absent, present] {
+            let forbidden = after_unreadable(&known, 403);
+            let after = forbidden.as_ref().unwrap_or(&known);
+            assert!(
+                matches!(after, Known::Unknown),
+                "403 after {known:?}: {after:?}"
+            );
+            assert_eq!(after.paused(), None, "not known: no claims");
+            let missing = after_unreadable(&known, 404);
+            let after = missing.as_ref().unwrap_or(&known);
+            assert!(
+                matches!(after, Known::Absent),
+                "404 after {known:?}: {after:?}"
+            );
+            assert_eq!(after.paused(), Some(false));
+        }
     }
 }

@@ -443,6 +443,28 @@ pub fn service_account(ns: &str, sa: &str, may_claim: bool) {
     }
 }
 
+/// A kubeconfig for the test cluster that authenticates with bearer `token` (a
+/// ServiceAccount's, from [`sa_token`]) as user `file`, in namespace `ns`: written to the log
+/// directory as `file`; its path.
+pub fn token_kubeconfig(file: &str, token: &str, ns: &str) -> PathBuf {
+    let admin = kube::config::Kubeconfig::read_from(kubeconfig_path()).expect("admin kubeconfig");
+    let cluster = admin.clusters[0].cluster.clone().expect("cluster");
+    let kc = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "test", "cluster": {
+            "server": cluster.server,
+            "certificate-authority-data": cluster.certificate_authority_data,
+        }}],
+        "users": [{"name": file, "user": {"token": token}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": file, "namespace": ns}}],
+        "current-context": "test",
+    });
+    let path = log_dir().join(file);
+    std::fs::write(&path, serde_yaml::to_string(&kc).unwrap()).unwrap();
+    path
+}
+
 /// A token of ServiceAccount `sa` of `ns` (1 h), for `audience` (the API server's when None).
 pub fn sa_token(ns: &str, sa: &str, audience: Option<&str>) -> String {
     let mut args = vec!["create", "token", sa, "--namespace", ns, "--duration", "1h"];

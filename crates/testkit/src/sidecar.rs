@@ -171,6 +171,54 @@ impl Sidecar {
         extra: &[&str],
         ready_within: Duration,
     ) -> Sidecar {
+        Sidecar::launch(
+            ns,
+            queue,
+            id,
+            port,
+            kubeconfig,
+            extra,
+            "/readyz",
+            ready_within,
+        )
+        .await
+    }
+
+    /// As [`Sidecar::start_as`], but waits only for /healthz (it serves), not for readiness:
+    /// for a sidecar that is expected not to become ready.
+    pub async fn start_serving(
+        ns: &str,
+        queue: &str,
+        id: &str,
+        extra: &[&str],
+        kubeconfig: &Path,
+    ) -> Sidecar {
+        let within = Duration::from_secs(30);
+        Sidecar::launch(
+            ns,
+            queue,
+            id,
+            free_port(),
+            kubeconfig,
+            extra,
+            "/healthz",
+            within,
+        )
+        .await
+    }
+
+    /// Starts the sidecar and waits up to `ready_within` for `path` (a GET) to answer 2xx.
+    #[allow(clippy::too_many_arguments)]
+    async fn launch(
+        ns: &str,
+        queue: &str,
+        id: &str,
+        port: u16,
+        kubeconfig: &Path,
+        extra: &[&str],
+        path: &str,
+        ready_within: Duration,
+    ) -> Sidecar {
         let listen = format!("127.0.0.1:{port}");
         let args = SidecarArgs::new(ns, queue, id).listen(&listen).args(extra);
         let mut proc = Proc::spawn_as(
@@ -189,7 +237,7 @@ impl Sidecar {
         // Each probe has its own deadline, and a timeout says what the last probe saw and
         // what the sidecar logged, so that a sidecar that never gets ready can be told from a
         // probe that never got through.
-        let url = format!("{}/readyz", sidecar.base);
+        let url = format!("{}{path}", sidecar.base);
         let deadline = std::time::Instant::now() + ready_within;
         loop {
             let probe = sidecar
@@ -209,7 +257,7 @@ impl Sidecar {
                 let log = sidecar.proc.log_text();
                 let tail: Vec<&str> = log.lines().rev().take(20).collect();
                 panic!(
-                    "sidecar {id} was not ready on port {port} within {ready_within:?}; last \
+                    "sidecar {id} did not answer {path} on port {port} within {ready_within:?}; last \
                      probe of {url}: {last}; its log ends:\n{}",
                     tail.into_iter().rev().collect::<Vec<_>>().join("\n")
                 );
