@@ -185,8 +185,21 @@ pub struct Plan {
     /// judged free before any slot is taken, so that a lowered limit holds.
     pub above: Vec<(u32, SlotHolder)>,
     /// The slots below the limit to try, in order: those naming no claim (empty, or missing:
-    /// to be created) first, then those naming one, to be judged.
+    /// to be created) first, then those naming one, to be judged. Each group starts at a
+    /// place of its own for each job ([`spread_of`]) and wraps around, so that claimers of
+    /// different jobs of one scope, racing, try different slots instead of all writing the
+    /// lowest free one (benchmark row 2k: 0.52 slot writes per job answered 409 at 32 claimers
+    /// when every claimer tried the same order).
     pub candidates: Vec<(u32, Option<SlotHolder>)>,
+}
+
+/// Where the claim `mine` starts in each group of candidate slots: a hash of its job's name
+/// (the first 4 bytes of its SHA-256), so that two claims of one job start at one place (and
+/// one of them finds the other's slot to reuse) while claims of different jobs spread.
+pub fn spread_of(mine: &SlotHolder) -> usize {
+    let digest = Sha256::digest(mine.job.as_bytes());
+    let bytes = [digest[0], digest[1], digest[2], digest[3]];
+    usize::try_from(u32::from_be_bytes(bytes)).unwrap_or(0)
 }
 
 /// The plan of a claim whose slots name `mine`, in a scope limited to `limit` whose slots are
@@ -210,6 +223,13 @@ pub fn plan(mine: &SlotHolder, limit: u32, listed: &[Listed]) -> Plan {
         match by_index.get(&index) {
             None | Some(None) => empty.push((index, None)),
             Some(Some(h)) => named.push((index, Some(h.clone()))),
+        }
+    }
+    let start = spread_of(mine);
+    for group in [&mut empty, &mut named] {
+        if !group.is_empty() {
+            let by = start % group.len();
+            group.rotate_left(by);
         }
     }
     empty.extend(named);
@@ -365,10 +385,16 @@ mod tests {
         let p = plan(&mine, 4, &listed);
         assert_eq!(p.reuse, None);
         assert_eq!(p.above, vec![(4, holder("3", 1))]);
-        assert_eq!(
-            p.candidates,
-            vec![(2, None), (3, None), (0, other("2")), (1, other("1"))]
-        );
+        // Empty ones first, then named ones, each group rotated to the job's own start.
+        let rotated = |group: Vec<(u32, Option<SlotHolder>)>| {
+            let by = spread_of(&mine) % group.len();
+            let mut g = group;
+            g.rotate_left(by);
+            g
+        };
+        let mut wanted = rotated(vec![(2, None), (3, None)]);
+        wanted.extend(rotated(vec![(0, other("2")), (1, other("1"))]));
+        assert_eq!(p.candidates, wanted);
         let mut with_mine = listed.clone();
         with_mine.push(Listed {
             index: 9,
@@ -379,5 +405,38 @@ mod tests {
         let p = plan(&mine, 1, &listed);
         assert_eq!(p.above, vec![(1, holder("1", 1)), (4, holder("3", 1))]);
         assert_eq!(p.candidates, vec![(0, other("2"))]);
+    }
+
+    #[test]
+    fn claims_of_different_jobs_start_at_different_free_slots_and_of_one_job_at_one() {
+        let listed: Vec<Listed> = Vec::new();
+        let first = |job: &str, rv: &str| {
+            let mine = SlotHolder {
+                job: job.into(),
+                resource_version: rv.into(),
+                attempt: 1,
+            };
+            plan(&mine, 8, &listed).candidates[0].0
+        };
+        let starts: std::collections::BTreeSet<u32> =
+            (0..32).map(|i| first(&format!("job-{i}"), "1")).collect();
+        assert!(
+            starts.len() >= 6,
+            "32 jobs' claims start at only {starts:?} of 8 free slots"
+        );
+        assert_eq!(first("job-7", "1"), first("job-7", "99"));
+        // Every slot is still tried, once.
+        let mine = SlotHolder {
+            job: "job-3".into(),
+            resource_version: "1".into(),
+            attempt: 1,
+        };
+        let mut all: Vec<u32> = plan(&mine, 8, &listed)
+            .candidates
+            .iter()
+            .map(|(i, _)| *i)
+            .collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..8).collect::<Vec<_>>());
     }
 }
