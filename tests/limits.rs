@@ -2,7 +2,8 @@
 //! hold at every instant as the API server's own watch shows it, with claimers racing through
 //! the dispatcher and without it, holders SIGKILLed (their slots come back when their leases
 //! expire, never earlier) and the dispatcher SIGKILLed; a lowered limit stops new claims until
-//! the jobs above it have ended; a deleted LeasedQueue takes its limits with it.
+//! the jobs above it have ended; a deleted LeasedQueue takes its limits with it; a full key at
+//! the head of the queue does not hold back the other keys.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -198,4 +199,36 @@ async fn a_lowered_limit_waits_for_the_jobs_above_it_and_a_deleted_queue_lifts_i
     queues.delete("q", &Default::default()).await.unwrap();
     let (claim, _) = other.claim_ok(5).await;
     eprintln!("claimed {} with the limit gone", claim["name"]);
+}
+
+/// A sidecar choosing on its own (no dispatcher) whose oldest claimable jobs all belong to a
+/// key at its limit passes over that key and claims a job of another key at once, instead of
+/// waiting behind the full key's jobs.
+#[tokio::test]
+async fn a_full_key_at_the_head_does_not_hold_back_the_other_keys() {
+    let Fixture { client, ns } = fixture!("limits-head");
+    let _controller = controller(&ns.name);
+    apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 1})).await;
+    // 40 jobs of key a, older than the one job of key b: every window a claimer picks from
+    // starts with a's.
+    for i in 0..40 {
+        create_keyed(&client, &ns.name, &format!("a-{i:02}"), "a").await;
+    }
+    create_keyed(&client, &ns.name, "b-0", "b").await;
+    let holder = Sidecar::start(&ns.name, "q", "holder", &[]).await;
+    let (claim, _token) = holder.claim_ok(10).await;
+    assert!(claim["name"].as_str().unwrap().starts_with("a-"), "{claim}");
+    let other = Sidecar::start(&ns.name, "q", "other", &[]).await;
+    let asked = std::time::Instant::now();
+    let (status, claim) = other.claim(5).await;
+    assert_eq!(
+        (status, claim["name"].as_str()),
+        (200, Some("b-0")),
+        "the job of key b waited behind key a's: {claim}"
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(2),
+        "b-0 claimed {:?} after asking",
+        asked.elapsed()
+    );
 }

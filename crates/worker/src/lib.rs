@@ -312,6 +312,8 @@ struct Inner {
     /// The queue's LeasedQueue: whether it pauses claims ([`paused`]), and the limits claims
     /// take slots for ([`limited`]).
     queue_object: watch::Receiver<leasehold_kube::queue_object::Known>,
+    /// The keys found at their limit lately, which picks pass over ([`limited`]).
+    full_keys: limited::FullKeys,
     /// Lets unit tests, whose watches are never answered, say what the LeasedQueue is.
     #[cfg(test)]
     queue_object_tx: watch::Sender<leasehold_kube::queue_object::Known>,
@@ -478,6 +480,7 @@ impl Worker {
             claim_write_ms: AtomicU64::new(0),
             dispatched,
             queue_object,
+            full_keys: limited::FullKeys::default(),
             #[cfg(test)]
             queue_object_tx,
         };

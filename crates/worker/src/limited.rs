@@ -2,17 +2,91 @@
 //! its claim write, a claim takes a slot of every scope it falls in
 //! ([`leasehold_kube::slots`]); a full scope means no claim. docs/protocol.md, "Limits".
 //!
+//! A claimer choosing on its own remembers the keys it found full for [`HELD_BACK_PAUSE`]
+//! ([`FullKeys`]) and passes over their jobs meanwhile, so a full key at the head of the
+//! queue does not hold back the jobs of other keys behind it.
+//!
 //! Slots taken for a claim whose write is then not sent are given back. Those of a claim
 //! whose write was sent are kept whatever its answer: a write that failed without an answer
 //! may have landed, and its job then holds the slot; one that did not land leaves the job at
 //! the version the slot names, where the next claim of that job uses the same slot.
 
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use tokio::time::Instant;
+
+use kube::runtime::reflector::ObjectRef;
 use leasehold_core::crd::LeasedJob;
+use leasehold_core::slots::Scope;
 use leasehold_kube::api::error_chain;
 use leasehold_kube::slots::{self, Acquired, Taken};
 use tracing::debug;
 
-use crate::{Worker, WorkerError};
+use crate::pick::HELD_BACK_PAUSE;
+use crate::{QueueCopy, Worker, WorkerError};
+
+/// The concurrency keys this claimer found at their limit lately, each until
+/// [`HELD_BACK_PAUSE`] after it was found so; its picks pass over their jobs meanwhile. Only
+/// advice about where to look: the slots decide every claim.
+#[derive(Default)]
+pub(crate) struct FullKeys {
+    until: Mutex<HashMap<String, Instant>>,
+    /// Bumped each time a key is found full: a claim held back by a full key (rather than by
+    /// a pause or a full queue) may pick again at once.
+    marks: AtomicU64,
+}
+
+impl FullKeys {
+    /// Notes that `key` was found at its limit at `now`.
+    pub(crate) fn mark(&self, key: &str, now: Instant) {
+        self.until
+            .lock()
+            .unwrap()
+            .insert(key.to_string(), now + HELD_BACK_PAUSE);
+        self.marks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many times a key was found full so far.
+    pub(crate) fn marks(&self) -> u64 {
+        self.marks.load(Ordering::Relaxed)
+    }
+
+    /// When the first key now passed over is tried again: a claimer that found nothing else to
+    /// pick looks again then.
+    pub(crate) fn next_expiry(&self) -> Option<Instant> {
+        self.until.lock().unwrap().values().min().copied()
+    }
+
+    /// The keys found full within [`HELD_BACK_PAUSE`] of `now` (the others are forgotten);
+    /// empty unless a limit per key was met lately.
+    pub(crate) fn at(&self, now: Instant) -> HashSet<String> {
+        let mut until = self.until.lock().unwrap();
+        until.retain(|_, t| *t > now);
+        until.keys().cloned().collect()
+    }
+}
+
+/// Whether `job` belongs to one of the keys in `full`.
+pub(crate) fn of_full_key(job: &LeasedJob, full: &HashSet<String>) -> bool {
+    job.spec
+        .concurrency_key
+        .as_ref()
+        .is_some_and(|k| full.contains(k))
+}
+
+/// Whether the job `name` of namespace `ns`, as `queue` holds it, belongs to a key in `full`.
+pub(crate) fn named_of_full_key(
+    queue: &QueueCopy,
+    ns: &str,
+    name: &str,
+    full: &HashSet<String>,
+) -> bool {
+    queue
+        .store
+        .get(&ObjectRef::new(name).within(ns))
+        .is_some_and(|job| of_full_key(&job, full))
+}
 
 impl Worker {
     /// The slots a claim of `snapshot` needs, taken: `Ok(Some(taken))` to go on with the
@@ -46,6 +120,9 @@ impl Worker {
             Acquired::All(taken) => Ok(Some(taken)),
             Acquired::Full(scope) => {
                 debug!(job = %snapshot.reference(), ?scope, "Limit reached; not claiming");
+                if let Scope::Key(key) = &scope {
+                    self.inner.full_keys.mark(key, Instant::now());
+                }
                 Ok(None)
             }
         }
@@ -56,5 +133,29 @@ impl Worker {
         if !taken.is_empty() {
             slots::release(&self.inner.leases, taken).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_found_full_is_passed_over_for_one_pause_then_tried_again() {
+        let full = FullKeys::default();
+        let t0 = Instant::now();
+        assert!(full.at(t0).is_empty());
+        full.mark("a", t0);
+        assert_eq!(full.marks(), 1);
+        assert_eq!(full.at(t0), HashSet::from(["a".to_string()]));
+        let mut job = LeasedJob::new("j", Default::default());
+        assert!(!of_full_key(&job, &full.at(t0)), "a job without a key");
+        job.spec.concurrency_key = Some("a".into());
+        assert!(of_full_key(&job, &full.at(t0)));
+        job.spec.concurrency_key = Some("b".into());
+        assert!(!of_full_key(&job, &full.at(t0)));
+        assert_eq!(full.next_expiry(), Some(t0 + HELD_BACK_PAUSE));
+        assert!(full.at(t0 + HELD_BACK_PAUSE).is_empty(), "forgotten");
+        assert_eq!(full.next_expiry(), None);
     }
 }

@@ -84,9 +84,13 @@ impl Worker {
                 if *draining.borrow() {
                     return Err(WorkerError::ShuttingDown);
                 }
+                let marks = self.inner.full_keys.marks();
                 match self.try_claim(job, false).await? {
                     crate::pick::Tried::Claimed(claimed) => return Ok(Some(claimed)),
-                    crate::pick::Tried::HeldBack => held_back = true,
+                    // A key found full is passed over from now on: list again at once.
+                    crate::pick::Tried::HeldBack => {
+                        held_back = self.inner.full_keys.marks() == marks;
+                    }
                     crate::pick::Tried::Lost => {}
                 }
             }
@@ -111,7 +115,12 @@ impl Worker {
                     let until = opens.map_or(pause, |at| {
                         Duration::try_from(at.duration_since(Timestamp::now())).unwrap_or_default()
                     });
-                    now + until.min(pause)
+                    let wake = now + until.min(pause);
+                    // Jobs passed over because their key was full: look again when it may not be.
+                    self.inner
+                        .full_keys
+                        .next_expiry()
+                        .map_or(wake, |t| wake.min(t.max(now)))
                 }
             };
             let advert = async {
@@ -168,6 +177,15 @@ impl Worker {
                     Arc::new(job)
                 })
                 .collect();
+            // Jobs of a key found full lately are passed over (crate::limited::FullKeys).
+            let full = self.inner.full_keys.at(Instant::now());
+            let jobs: Vec<Arc<LeasedJob>> = if full.is_empty() {
+                jobs
+            } else {
+                jobs.into_iter()
+                    .filter(|j| !crate::limited::of_full_key(j, &full))
+                    .collect()
+            };
             let now = Timestamp::now();
             let spread = self.inner.config.spread;
             if let Some(job) = claim::pick(&jobs, queue, now, spread, &mut rand::rng()) {

@@ -164,12 +164,20 @@ impl Worker {
                 if *draining.borrow() {
                     return Err(WorkerError::ShuttingDown);
                 }
+                let marks = self.inner.full_keys.marks();
                 match self.try_claim(&snapshot, false).await? {
                     Tried::Claimed(claimed) => return Ok(Some(claimed)),
                     // Paused, or a limit reached: the job is not stale; look again a little
                     // later (a limit's slot comes back with no change of this queue's jobs
-                    // that the cache would see first).
-                    Tried::HeldBack => held_back = Some(Instant::now() + HELD_BACK_PAUSE),
+                    // that the cache would see first). A key found full is passed over from
+                    // now on: pick again at once among the others' jobs (each key is found
+                    // full at most once per pause, so this does not spin).
+                    Tried::HeldBack => {
+                        held_back = Some(Instant::now() + HELD_BACK_PAUSE);
+                        if self.inner.full_keys.marks() != marks {
+                            continue;
+                        }
+                    }
                     Tried::Lost => {
                         // try_claim marked the fresh copy stale (claimed, 409, or no longer
                         // claimable); the cache holds the older snapshot until the watch
@@ -195,6 +203,12 @@ impl Worker {
             // change arrives (the claimers ahead of it may be busy or gone).
             let wake = turn.map_or(wake, |t| wake.min(t));
             let wake = held_back.take().map_or(wake, |t| wake.min(t));
+            // Jobs passed over because their key was full are looked at again when it may not be.
+            let wake = self
+                .inner
+                .full_keys
+                .next_expiry()
+                .map_or(wake, |t| wake.min(t));
             tokio::select! {
                 () = &mut gone => return Ok(None),
                 _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
@@ -363,7 +377,13 @@ impl Worker {
             seen,
             config.spread * MAX_WINDOW_FACTOR,
         );
-        let names = index.candidates(now, window, |name, rv| tried.contains(name, rv));
+        // Jobs of a key found full lately are passed over (crate::limited::FullKeys).
+        let full = self.inner.full_keys.at(Instant::now());
+        let names = index.candidates(now, window, |name, rv| {
+            tried.contains(name, rv)
+                || (!full.is_empty()
+                    && crate::limited::named_of_full_key(queue, &config.namespace, name, &full))
+        });
         drop(tried);
         if config.spread > 1 && claimers.len() > 1 {
             let now_ms = u64::try_from(now.as_millisecond()).unwrap_or_default();
