@@ -64,14 +64,15 @@ pub fn spec_patch(
     if job.spec.cancel {
         ops.push(json!({"op": "remove", "path": "/spec/cancel"}));
     }
-    // A job that sets none ran under its queue's default (or leasehold's), as its last claim
-    // recorded: raised past that, the job sets its own from now on.
-    let current = job
-        .spec
-        .max_attempts
-        .unwrap_or_else(|| job.policy().max_attempts);
-    if current < wanted {
-        ops.push(json!({"op": "add", "path": "/spec/maxAttempts", "value": wanted}));
+    // A job that sets none gets its queue's default at its next claim, which may be lower
+    // than what its last claim recorded: it sets its own from now on, at least `wanted`.
+    match job.spec.max_attempts {
+        Some(current) if current >= wanted => {}
+        Some(_) => ops.push(json!({"op": "add", "path": "/spec/maxAttempts", "value": wanted})),
+        None => {
+            let value = wanted.max(job.policy().max_attempts);
+            ops.push(json!({"op": "add", "path": "/spec/maxAttempts", "value": value}));
+        }
     }
     if ops.len() == 1 {
         return Ok(None);
@@ -256,6 +257,22 @@ mod tests {
             .unwrap());
         assert_eq!(p[1], json!({"op": "remove", "path": "/spec/cancel"}));
         assert_eq!(p.len(), 2);
+        // A job that sets none gets its queue's default at its next claim, which may be
+        // lower than its last claim's: it is given its own, at least what its last claim had.
+        let mut none = finished(Phase::Cancelled, 0, 3, false);
+        none.spec.max_attempts = None;
+        let p = ops(&spec_patch(&none, 1).unwrap().unwrap());
+        assert_eq!(
+            p[1],
+            json!({"op": "add", "path": "/spec/maxAttempts", "value": 3})
+        );
+        let mut none = finished(Phase::Failed, 3, 3, false);
+        none.spec.max_attempts = None;
+        let p = ops(&spec_patch(&none, 2).unwrap().unwrap());
+        assert_eq!(
+            p[1],
+            json!({"op": "add", "path": "/spec/maxAttempts", "value": 5})
+        );
     }
 
     #[test]

@@ -286,7 +286,8 @@ pub struct LeasedJobStatus {
     )]
     pub finished_time: Option<Time>,
 
-    /// After a failed attempt with spec.backoff: the job is not claimable before this time.
+    /// After a failed attempt with a backoff (status.policy's: the spec's, else its queue's
+    /// default): the job is not claimable before this time.
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",

@@ -46,9 +46,12 @@ pub struct JobDefaults {
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Policy {
-    /// The lease this attempt was granted, in seconds (also its Lease's leaseDurationSeconds).
+    /// The lease this attempt was granted, in seconds (also its Lease's leaseDurationSeconds):
+    /// 5 to 86400, as spec.leaseDurationSeconds.
+    #[schemars(range(min = 5, max = 86400))]
     pub lease_duration_seconds: i32,
-    /// Failed attempts that end the job Failed.
+    /// Failed attempts that end the job Failed: at least 1, as spec.maxAttempts.
+    #[schemars(range(min = 1))]
     pub max_attempts: i32,
     /// Delay before the next attempt after a failure; none: claimable again at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]

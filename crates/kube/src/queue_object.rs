@@ -12,8 +12,10 @@
 //!   ready), also when it had read one before. A limit is exact only if every claimer honours
 //!   it.
 //!
-//! The watch retries under [`crate::api::WatchBackoff`] meanwhile and takes the LeasedQueue
-//! into account once it can.
+//! The watch starts over with a fresh list ([`crate::api::WATCH_BACKOFF_MAX`] later) after such
+//! an answer, so that the LeasedQueue is taken into account once it can be read, also when the
+//! answer came at a watch's restart (a watcher refused there would otherwise resume from its
+//! old resourceVersion and bring nothing until the object changed).
 
 use std::sync::Arc;
 
@@ -80,67 +82,85 @@ pub fn follow(
     let config = watcher::Config::default().fields(&format!("metadata.name={queue}"));
     let queue = queue.to_string();
     let task = async move {
-        let events = crate::watch::watch(&api, config, metrics, |_| {});
-        let mut events = std::pin::pin!(events);
-        // Whether the (re-)list under way has brought the object.
-        let mut listed = false;
-        // The code of the last unreadable answer warned about.
+        // The code of the last unreadable answer warned about; forgotten once a list succeeds.
         let mut warned = None;
-        while let Some(event) = events.next().await {
-            let now = match event {
-                Ok(watcher::Event::Init) => {
-                    listed = false;
-                    continue;
-                }
-                Ok(watcher::Event::InitApply(q)) => {
-                    listed = true;
-                    Known::Present(Arc::new(q))
-                }
-                Ok(watcher::Event::InitDone) if !listed => Known::Absent,
-                Ok(watcher::Event::InitDone) => continue,
-                Ok(watcher::Event::Apply(q)) => Known::Present(Arc::new(q)),
-                Ok(watcher::Event::Delete(_)) => Known::Absent,
-                Err(e) => {
-                    if let Some(code) = unreadable(&e) {
+        loop {
+            let events = crate::watch::watch(&api, config.clone(), Arc::clone(&metrics), |_| {});
+            let mut events = std::pin::pin!(events);
+            // Whether the (re-)list under way has brought the object.
+            let mut listed = false;
+            while let Some(event) = events.next().await {
+                let now = match event {
+                    Ok(watcher::Event::Init) => {
+                        listed = false;
+                        continue;
+                    }
+                    Ok(watcher::Event::InitApply(q)) => {
+                        listed = true;
+                        Known::Present(Arc::new(q))
+                    }
+                    Ok(watcher::Event::InitDone) if !listed => {
+                        warned = None;
+                        Known::Absent
+                    }
+                    Ok(watcher::Event::InitDone) => {
+                        warned = None;
+                        continue;
+                    }
+                    Ok(watcher::Event::Apply(q)) => Known::Present(Arc::new(q)),
+                    Ok(watcher::Event::Delete(_)) => Known::Absent,
+                    Err(e) => {
+                        let Some(code) = unreadable(&e) else {
+                            crate::watch::log_error("LeasedQueue", &e);
+                            continue;
+                        };
                         if warned != Some(code) {
                             warned = Some(code);
-                            if code == 403 {
-                                warn!(
-                                    queue = %queue,
-                                    code,
-                                    "This sidecar's Role does not grant get, list and watch on leasedqueues (403), so it cannot know whether queue {queue} is paused or limited: it makes no claims, and is not ready, until it can read it; retrying"
-                                );
-                            } else {
-                                warn!(
-                                    queue = %queue,
-                                    code,
-                                    "The LeasedQueue CRD is not installed (404): queue {queue} has no pause and no limits until it is; retrying"
-                                );
-                            }
+                            warn_unreadable(&queue, code);
                         }
                         let now = after_unreadable(&tx.borrow(), code);
                         if let Some(now) = now {
                             tx.send_replace(now);
                         }
-                    } else {
-                        crate::watch::log_error("LeasedQueue", &e);
+                        // Start over with a fresh list: a watch refused at its restart would
+                        // otherwise resume from its old resourceVersion once allowed again, and
+                        // bring nothing until the object changed, leaving the view Unknown.
+                        break;
                     }
-                    continue;
+                };
+                let (was, paused) = (tx.borrow().paused(), now.paused());
+                tx.send_if_modified(|known| {
+                    let changed = known.version() != now.version();
+                    *known = now;
+                    changed
+                });
+                if was != paused {
+                    let paused = paused == Some(true);
+                    info!(queue = %queue, paused, "Queue {}", if paused { "paused: no new claims" } else { "running" });
                 }
-            };
-            let (was, paused) = (tx.borrow().paused(), now.paused());
-            tx.send_if_modified(|known| {
-                let changed = known.version() != now.version();
-                *known = now;
-                changed
-            });
-            if was != paused {
-                let paused = paused == Some(true);
-                info!(queue = %queue, paused, "Queue {}", if paused { "paused: no new claims" } else { "running" });
             }
+            tokio::time::sleep(crate::api::WATCH_BACKOFF_MAX).await;
         }
     };
     task
+}
+
+/// Says once why the LeasedQueue of `queue` cannot be read (`code` 403 or 404) and what the
+/// sidecar does meanwhile.
+fn warn_unreadable(queue: &str, code: u16) {
+    if code == 403 {
+        warn!(
+            queue = %queue,
+            code,
+            "This sidecar's Role does not grant get, list and watch on leasedqueues (403), so it cannot know whether queue {queue} is paused or limited: it makes no claims until it can read it (and is not ready if it never could); retrying"
+        );
+    } else {
+        warn!(
+            queue = %queue,
+            code,
+            "The LeasedQueue CRD is not installed (404): queue {queue} has no pause and no limits until it is; retrying"
+        );
+    }
 }
 
 /// What the view becomes when the LeasedQueue API answers `code` (403 or 404, see

@@ -40,10 +40,10 @@ pub(crate) struct FullKeys {
 impl FullKeys {
     /// Notes that `key` was found at its limit at `now`.
     pub(crate) fn mark(&self, key: &str, now: Instant) {
-        self.until
-            .lock()
-            .unwrap()
-            .insert(key.to_string(), now + HELD_BACK_PAUSE);
+        let mut until = self.until.lock().unwrap();
+        until.retain(|_, t| *t > now);
+        until.insert(key.to_string(), now + HELD_BACK_PAUSE);
+        drop(until);
         self.marks.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -75,23 +75,54 @@ pub(crate) fn of_full_key(job: &LeasedJob, full: &HashSet<String>) -> bool {
         .is_some_and(|k| full.contains(k))
 }
 
-/// Whether the job `name` of namespace `ns`, as `queue` holds it, belongs to a key in `full`.
-pub(crate) fn named_of_full_key(
-    queue: &QueueCopy,
-    ns: &str,
-    name: &str,
-    full: &HashSet<String>,
-) -> bool {
-    queue
-        .store
-        .get(&ObjectRef::new(name).within(ns))
-        .is_some_and(|job| of_full_key(&job, full))
+/// Jobs of full keys one pick passes over at most: past them the pick takes jobs as they come
+/// (a claim of one then finds its key full again), so that a backlog of a full key costs a
+/// pick at most this many lookups, not one per job of that key.
+pub(crate) const MAX_PASSED_OVER: usize = 256;
+
+/// One pick's filter of the jobs of full keys, by name, in a queue copy.
+pub(crate) struct PassOver<'a> {
+    queue: &'a QueueCopy,
+    ns: &'a str,
+    full: HashSet<String>,
+    left: std::cell::Cell<usize>,
+}
+
+impl<'a> PassOver<'a> {
+    /// The filter for a pick from `queue` (of namespace `ns`) at `now`.
+    pub(crate) fn new(worker: &Worker, queue: &'a QueueCopy, ns: &'a str, now: Instant) -> Self {
+        PassOver {
+            queue,
+            ns,
+            full: worker.inner.full_keys.at(now),
+            left: std::cell::Cell::new(MAX_PASSED_OVER),
+        }
+    }
+
+    /// Whether to pass over the job `name`: it belongs to a full key, and fewer than
+    /// [`MAX_PASSED_OVER`] were passed over so far.
+    pub(crate) fn skips(&self, name: &str) -> bool {
+        let left = self.left.get();
+        if self.full.is_empty() || left == 0 {
+            return false;
+        }
+        let full = self
+            .queue
+            .store
+            .get(&ObjectRef::new(name).within(self.ns))
+            .is_some_and(|job| of_full_key(&job, &self.full));
+        if full {
+            self.left.set(left - 1);
+        }
+        full
+    }
 }
 
 impl Worker {
     /// The slots a claim of `snapshot` needs, taken: `Ok(Some(taken))` to go on with the
     /// claim write (empty when the queue sets no limit for the job); `Ok(None)` when a limit
-    /// is reached.
+    /// is reached, or when the queue was paused (or its LeasedQueue became unreadable) while
+    /// they were taken: then they are given back.
     ///
     /// # Errors
     /// [`WorkerError::Unavailable`] when the slots could not be listed, judged or written.
@@ -117,6 +148,11 @@ impl Worker {
             )
         })?;
         match acquired {
+            // Paused, or the LeasedQueue became unreadable, while the slots were taken.
+            Acquired::All(taken) if self.paused_now() => {
+                self.give_back_slots(&taken).await;
+                Ok(None)
+            }
             Acquired::All(taken) => Ok(Some(taken)),
             Acquired::Full(scope) => {
                 debug!(job = %snapshot.reference(), ?scope, "Limit reached; not claiming");

@@ -378,11 +378,9 @@ impl Worker {
             config.spread * MAX_WINDOW_FACTOR,
         );
         // Jobs of a key found full lately are passed over (crate::limited::FullKeys).
-        let full = self.inner.full_keys.at(Instant::now());
+        let full = crate::limited::PassOver::new(self, queue, &config.namespace, Instant::now());
         let names = index.candidates(now, window, |name, rv| {
-            tried.contains(name, rv)
-                || (!full.is_empty()
-                    && crate::limited::named_of_full_key(queue, &config.namespace, name, &full))
+            tried.contains(name, rv) || full.skips(name)
         });
         drop(tried);
         if config.spread > 1 && claimers.len() > 1 {
