@@ -93,9 +93,20 @@ impl Chaos {
             ));
         }
         let token = claim["token"].as_str().unwrap_or_default();
-        let (s, r) = holder.heartbeat(&name, json!({"token": token})).await;
-        if s != 200 {
-            return Err(format!("the first heartbeat of {name} answered {s} {r}"));
+        // A worker retries a heartbeat answered 503 with the same token while its lease
+        // lasts (docs/protocol.md): right after an etcd restart the API server may take a
+        // few seconds more to write Leases than LeasedJobs. A heartbeat that cannot land
+        // within the lease is the violation.
+        let lease_ends = Instant::now() + Duration::from_secs(LEASE_SECONDS as u64);
+        loop {
+            let (s, r) = holder.heartbeat(&name, json!({"token": token})).await;
+            if s == 200 {
+                break;
+            }
+            if s != 503 || Instant::now() >= lease_ends {
+                return Err(format!("the first heartbeat of {name} answered {s} {r}"));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
         holder.proc.signal("KILL");
