@@ -3,15 +3,21 @@
 //! the dispatcher and without it, holders SIGKILLed (their slots come back when their leases
 //! expire, never earlier) and the dispatcher SIGKILLed; a lowered limit stops new claims until
 //! the jobs above it have ended; a deleted LeasedQueue takes its limits with it; a full key at
-//! the head of the queue does not hold back the other keys.
+//! the head of the queue does not hold back the other keys; a claim that lost to a claim of a
+//! newer copy of its job leaves no slot busy.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::api::{Patch, PatchParams};
-use kube::Api;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt};
+use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::queue::LeasedQueue;
+use leasehold_core::token::Token;
+use leasehold_kube::claim::{claim_with, ClaimError};
+use leasehold_kube::slots::{self, Acquired};
 use leasehold_testkit::*;
 use serde_json::json;
 
@@ -230,5 +236,104 @@ async fn a_full_key_at_the_head_does_not_hold_back_the_other_keys() {
         asked.elapsed() < Duration::from_secs(2),
         "b-0 claimed {:?} after asking",
         asked.elapsed()
+    );
+}
+
+/// Takes the slots of a claim of `copy` with a fresh token, as a sidecar does before its
+/// claim write: the slot Leases taken (or reused), or None when a limit is reached.
+async fn take(client: &kube::Client, ns: &str, copy: &LeasedJob, pod: &str) -> TakenFor {
+    let queues: Api<LeasedQueue> = Api::namespaced(client.clone(), ns);
+    let queue = queues.get("q").await.unwrap();
+    let token = Token::issue(copy.attempt() + 1);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
+    let acquired = slots::acquire(&leases, &jobs, &queue, copy, pod, &token)
+        .await
+        .unwrap();
+    match acquired {
+        Acquired::All(taken) => TakenFor {
+            slots: Some(taken.into_iter().map(|t| t.name).collect()),
+            token,
+        },
+        Acquired::Full(_) => TakenFor { slots: None, token },
+    }
+}
+
+/// Makes the claim write of `copy` for `pod` with `token`, which must succeed.
+async fn claim_ok(jobs: &Api<LeasedJob>, copy: &LeasedJob, pod: &str, token: Token) {
+    claim_with(jobs, copy, pod, None, token).await.unwrap();
+}
+
+/// What [`take`] got: the slots' names (None: full) and the claim's token.
+struct TakenFor {
+    slots: Option<Vec<String>>,
+    token: Token,
+}
+
+/// A claim from a stale copy takes a slot and loses its write to a claim from a newer copy of
+/// the same job, at the same attempt. Its slot is free again (it marks a token the job does
+/// not carry), so the job counts once. Two claims of one copy share one slot, and whichever
+/// wins holds it.
+#[tokio::test]
+async fn a_claim_lost_to_a_newer_copy_frees_its_slot_and_a_shared_slot_counts_the_winner() {
+    let Fixture { client, ns } = fixture!("limits-stale");
+    apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 2})).await;
+    for name in ["j", "k", "m", "n"] {
+        create_keyed(&client, &ns.name, name, "a").await;
+    }
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let stale = jobs.get("j").await.unwrap();
+    let label = json!({"metadata": {"labels": {"touched": "yes"}}});
+    jobs.patch("j", &PatchParams::default(), &Patch::Merge(&label))
+        .await
+        .unwrap();
+    let fresh = jobs.get("j").await.unwrap();
+    assert_ne!(stale.resource_version(), fresh.resource_version());
+
+    let lost = take(&client, &ns.name, &stale, "pod-a").await;
+    let conflict = claim_with(&jobs, &stale, "pod-a", None, lost.token).await;
+    assert!(
+        matches!(conflict, Err(ClaimError::Conflict { .. })),
+        "{conflict:?}"
+    );
+    let won = take(&client, &ns.name, &fresh, "pod-b").await;
+    assert_ne!(
+        won.slots, lost.slots,
+        "each copy's claim has a slot of its own"
+    );
+    claim_ok(&jobs, &fresh, "pod-b", won.token).await;
+    // Key a holds one Leased job of two: a claim of k finds a slot, the lost claim's one.
+    let k = jobs.get("k").await.unwrap();
+    let k_taken = take(&client, &ns.name, &k, "pod-c").await;
+    assert_eq!(
+        k_taken.slots, lost.slots,
+        "the slot of the claim that lost to a newer copy is free"
+    );
+    claim_ok(&jobs, &k, "pod-c", k_taken.token).await;
+    // The key is full now, with a slot per Leased job.
+    let m = jobs.get("m").await.unwrap();
+    assert_eq!(take(&client, &ns.name, &m, "pod-d").await.slots, None);
+
+    // Two claims of one copy: the second reuses the first's slot and wins; the slot counts
+    // it. (k ends first, to make room for exactly one.)
+    let k = jobs.get("k").await.unwrap();
+    let mut done = k.clone();
+    let status = done.status.as_mut().unwrap();
+    status.phase = Some(Phase::Succeeded);
+    jobs.replace_status("k", &PostParams::default(), &done)
+        .await
+        .unwrap();
+    let first = take(&client, &ns.name, &m, "pod-e").await;
+    let second = take(&client, &ns.name, &m, "pod-f").await;
+    assert!(first.slots.is_some());
+    assert_eq!(first.slots, second.slots, "one copy's claims share a slot");
+    claim_ok(&jobs, &m, "pod-f", second.token).await;
+    let late = claim_with(&jobs, &m, "pod-e", None, first.token).await;
+    assert!(matches!(late, Err(ClaimError::Conflict { .. })), "{late:?}");
+    let n = jobs.get("n").await.unwrap();
+    assert_eq!(
+        take(&client, &ns.name, &n, "pod-g").await.slots,
+        None,
+        "j and m are Leased: key a is full"
     );
 }

@@ -10,14 +10,17 @@
 //! claim makes. The slot is **busy** while that claim may hold the job or may still be made:
 //! - the job is still at R0 (the claim is in flight, or its claimer died before writing it:
 //!   the write, guarded by R0, could still succeed), or
-//! - the job is Leased at that attempt (the claim was made; an attempt number is made once per
-//!   resourceVersion it was claimed from, and a later claim from another copy counts here too,
-//!   which only over-counts).
+//! - the job is Leased at that attempt by one of the slot's claims: its status.token is one the
+//!   slot is marked with ([`CLAIMS_ANNOTATION`]: each claim of that copy that took or reused
+//!   the slot marks it with a digest of its token before its claim write). A slot without
+//!   marks (written by an older leasehold) counts the job Leased at that attempt whoever
+//!   claimed it, which only over-counts.
 //!
-//! Otherwise it is **free**: the job moved past R0 without being Leased at that attempt now
-//! (the claim failed, or the attempt ended), or the job is gone. A free slot stays free: a
-//! resourceVersion never comes back, so no write guarded by R0 can succeed once the job moved
-//! past it, and an attempt that ended never restarts. That is why a copy read at any
+//! Otherwise it is **free**: the job moved past R0 without being Leased at that attempt by a
+//! claim the slot marks (the claim failed, or another copy's claim won, or the attempt ended),
+//! or the job is gone. A free slot stays free: a resourceVersion never comes back, so no write
+//! guarded by R0 can succeed once the job moved past it, an attempt that ended never
+//! restarts, and a token is written by one claim only. That is why a copy read at any
 //! resourceVersion not older than R0 is enough to judge it ([`state_of`]), and why taking a
 //! free slot, conditional on the slot's own resourceVersion, can never make two Leased jobs
 //! share one slot.
@@ -38,6 +41,13 @@ pub const SLOT_OF_LABEL: &str = "leasehold.dev/slot-of";
 pub const SLOT_SCOPE_LABEL: &str = "leasehold.dev/slot-scope";
 /// Annotation of a slot Lease: the pod that took it last (for people; nothing reads it).
 pub const TAKEN_BY_ANNOTATION: &str = "leasehold.dev/taken-by";
+/// Annotation of a slot Lease: the claims that may use it, `<holderIdentity> <mark>,<mark>...`
+/// ([`Named::annotation`]). Read only while its first word is the slot's holderIdentity, so
+/// that a slot taken by a writer that kept an older annotation is read without marks.
+pub const CLAIMS_ANNOTATION: &str = "leasehold.dev/slot-claims";
+/// The most marks a slot carries: a reuse past them writes the slot without marks (read as
+/// counting any claim of its attempt: an over-count, never an under-count).
+pub const MAX_MARKS: usize = 16;
 /// Prefix of every slot Lease's name.
 pub const SLOT_PREFIX: &str = "lhq-";
 /// The largest limit a LeasedQueue may set: each unit of a limit is one Lease object, and a
@@ -142,6 +152,76 @@ impl SlotHolder {
     }
 }
 
+/// The mark of a claim whose token is `token` in the slots it takes: the first 16 hex digits
+/// of the token's SHA-256. Unique to the claim but for a collision, which only over-counts; the
+/// token itself stays out of the slot.
+pub fn mark_of(token: &str) -> String {
+    let digest = Sha256::digest(token.as_bytes());
+    digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// What a slot Lease names: the claim ([`SlotHolder`], its holderIdentity) and the marks of the
+/// claims of that copy that took or reused it (`None`: a slot written without marks).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Named {
+    /// The claim of its holderIdentity.
+    pub holder: SlotHolder,
+    /// The marks ([`mark_of`]) of the claims that may use it; `None` when not known.
+    pub marks: Option<Vec<String>>,
+}
+
+impl Named {
+    /// Reads a slot from its holderIdentity and its [`CLAIMS_ANNOTATION`]; `None` when the
+    /// holderIdentity names no claim (the slot is free). Marks whose annotation names another
+    /// holderIdentity, or that are malformed or too many, are not known.
+    pub fn read(identity: Option<&str>, claims: Option<&str>) -> Option<Named> {
+        let identity = identity?;
+        let holder = SlotHolder::parse(identity)?;
+        let marks = claims
+            .and_then(|text| text.split_once(' '))
+            .filter(|(named, _)| *named == identity)
+            .map(|(_, list)| list.split(',').map(str::to_string).collect::<Vec<_>>())
+            .filter(|marks| {
+                !marks.is_empty()
+                    && marks.len() <= MAX_MARKS
+                    && marks
+                        .iter()
+                        .all(|m| m.len() == 16 && m.bytes().all(|b| b.is_ascii_hexdigit()))
+            });
+        Some(Named { holder, marks })
+    }
+
+    /// A slot taken by a claim: `holder`, marked with `mark` alone.
+    pub fn taken(holder: SlotHolder, mark: String) -> Named {
+        Named {
+            holder,
+            marks: Some(vec![mark]),
+        }
+    }
+
+    /// This slot reused by one more claim of its copy, marked `mark`: `None` when nothing
+    /// needs writing (marked already, or not known: any claim of the attempt counts).
+    /// Past [`MAX_MARKS`] the marks become not known.
+    pub fn reused_by(&self, mark: &str) -> Option<Named> {
+        let marks = self.marks.as_ref()?;
+        if marks.iter().any(|m| m == mark) {
+            return None;
+        }
+        let mut more = marks.clone();
+        more.push(mark.to_string());
+        Some(Named {
+            holder: self.holder.clone(),
+            marks: (more.len() <= MAX_MARKS).then_some(more),
+        })
+    }
+
+    /// The [`CLAIMS_ANNOTATION`] value, `None` without marks.
+    pub fn annotation(&self) -> Option<String> {
+        let marks = self.marks.as_ref()?;
+        Some(format!("{} {}", self.holder.render(), marks.join(",")))
+    }
+}
+
 /// Whether a slot holds a claim.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SlotState {
@@ -151,14 +231,19 @@ pub enum SlotState {
     Busy,
 }
 
-/// The state of a slot naming `holder`, judged from `job`: a copy of the job it names read not
-/// older than `holder.resource_version` (`None`: the job does not exist).
-pub fn state_of(holder: &SlotHolder, job: Option<&LeasedJob>) -> SlotState {
+/// The state of a slot naming `named`, judged from `job`: a copy of the job it names read not
+/// older than `named.holder.resource_version` (`None`: the job does not exist).
+pub fn state_of(named: &Named, job: Option<&LeasedJob>) -> SlotState {
     let Some(job) = job else {
         return SlotState::Free;
     };
+    let holder = &named.holder;
     let pending = job.metadata.resource_version.as_deref() == Some(&holder.resource_version);
-    let holds = job.phase() == Phase::Leased && job.attempt() == holder.attempt;
+    let marked = match &named.marks {
+        Some(marks) => job.token().is_some_and(|t| marks.contains(&mark_of(t))),
+        None => true,
+    };
+    let holds = job.phase() == Phase::Leased && job.attempt() == holder.attempt && marked;
     if pending || holds {
         SlotState::Busy
     } else {
@@ -172,25 +257,25 @@ pub struct Listed {
     /// Its index.
     pub index: u32,
     /// The claim it names, if any.
-    pub holder: Option<SlotHolder>,
+    pub holder: Option<Named>,
 }
 
 /// What a claimer does in one scope, given the scope's slots as listed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
     /// A slot already naming this very claim (a claimer of the same copy took it, and may have
-    /// died before its claim write): the claim uses it, with no write.
-    pub reuse: Option<u32>,
+    /// died before its claim write): the claim uses it, marking it too ([`Named::reused_by`]).
+    pub reuse: Option<(u32, Named)>,
     /// Slots at or above the limit (left by a higher limit) naming a claim: each must be
     /// judged free before any slot is taken, so that a lowered limit holds.
-    pub above: Vec<(u32, SlotHolder)>,
+    pub above: Vec<(u32, Named)>,
     /// The slots below the limit to try, in order: those naming no claim (empty, or missing:
     /// to be created) first, then those naming one, to be judged. Each group starts at a
     /// place of its own for each job ([`spread_of`]) and wraps around, so that claimers of
     /// different jobs of one scope, racing, try different slots instead of all writing the
     /// lowest free one (benchmark row 2k: 0.52 slot writes per job answered 409 at 32 claimers
     /// when every claimer tried the same order).
-    pub candidates: Vec<(u32, Option<SlotHolder>)>,
+    pub candidates: Vec<(u32, Option<Named>)>,
 }
 
 /// Where the claim `mine` starts in each group of candidate slots: a hash of its job's name
@@ -205,17 +290,17 @@ pub fn spread_of(mine: &SlotHolder) -> usize {
 /// The plan of a claim whose slots name `mine`, in a scope limited to `limit` whose slots are
 /// `listed` (any order; missing indices are slots never made).
 pub fn plan(mine: &SlotHolder, limit: u32, listed: &[Listed]) -> Plan {
-    let reuse = listed
-        .iter()
-        .find(|s| s.holder.as_ref() == Some(mine))
-        .map(|s| s.index);
-    let mut above: Vec<(u32, SlotHolder)> = listed
+    let reuse = listed.iter().find_map(|s| {
+        let named = s.holder.as_ref().filter(|n| n.holder == *mine)?;
+        Some((s.index, named.clone()))
+    });
+    let mut above: Vec<(u32, Named)> = listed
         .iter()
         .filter(|s| s.index >= limit)
         .filter_map(|s| Some((s.index, s.holder.clone()?)))
         .collect();
     above.sort_by_key(|(i, _)| *i);
-    let by_index: BTreeMap<u32, &Option<SlotHolder>> =
+    let by_index: BTreeMap<u32, &Option<Named>> =
         listed.iter().map(|s| (s.index, &s.holder)).collect();
     let mut empty = Vec::new();
     let mut named = Vec::new();
@@ -265,6 +350,19 @@ mod tests {
         }
     }
 
+    /// A slot naming `holder(rv, attempt)` with no marks.
+    fn unmarked(rv: &str, attempt: i32) -> Named {
+        Named {
+            holder: holder(rv, attempt),
+            marks: None,
+        }
+    }
+
+    fn with_token(mut j: LeasedJob, token: &str) -> LeasedJob {
+        j.status.as_mut().unwrap().token = Some(token.into());
+        j
+    }
+
     #[test]
     fn a_holder_round_trips_and_garbage_names_no_claim() {
         let h = holder("123", 4);
@@ -285,8 +383,80 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_is_busy_while_its_claim_may_be_made_or_holds_the_job() {
+    fn marks_are_read_only_for_the_holder_they_name_and_reuse_adds_one() {
         let h = holder("10", 2);
+        let id = h.render();
+        let m1 = mark_of("2.aaaa");
+        let m2 = mark_of("2.bbbb");
+        assert_eq!(m1.len(), 16);
+        assert_ne!(m1, m2);
+        let taken = Named::taken(h.clone(), m1.clone());
+        let text = taken.annotation().unwrap();
+        assert_eq!(text, format!("j@10#2 {m1}"));
+        assert_eq!(Named::read(Some(&id), Some(&text)), Some(taken.clone()));
+        // Left by an earlier holder, malformed, or absent: not known.
+        for other in [
+            format!("j@9#2 {m1}"),
+            "j@10#2 xyz".to_string(),
+            "j@10#2".to_string(),
+            format!("j@10#2 {m1},"),
+        ] {
+            assert_eq!(Named::read(Some(&id), Some(&other)).unwrap().marks, None);
+        }
+        assert_eq!(Named::read(Some(&id), None), Some(unmarked("10", 2)));
+        assert_eq!(Named::read(None, Some(&text)), None);
+        assert_eq!(Named::read(Some("garbage"), Some(&text)), None);
+        // A reuse adds its mark; one already there, or no marks, needs no write.
+        let reused = taken.reused_by(&m2).unwrap();
+        assert_eq!(reused.marks, Some(vec![m1.clone(), m2.clone()]));
+        assert_eq!(
+            Named::read(Some(&id), reused.annotation().as_deref()),
+            Some(reused.clone())
+        );
+        assert_eq!(reused.reused_by(&m1), None);
+        assert_eq!(unmarked("10", 2).reused_by(&m1), None);
+        // Past the bound the marks are dropped: any claim of the attempt counts.
+        let mut full = taken;
+        for i in 1..MAX_MARKS {
+            full = full.reused_by(&mark_of(&format!("2.{i}"))).unwrap();
+        }
+        assert_eq!(full.marks.as_ref().map(Vec::len), Some(MAX_MARKS));
+        let over = full.reused_by(&mark_of("2.last")).unwrap();
+        assert_eq!(over.marks, None);
+        assert_eq!(over.annotation(), None);
+    }
+
+    #[test]
+    fn a_marked_slot_counts_only_the_claims_it_marks() {
+        let named = Named::taken(holder("10", 2), mark_of("2.mine"));
+        let cases = [
+            // Pending: the claim could still be made.
+            (
+                with_token(job("10", Phase::Queued, 1), "1.old"),
+                SlotState::Busy,
+            ),
+            // Made by this slot's claim.
+            (
+                with_token(job("11", Phase::Leased, 2), "2.mine"),
+                SlotState::Busy,
+            ),
+            // Another copy's claim won attempt 2: this slot's claim can never be made.
+            (
+                with_token(job("11", Phase::Leased, 2), "2.other"),
+                SlotState::Free,
+            ),
+        ];
+        for (copy, want) in cases {
+            assert_eq!(state_of(&named, Some(&copy)), want, "{copy:?}");
+        }
+        // Unmarked (an older writer): the other copy's claim is counted.
+        let copy = with_token(job("11", Phase::Leased, 2), "2.other");
+        assert_eq!(state_of(&unmarked("10", 2), Some(&copy)), SlotState::Busy);
+    }
+
+    #[test]
+    fn a_slot_is_busy_while_its_claim_may_be_made_or_holds_the_job() {
+        let h = unmarked("10", 2);
         let cases = [
             // The claim not written yet (or its claimer died): the write could still succeed.
             (Some(job("10", Phase::Queued, 1)), SlotState::Busy),
@@ -359,7 +529,7 @@ mod tests {
             resource_version: "5".into(),
             attempt: 1,
         };
-        let other = |rv: &str| Some(holder(rv, 1));
+        let other = |rv: &str| Some(unmarked(rv, 1));
         let listed = vec![
             Listed {
                 index: 1,
@@ -384,9 +554,9 @@ mod tests {
         ];
         let p = plan(&mine, 4, &listed);
         assert_eq!(p.reuse, None);
-        assert_eq!(p.above, vec![(4, holder("3", 1))]);
+        assert_eq!(p.above, vec![(4, unmarked("3", 1))]);
         // Empty ones first, then named ones, each group rotated to the job's own start.
-        let rotated = |group: Vec<(u32, Option<SlotHolder>)>| {
+        let rotated = |group: Vec<(u32, Option<Named>)>| {
             let by = spread_of(&mine) % group.len();
             let mut g = group;
             g.rotate_left(by);
@@ -396,14 +566,15 @@ mod tests {
         wanted.extend(rotated(vec![(0, other("2")), (1, other("1"))]));
         assert_eq!(p.candidates, wanted);
         let mut with_mine = listed.clone();
+        let mine_taken = Named::taken(mine.clone(), mark_of("1.first"));
         with_mine.push(Listed {
             index: 9,
-            holder: Some(mine.clone()),
+            holder: Some(mine_taken.clone()),
         });
-        assert_eq!(plan(&mine, 4, &with_mine).reuse, Some(9));
+        assert_eq!(plan(&mine, 4, &with_mine).reuse, Some((9, mine_taken)));
         // A lowered limit: everything at or above it must be judged first.
         let p = plan(&mine, 1, &listed);
-        assert_eq!(p.above, vec![(1, holder("1", 1)), (4, holder("3", 1))]);
+        assert_eq!(p.above, vec![(1, unmarked("1", 1)), (4, unmarked("3", 1))]);
         assert_eq!(p.candidates, vec![(0, other("2"))]);
     }
 

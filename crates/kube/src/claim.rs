@@ -66,14 +66,31 @@ pub async fn claim(
     holder: &str,
     defaults: Option<&JobDefaults>,
 ) -> Result<(LeasedJob, Token), ClaimError> {
+    let token = Token::issue(snapshot.attempt() + 1);
+    claim_with(api, snapshot, holder, defaults, token).await
+}
+
+/// [`claim`] with a token the caller issued (for the claim's next attempt,
+/// `Token::issue(snapshot.attempt() + 1)`): a claim of a limited queue marks its slots with it
+/// before the write ([`crate::slots::acquire`]).
+///
+/// # Errors
+/// As [`claim`]; [`ClaimError::NotQueued`] too when `token` is not for the next attempt.
+pub async fn claim_with(
+    api: &Api<LeasedJob>,
+    snapshot: &LeasedJob,
+    holder: &str,
+    defaults: Option<&JobDefaults>,
+    token: Token,
+) -> Result<(LeasedJob, Token), ClaimError> {
     let job = snapshot.reference();
-    if !claimable(snapshot, &snapshot.spec.queue, Timestamp::now()) {
+    let next_attempt = token.attempt() == snapshot.attempt() + 1;
+    if !next_attempt || !claimable(snapshot, &snapshot.spec.queue, Timestamp::now()) {
         return Err(ClaimError::NotQueued {
             job,
             phase: snapshot.phase(),
         });
     }
-    let token = Token::issue(snapshot.attempt() + 1);
     let mut next = snapshot.clone();
     next.status = Some(claimed_status(
         snapshot,

@@ -20,8 +20,10 @@ use crate::api::is_status;
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::queue::LeasedQueue;
 use leasehold_core::slots::{
-    self, Listed, Scope, SlotHolder, SlotState, SLOT_OF_LABEL, SLOT_SCOPE_LABEL,
+    self, Listed, Named, Scope, SlotHolder, SlotState, CLAIMS_ANNOTATION, SLOT_OF_LABEL,
+    SLOT_SCOPE_LABEL,
 };
+use leasehold_core::token::Token;
 
 /// A slot a claim took (or found already naming it).
 #[derive(Clone, Debug)]
@@ -29,7 +31,7 @@ pub struct Taken {
     /// The slot Lease's name.
     pub name: String,
     /// Its resourceVersion after the take (to release it conditionally); None when the claim
-    /// reused a slot already naming it (nothing was written).
+    /// reused a slot already naming its copy (another claim of that copy may use it).
     pub written: Option<String>,
 }
 
@@ -54,9 +56,10 @@ pub struct SlotError {
     pub source: kube::Error,
 }
 
-/// Takes, for a claim of `job` (the copy the claim will be guarded by), a slot of every scope
-/// `queue` limits it in ([`slots::scopes`]), through `leases` and `jobs` (the job's
-/// namespace). `holder` is the claimer's pod, recorded on the slots it writes.
+/// Takes, for a claim of `job` (the copy the claim will be guarded by) that will write
+/// `token`, a slot of every scope `queue` limits it in ([`slots::scopes`]), through `leases`
+/// and `jobs` (the job's namespace), each marked with the token's [`slots::mark_of`]. `holder`
+/// is the claimer's pod, recorded on the slots it writes.
 ///
 /// # Errors
 /// [`SlotError`] when a list, read or write failed for another reason than a lost race;
@@ -67,15 +70,28 @@ pub async fn acquire(
     queue: &LeasedQueue,
     job: &LeasedJob,
     holder: &str,
+    token: &Token,
 ) -> Result<Acquired, SlotError> {
     let Some(mine) = SlotHolder::of_claim(job) else {
         return Ok(Acquired::All(Vec::new()));
     };
+    let claim = Claim {
+        mine,
+        mark: slots::mark_of(token.as_str()),
+        pod: holder,
+    };
     let mut taken = Vec::new();
     for (scope, limit) in slots::scopes(queue, job) {
-        match take_one(leases, jobs, queue, &scope, limit, &mine, holder).await {
-            Ok(Some(t)) => taken.push(t),
-            Ok(None) => {
+        let mut took = Ok(Take::ListAgain);
+        for _ in 0..REUSE_TRIES {
+            took = take_one(leases, jobs, queue, &scope, limit, &claim).await;
+            if !matches!(took, Ok(Take::ListAgain)) {
+                break;
+            }
+        }
+        match took {
+            Ok(Take::Done(Some(t))) => taken.push(t),
+            Ok(Take::Done(None) | Take::ListAgain) => {
                 release(leases, &taken).await;
                 return Ok(Acquired::Full(scope));
             }
@@ -103,22 +119,43 @@ pub async fn release(leases: &Api<Lease>, taken: &[Taken]) {
         if let Some(spec) = lease.spec.as_mut() {
             spec.holder_identity = None;
         }
+        lease.annotations_mut().remove(CLAIMS_ANNOTATION);
         let _ = leases
             .replace(&t.name, &PostParams::default(), &lease)
             .await;
     }
 }
 
-/// Takes one slot of `scope` (limit `limit`) for `mine`; `Ok(None)` when every slot is busy.
+/// One claim's part in its slots: the claim its slots name, the mark of its token, the
+/// claimer's pod.
+struct Claim<'a> {
+    mine: SlotHolder,
+    mark: String,
+    pod: &'a str,
+}
+
+/// How often a claim lists a scope again after a reuse lost its race (the slot changed
+/// between the list and the write).
+const REUSE_TRIES: usize = 3;
+
+/// What one listing of a scope came to.
+enum Take {
+    /// A slot taken or reused, or none free.
+    Done(Option<Taken>),
+    /// The slot naming this claim's copy changed before this claim marked it: list again
+    /// ([`REUSE_TRIES`] times in all; then the scope counts as full for this claim).
+    ListAgain,
+}
+
+/// Lists the slots of `scope` (limit `limit`) once and takes one for `claim`.
 async fn take_one(
     leases: &Api<Lease>,
     jobs: &Api<LeasedJob>,
     queue: &LeasedQueue,
     scope: &Scope,
     limit: u32,
-    mine: &SlotHolder,
-    holder: &str,
-) -> Result<Option<Taken>, SlotError> {
+    claim: &Claim<'_>,
+) -> Result<Take, SlotError> {
     let queue_name = queue.name_any();
     let selector = format!(
         "{SLOT_OF_LABEL}={queue_name},{SLOT_SCOPE_LABEL}={}",
@@ -137,23 +174,43 @@ async fn take_one(
         let Some(index) = slots::index_of(&lease.name_any(), &queue_name, scope) else {
             continue;
         };
-        let named = leasehold_core::lease::holder_identity(&lease).and_then(SlotHolder::parse);
+        let claims = lease
+            .annotations()
+            .get(CLAIMS_ANNOTATION)
+            .map(String::as_str);
+        let named = Named::read(leasehold_core::lease::holder_identity(&lease), claims);
         listed.push(Listed {
             index,
             holder: named,
         });
         existing.insert(index, lease);
     }
-    let plan = slots::plan(mine, limit, &listed);
-    if let Some(index) = plan.reuse {
-        return Ok(Some(Taken {
-            name: slots::slot_name(&queue_name, scope, index),
+    let plan = slots::plan(&claim.mine, limit, &listed);
+    if let Some((index, named)) = plan.reuse {
+        let name = slots::slot_name(&queue_name, scope, index);
+        let reused = Taken {
+            name: name.clone(),
             written: None,
-        }));
+        };
+        // Marked too, before the claim write, so that the slot counts this claim if it wins.
+        let (Some(marked), Some(mut lease)) =
+            (named.reused_by(&claim.mark), existing.remove(&index))
+        else {
+            return Ok(Take::Done(Some(reused)));
+        };
+        mark(&mut lease, &marked);
+        return match leases.replace(&name, &PostParams::default(), &lease).await {
+            Ok(_) => Ok(Take::Done(Some(reused))),
+            Err(e) if is_status(&e, 409) => Ok(Take::ListAgain),
+            Err(source) => Err(SlotError {
+                what: format!("marking slot Lease {name}"),
+                source,
+            }),
+        };
     }
     for (_, named) in &plan.above {
         if state(jobs, named).await? == SlotState::Busy {
-            return Ok(None);
+            return Ok(Take::Done(None));
         }
     }
     for (index, named) in plan.candidates {
@@ -165,20 +222,20 @@ async fn take_one(
         let name = slots::slot_name(&queue_name, scope, index);
         let written = match existing.remove(&index) {
             Some(mut lease) => {
-                stamp(&mut lease, queue, mine, holder);
+                stamp(&mut lease, queue, claim);
                 leases.replace(&name, &PostParams::default(), &lease).await
             }
             None => {
-                let lease = new_slot(queue, scope, &name, mine, holder);
+                let lease = new_slot(queue, scope, &name, claim);
                 leases.create(&PostParams::default(), &lease).await
             }
         };
         match written {
             Ok(lease) => {
-                return Ok(Some(Taken {
+                return Ok(Take::Done(Some(Taken {
                     name,
                     written: lease.metadata.resource_version,
-                }))
+                })))
             }
             // Another claimer took or made it first: the next one.
             Err(e) if is_status(&e, 409) => continue,
@@ -190,33 +247,27 @@ async fn take_one(
             }
         }
     }
-    Ok(None)
+    Ok(Take::Done(None))
 }
 
 /// The state of a slot naming `named`, from a read of that job not older than the version it
 /// names.
-async fn state(jobs: &Api<LeasedJob>, named: &SlotHolder) -> Result<SlotState, SlotError> {
+async fn state(jobs: &Api<LeasedJob>, named: &Named) -> Result<SlotState, SlotError> {
     let params = GetParams {
-        resource_version: Some(named.resource_version.clone()),
+        resource_version: Some(named.holder.resource_version.clone()),
     };
-    match jobs.get_with(&named.job, &params).await {
+    match jobs.get_with(&named.holder.job, &params).await {
         Ok(job) => Ok(slots::state_of(named, Some(&job))),
         Err(e) if is_status(&e, 404) => Ok(slots::state_of(named, None)),
         Err(source) => Err(SlotError {
-            what: format!("reading LeasedJob {} named by a slot", named.job),
+            what: format!("reading LeasedJob {} named by a slot", named.holder.job),
             source,
         }),
     }
 }
 
-/// A new slot Lease: labelled with its queue and scope, [`stamp`]ed for `mine`.
-fn new_slot(
-    queue: &LeasedQueue,
-    scope: &Scope,
-    name: &str,
-    mine: &SlotHolder,
-    holder: &str,
-) -> Lease {
+/// A new slot Lease: labelled with its queue and scope, [`stamp`]ed for `claim`.
+fn new_slot(queue: &LeasedQueue, scope: &Scope, name: &str, claim: &Claim<'_>) -> Lease {
     let mut lease = Lease {
         metadata: ObjectMeta {
             name: Some(name.into()),
@@ -231,23 +282,24 @@ fn new_slot(
         },
         spec: None,
     };
-    stamp(&mut lease, queue, mine, holder);
+    stamp(&mut lease, queue, claim);
     lease
 }
 
-/// Makes `lease` name `mine`, taken now by pod `holder`, and owned by `queue` as it is now
-/// (deleting that LeasedQueue deletes its slots; a slot left by an earlier object of the same
-/// name is owned by the new one from its next take, so garbage collection of the old one
-/// does not delete it).
-fn stamp(lease: &mut Lease, queue: &LeasedQueue, mine: &SlotHolder, holder: &str) {
-    let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
-    spec.holder_identity = Some(mine.render());
-    spec.acquire_time = Some(leasehold_core::lease::micro_time(
-        k8s_openapi::jiff::Timestamp::now(),
-    ));
+/// Makes `lease` name `claim` (marked with its mark alone), taken now by its pod, and owned
+/// by `queue` as it is now (deleting that LeasedQueue deletes its slots; a slot left by an
+/// earlier object of the same name is owned by the new one from its next take, so garbage
+/// collection of the old one does not delete it).
+fn stamp(lease: &mut Lease, queue: &LeasedQueue, claim: &Claim<'_>) {
+    mark(lease, &Named::taken(claim.mine.clone(), claim.mark.clone()));
+    if let Some(spec) = lease.spec.as_mut() {
+        spec.acquire_time = Some(leasehold_core::lease::micro_time(
+            k8s_openapi::jiff::Timestamp::now(),
+        ));
+    }
     lease
         .annotations_mut()
-        .insert(slots::TAKEN_BY_ANNOTATION.into(), holder.into());
+        .insert(slots::TAKEN_BY_ANNOTATION.into(), claim.pod.into());
     lease.metadata.owner_references = queue.uid().map(|uid| {
         vec![OwnerReference {
             api_version: LeasedQueue::api_version(&()).into(),
@@ -257,4 +309,21 @@ fn stamp(lease: &mut Lease, queue: &LeasedQueue, mine: &SlotHolder, holder: &str
             ..OwnerReference::default()
         }]
     });
+}
+
+/// Makes `lease` name `named`: its holderIdentity and, when it has marks, its
+/// [`CLAIMS_ANNOTATION`] (removed otherwise).
+fn mark(lease: &mut Lease, named: &Named) {
+    let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+    spec.holder_identity = Some(named.holder.render());
+    match named.annotation() {
+        Some(text) => {
+            lease
+                .annotations_mut()
+                .insert(CLAIMS_ANNOTATION.into(), text);
+        }
+        None => {
+            lease.annotations_mut().remove(CLAIMS_ANNOTATION);
+        }
+    }
 }

@@ -47,6 +47,7 @@ mod pick;
 mod renew;
 #[cfg(test)]
 mod tests;
+mod window;
 
 pub use end::validate_reason;
 

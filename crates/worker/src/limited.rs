@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use kube::runtime::reflector::ObjectRef;
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::slots::Scope;
+use leasehold_core::token::Token;
 use leasehold_kube::api::error_chain;
 use leasehold_kube::slots::{self, Acquired, Taken};
 use tracing::debug;
@@ -119,7 +120,8 @@ impl<'a> PassOver<'a> {
 }
 
 impl Worker {
-    /// The slots a claim of `snapshot` needs, taken: `Ok(Some(taken))` to go on with the
+    /// The slots a claim of `snapshot` that will write `token` needs, taken and marked with
+    /// it: `Ok(Some(taken))` to go on with the
     /// claim write (empty when the queue sets no limit for the job); `Ok(None)` when a limit
     /// is reached, or when the queue was paused (or its LeasedQueue became unreadable) while
     /// they were taken: then they are given back.
@@ -129,6 +131,7 @@ impl Worker {
     pub(crate) async fn take_slots(
         &self,
         snapshot: &LeasedJob,
+        token: &Token,
     ) -> Result<Option<Vec<Taken>>, WorkerError> {
         let Some(queue) = self.queue_object().filter(|q| q.spec.limits()) else {
             return Ok(Some(Vec::new()));
@@ -139,6 +142,7 @@ impl Worker {
             &queue,
             snapshot,
             &self.inner.config.identity,
+            token,
         )
         .await
         .map_err(|e| {

@@ -11,9 +11,8 @@
 //! beside other claimers, by the rendezvous turn of [`share::choose`], reading a job afresh
 //! before a turn at one that is not this claimer's own. The claim is one status write guarded
 //! by the snapshot's resourceVersion ([`leasehold_kube::claim::claim`]); a 409 marks the
-//! snapshot stale and widens the window, a success narrows it ([`widened_window`],
-//! [`narrowed_window`]). The claim does not write the Lease: the attempt's first renewal does
-//! (`heartbeat.rs`).
+//! snapshot stale and widens the window, a success narrows it ([`crate::window`]). The claim
+//! does not write the Lease: the attempt's first renewal does (`heartbeat.rs`).
 //!
 //! The rules: docs/protocol.md, "Claiming" and "The token"; the window's bounds:
 //! [`WorkerConfig::spread`](crate::WorkerConfig::spread).
@@ -34,10 +33,12 @@ use leasehold_core::claim;
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::fence::Outcome;
 use leasehold_core::share;
+use leasehold_core::token::Token;
 use leasehold_kube::api::error_chain;
-use leasehold_kube::claim::ClaimError;
+use leasehold_kube::claim::{claim_with, ClaimError};
 use leasehold_kube::queue_watch;
 
+use crate::window::MAX_WINDOW_FACTOR;
 use crate::{call_bound, Claimed, Worker, WorkerError, MAX_CALL_BOUND};
 
 /// What a claimer found to do.
@@ -82,9 +83,6 @@ pub(crate) enum Tried {
 /// How long a claimer whose claim was held back by a limit waits before it looks again (a
 /// slot comes back when a job of the scope ends, which its copy of the queue may not show).
 pub(crate) const HELD_BACK_PAUSE: Duration = Duration::from_millis(500);
-
-/// The claim window never widens past this many times [`WorkerConfig::spread`](crate::WorkerConfig::spread).
-const MAX_WINDOW_FACTOR: usize = 64;
 
 impl Worker {
     /// Claims the best claimable job, waiting up to `wait` for one to appear (woken by the
@@ -470,52 +468,6 @@ impl Worker {
         Some(Arc::new(job))
     }
 
-    /// After a 409: widens the claim window fourfold, if more jobs are claimable than it holds
-    /// (with fewer, a wider window would not spread claimers any further).
-    fn widen_window(&self) {
-        let spread = self.inner.config.spread;
-        let window = self.inner.window.load(Ordering::Relaxed);
-        let Some(queue) = self
-            .inner
-            .queue
-            .as_ref()
-            .filter(|_| may_widen(window, spread))
-        else {
-            return;
-        };
-        let more = queue
-            .index
-            .lock()
-            .unwrap()
-            .claimable_more_than(Timestamp::now(), window);
-        if let Some(wider) = widened_window(window, spread, more) {
-            self.inner.window.store(wider, Ordering::Relaxed);
-        }
-        tracing::debug!(
-            window,
-            more_claimable = more,
-            "Claim conflict (409); claim window was {window}"
-        );
-    }
-
-    /// Folds the time one claim write took into
-    /// [`Inner::claim_write_ms`](crate::Inner::claim_write_ms).
-    fn note_claim_write(&self, took: Duration) {
-        let took = u64::try_from(took.as_millis()).unwrap_or(u64::MAX);
-        let average = &self.inner.claim_write_ms;
-        let was = average.load(Ordering::Relaxed);
-        average.store(claim_write_average(was, took), Ordering::Relaxed);
-    }
-
-    /// After a successful claim: narrows the claim window by 1/32, not below spread.
-    fn narrow_window(&self) {
-        let spread = self.inner.config.spread;
-        let window = self.inner.window.load(Ordering::Relaxed);
-        if let Some(narrower) = narrowed_window(window, spread) {
-            self.inner.window.store(narrower, Ordering::Relaxed);
-        }
-    }
-
     /// Marks `job`'s snapshot stale in the queue copy, if one is kept.
     fn mark_tried(&self, job: &LeasedJob) {
         if let Some(queue) = self.inner.queue.as_ref() {
@@ -538,8 +490,9 @@ impl Worker {
         if self.paused_now() {
             return Ok(Tried::HeldBack);
         }
-        // A limited queue: a slot of each limit first (crate::limited).
-        let Some(slots) = self.take_slots(snapshot).await? else {
+        // A limited queue: a slot of each limit first, marked with the claim's token.
+        let fresh = Token::issue(snapshot.attempt() + 1);
+        let Some(slots) = self.take_slots(snapshot, &fresh).await? else {
             return Ok(Tried::HeldBack);
         };
         // The queue's defaults, for what the job sets none of: the claim records the result
@@ -557,8 +510,14 @@ impl Worker {
             let (me, snapshot) = (self.clone(), snapshot.clone());
             tokio::spawn(async move {
                 let identity = &me.inner.config.identity;
-                leasehold_kube::claim::claim(&me.inner.jobs, &snapshot, identity, defaults.as_ref())
-                    .await
+                claim_with(
+                    &me.inner.jobs,
+                    &snapshot,
+                    identity,
+                    defaults.as_ref(),
+                    fresh,
+                )
+                .await
             })
         };
         let claimed = match tokio::time::timeout(bound, &mut write).await {
@@ -675,34 +634,4 @@ fn cached(queue: &crate::QueueCopy, ns: &str, names: &[&str]) -> Vec<Arc<LeasedJ
         .iter()
         .filter_map(|n| queue.store.get(&ObjectRef::new(n).within(ns)))
         .collect()
-}
-
-/// Whether a 409 may widen the claim window `window` of a claimer with `spread`: never with
-/// spread 1 (strict FIFO), nor past [`MAX_WINDOW_FACTOR`] times spread.
-pub(crate) fn may_widen(window: usize, spread: usize) -> bool {
-    spread > 1 && window < spread * MAX_WINDOW_FACTOR
-}
-
-/// The claim window after a 409, when [`may_widen`] allows it: four times wider (at most
-/// [`MAX_WINDOW_FACTOR`] times spread) if `more_claimable` (more jobs are claimable than it
-/// holds), else unchanged (`None`): with fewer, a wider window would not spread claimers any
-/// further.
-pub(crate) fn widened_window(window: usize, spread: usize, more_claimable: bool) -> Option<usize> {
-    more_claimable.then(|| (window * 4).min(spread * MAX_WINDOW_FACTOR))
-}
-
-/// The claim window after a successful claim: 1/32 narrower (at least one), not below spread;
-/// `None` when it is at spread already.
-pub(crate) fn narrowed_window(window: usize, spread: usize) -> Option<usize> {
-    (window > spread).then(|| window.saturating_sub((window / 32).max(1)).max(spread))
-}
-
-/// The moving average of claim-write times, in ms, after one that took `took_ms`: the first
-/// answer's time, then 1/4 of each new one's.
-pub(crate) fn claim_write_average(was_ms: u64, took_ms: u64) -> u64 {
-    if was_ms == 0 {
-        took_ms
-    } else {
-        (3 * was_ms + took_ms) / 4
-    }
 }

@@ -17,8 +17,8 @@ use leasehold_core::Category;
 use super::job;
 use crate::end::{remember_ended, MAX_ENDED};
 use crate::heartbeat::{ended_code, ended_refusal_in, first_renewal_allowed, moved_on};
-use crate::pick::{claim_write_average, may_widen, narrowed_window, widened_window};
 use crate::renew::{on_wake, outlived, renewal_interval, retry_delay, silence_limit, Wake};
+use crate::window::{claim_write_average, may_widen, narrowed_window, widened_window};
 use crate::HeldState;
 
 const fn s(secs: u64) -> Duration {
