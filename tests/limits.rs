@@ -4,7 +4,8 @@
 //! expire, never earlier) and the dispatcher SIGKILLed; a lowered limit stops new claims until
 //! the jobs above it have ended; a deleted LeasedQueue takes its limits with it; a full key at
 //! the head of the queue does not hold back the other keys; a claim that lost to a claim of a
-//! newer copy of its job leaves no slot busy.
+//! newer copy of its job leaves no slot busy; jobs Leased before a limit existed count against
+//! it from its first claim.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -64,6 +65,26 @@ async fn work(sidecar: Sidecar, hold: Duration, stop: Arc<AtomicBool>) -> Sideca
         let _ = sidecar.complete(&name, &token, json!("done")).await;
     }
     sidecar
+}
+
+/// A sidecar holding a job it claimed: the sidecar, the job's name, its token.
+type Held = (Sidecar, String, String);
+
+/// `n` sidecars named `holder-<i>`, each holding a job of queue q it claimed.
+async fn hold(ns: &str, n: usize) -> Vec<Held> {
+    let mut holders = Vec::new();
+    for i in 0..n {
+        let sidecar = Sidecar::start(ns, "q", &format!("holder-{i}"), &[]).await;
+        let (claim, token) = sidecar.claim_ok(20).await;
+        holders.push((sidecar, claim["name"].as_str().unwrap().to_string(), token));
+    }
+    holders
+}
+
+/// Completes the job `held` holds.
+async fn end((sidecar, name, token): Held) {
+    let (s, b) = sidecar.complete(&name, &token, json!("done")).await;
+    assert_eq!(s, 200, "{b}");
 }
 
 #[tokio::test]
@@ -153,12 +174,7 @@ async fn a_lowered_limit_waits_for_the_jobs_above_it_and_a_deleted_queue_lifts_i
     for i in 0..6 {
         create_keyed(&client, &ns.name, &format!("a-{i}"), "a").await;
     }
-    let mut holders = Vec::new();
-    for i in 0..3 {
-        let sidecar = Sidecar::start(&ns.name, "q", &format!("holder-{i}"), &[]).await;
-        let (claim, token) = sidecar.claim_ok(20).await;
-        holders.push((sidecar, claim["name"].as_str().unwrap().to_string(), token));
-    }
+    let mut holders = hold(&ns.name, 3).await;
     // The controller says so.
     let queues: Api<LeasedQueue> = Api::namespaced(client.clone(), &ns.name);
     let labels = format!("{{queue_namespace=\"{}\",queue=\"q\"}}", ns.name);
@@ -183,9 +199,8 @@ async fn a_lowered_limit_waits_for_the_jobs_above_it_and_a_deleted_queue_lifts_i
     // Lowered to 1 with 3 Leased: two ending leaves 1, which is not below 1: no claim.
     apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 1})).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    for (sidecar, name, token) in holders.drain(..2) {
-        let (s, b) = sidecar.complete(&name, &token, json!("done")).await;
-        assert_eq!(s, 200, "{b}");
+    for held in holders.drain(..2) {
+        end(held).await;
     }
     let (status, answer) = waiter.claim(2).await;
     assert_eq!(
@@ -193,9 +208,7 @@ async fn a_lowered_limit_waits_for_the_jobs_above_it_and_a_deleted_queue_lifts_i
         "claimed while 1 of key a was Leased, limit 1: {answer}"
     );
     // The last one ends: one claim.
-    let (sidecar, name, token) = holders.pop().unwrap();
-    let (s, b) = sidecar.complete(&name, &token, json!("done")).await;
-    assert_eq!(s, 200, "{b}");
+    end(holders.pop().unwrap()).await;
     let (claim, _) = waiter.claim_ok(5).await;
     eprintln!("claimed {} once the key was below its limit", claim["name"]);
     let other = Sidecar::start(&ns.name, "q", "other", &[]).await;
@@ -205,6 +218,74 @@ async fn a_lowered_limit_waits_for_the_jobs_above_it_and_a_deleted_queue_lifts_i
     queues.delete("q", &Default::default()).await.unwrap();
     let (claim, _) = other.claim_ok(5).await;
     eprintln!("claimed {} with the limit gone", claim["name"]);
+}
+
+/// Jobs Leased before their queue had a limit count against it from its first claim: the
+/// controller gives each a slot, and only then confirms the limit (status.slotsAdopted), which
+/// sidecars wait for; with no controller running, a new limit allows no claim at all.
+#[tokio::test]
+async fn jobs_leased_before_a_limit_count_against_it_from_its_first_claim() {
+    let Fixture { client, ns } = fixture!("limits-adopt");
+    let controller = controller(&ns.name);
+    for i in 0..6 {
+        create_keyed(&client, &ns.name, &format!("a-{i}"), "a").await;
+    }
+    // Three of key a Leased while the queue has no LeasedQueue: no slots.
+    let mut holders = hold(&ns.name, 3).await;
+    // With no controller, a limit set now allows no claim: neither a fourth of key a (three
+    // Leased, limit 2) nor one of key b (none Leased), since nothing has counted the three.
+    controller.signal("KILL");
+    drop(controller);
+    apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 2})).await;
+    create_keyed(&client, &ns.name, "b-0", "b").await;
+    let waiter = Sidecar::start(&ns.name, "q", "waiter", &[]).await;
+    let (status, answer) = waiter.claim(2).await;
+    assert_eq!(
+        status, 204,
+        "claimed before the Leased jobs had slots: {answer}"
+    );
+    // A controller gives them slots and confirms the limit: key b's job is claimed, and no
+    // fourth of key a.
+    let _controller = controller_with(&ns.name, "test-controller-2", &[]);
+    let queues: Api<LeasedQueue> = Api::namespaced(client.clone(), &ns.name);
+    wait_for("the limit confirmed", Duration::from_secs(30), || async {
+        let q = queues.get("q").await.ok()?;
+        leasehold_core::slots::adopted(&q).then_some(())
+    })
+    .await;
+    let (claim, _b_token) = waiter.claim_ok(5).await;
+    assert_eq!(claim["name"], "b-0", "{claim}");
+    let other = Sidecar::start(&ns.name, "q", "other", &[]).await;
+    let (status, answer) = other.claim(2).await;
+    assert_eq!(status, 204, "a fourth job of key a, limit 2: {answer}");
+    // Each of the three holds a slot of key a.
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    let scope = leasehold_core::slots::Scope::Key("a".into()).label();
+    let selector = format!("leasehold.dev/slot-of=q,leasehold.dev/slot-scope={scope}");
+    let named: Vec<String> = leases
+        .list(&kube::api::ListParams::default().labels(&selector))
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter_map(|l| l.spec.as_ref()?.holder_identity.clone())
+        .collect();
+    for (_, job, _) in &holders {
+        assert!(
+            named.iter().any(|h| h.starts_with(&format!("{job}@"))),
+            "no slot names {job}: {named:?}"
+        );
+    }
+    // Two end: one of key a Leased, below the limit of 2, and one more is claimed; not before.
+    end(holders.pop().unwrap()).await;
+    let (status, answer) = other.claim(2).await;
+    assert_eq!(
+        status, 204,
+        "claimed with 2 of key a Leased, limit 2: {answer}"
+    );
+    end(holders.pop().unwrap()).await;
+    let (claim, _) = other.claim_ok(5).await;
+    assert!(claim["name"].as_str().unwrap().starts_with("a-"), "{claim}");
 }
 
 /// A sidecar choosing on its own (no dispatcher) whose oldest claimable jobs all belong to a

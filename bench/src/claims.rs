@@ -158,15 +158,18 @@ pub async fn run(
     )
     .await?;
     if mode == Mode::Limited {
-        // A claimer that had not read the LeasedQueue yet would wait for it (or, before this
-        // run's queue existed, claim without slots): every one sees the limit first.
+        // A claimer that had not read the LeasedQueue, or the controller's confirmation of its
+        // limits, would wait for them: every one sees both first.
         wait_until(
             "the claimers to read the LeasedQueue",
             Duration::from_secs(60),
             || async {
                 workers
                     .iter()
-                    .all(|w| w.queue_object().is_some_and(|q| q.spec.limits()))
+                    .all(|w| {
+                        w.queue_object()
+                            .is_some_and(|q| q.spec.limits() && leasehold_core::slots::adopted(&q))
+                    })
                     .then_some(())
             },
         )

@@ -46,6 +46,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use thiserror::Error;
 use tracing::{info, warn};
 
+mod adoption;
 pub mod crd_check;
 pub mod dispatch;
 mod expire;

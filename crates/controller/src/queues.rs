@@ -3,7 +3,10 @@
 //! writes each one's status (jobs queued and leased, the oldest queued job, the pause) and an
 //! Event `Paused` or `Resumed` when its pause changes.
 //!
-//! Status writes: when a pause changes, at once; otherwise when the counts changed, at most
+//! While it leads it also gives slots to the jobs Leased before a queue's limit existed
+//! ([`crate::adoption`]) and confirms the limits in the status once they all hold one.
+//!
+//! Status writes: when a pause changes or new limits are confirmed, at once; otherwise when the counts changed, at most
 //! every [`STATUS_EVERY`] per queue, so that a busy queue costs the API server one write every
 //! few seconds, not one per job. A queue with no LeasedQueue costs nothing.
 
@@ -25,6 +28,7 @@ use super::Context;
 use crate::dispatch::Dispatcher;
 use leasehold_core::dispatch::{Policy, QueueKey};
 use leasehold_core::queue::{self, LeasedQueue, LeasedQueueStatus, Member, Transition};
+use leasehold_core::slots;
 use leasehold_core::Category;
 use leasehold_kube::events::{EventType, Note};
 use leasehold_kube::recorder::Recorder;
@@ -80,7 +84,8 @@ async fn follow(
     while let Some(event) = stream.next().await {
         match event {
             Ok(watcher::Event::Apply(q)) | Ok(watcher::Event::InitApply(q)) => {
-                if queue::transition(&q).is_some() {
+                // A pause changed, or limits wait for their slots' adoption: a pass at once.
+                if queue::transition(&q).is_some() || !slots::adopted(&q) {
                     due.notify_one();
                 }
             }
@@ -139,10 +144,20 @@ async fn report(store: Store<LeasedQueue>, ctx: Arc<Context>, due: Arc<Notify>) 
         }
         let queues = store.state();
         let now = Timestamp::now();
-        let statuses = statuses(&ctx, &queues, now);
+        let mut statuses = statuses(&ctx, &queues, now);
         reported = set_metrics(&ctx, &queues, &statuses, now, reported);
         if !ctx.leadership.is_leader() {
             continue;
+        }
+        // Limits are confirmed once every Leased job holds a slot; a queue without limits
+        // confirms none, so that limits set again wait for an adoption of their own.
+        let adopted = crate::adoption::pass(&ctx, &queues).await;
+        for ((q, status), adopted) in queues.iter().zip(&mut statuses).zip(adopted) {
+            if slots::adoption_of(q).is_none() {
+                status.slots_adopted = None;
+            } else if adopted.is_some() {
+                status.slots_adopted = adopted;
+            }
         }
         for (q, status) in queues.iter().zip(statuses) {
             if q.status.as_ref() != Some(&status) {
@@ -276,6 +291,7 @@ async fn write_status(ctx: &Context, q: &LeasedQueue, status: &LeasedQueueStatus
             "atLimit": status.at_limit,
             "keysAtLimit": status.keys_at_limit,
             "keysAtLimitShown": status.keys_at_limit_shown,
+            "slotsAdopted": status.slots_adopted,
         }
     });
     let params = PatchParams {

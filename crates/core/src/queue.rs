@@ -157,6 +157,12 @@ pub struct LeasedQueueStatus {
     /// The first of those keys, in order, at most 10.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub keys_at_limit_shown: Vec<String>,
+    /// The limits whose slots count every Leased job of the queue, as
+    /// `<metadata.uid>:<fields>` (crate::slots::adoption_of): written by the controller once
+    /// each job Leased before a limit existed holds a slot. Until it names the limits the spec
+    /// sets, sidecars make no claim that a limit applies to (docs/protocol.md, "Limits").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots_adopted: Option<String>,
 }
 
 impl LeasedQueue {
@@ -236,6 +242,8 @@ pub fn status_of<'a>(
         (true, Some(w)) if w.paused => w.paused_time.clone().or(Some(Time(now))),
         (true, _) => Some(Time(now)),
     };
+    // Kept as written: only the controller's adoption of the Leased jobs changes it.
+    status.slots_adopted = was.and_then(|w| w.slots_adopted.clone());
     status
 }
 

@@ -17,6 +17,7 @@
 //! - [`queue_watch`]: the watch of one queue's jobs a claimer keeps while claims come.
 //! - [`queue_object`]: a sidecar's view of its queue's LeasedQueue (is it paused?).
 //! - [`slots`]: taking the slots that make a queue's limits exact.
+//! - [`adopt`]: giving slots to the jobs Leased before a limit existed.
 //! - [`recorder`]: what the watches and the worker report (claims, heartbeats, skipped
 //!   objects), for a metrics registry above to count.
 //! - [`health`]: readiness and liveness of a process.
@@ -24,6 +25,7 @@
 //! - [`shutdown`]: the process's shutdown signal.
 
 pub mod access;
+pub mod adopt;
 pub mod api;
 pub mod claim;
 pub mod events;

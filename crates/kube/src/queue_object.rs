@@ -50,7 +50,17 @@ impl Known {
         match self {
             Known::Unknown => None,
             Known::Absent => Some(false),
-            Known::Present(q) => Some(q.is_paused()),
+            Known::Present(q) => Some(q.is_paused() || !leasehold_core::slots::adopted(q)),
+        }
+    }
+
+    /// Whether claims must wait: the queue is paused, or it sets limits that the controller
+    /// has not confirmed yet (the jobs Leased before them may hold no slot:
+    /// [`leasehold_core::slots::adopted`]); `None` while not known.
+    pub fn held(&self) -> Option<bool> {
+        match self {
+            Known::Present(q) => Some(q.is_paused() || !leasehold_core::slots::adopted(q)),
+            other => other.paused(),
         }
     }
 
@@ -128,15 +138,19 @@ pub fn follow(
                         break;
                     }
                 };
-                let (was, paused) = (tx.borrow().paused(), now.paused());
+                let (was, held) = (tx.borrow().held(), now.held());
+                let why = match now.queue() {
+                    _ if held != Some(true) => "running",
+                    Some(q) if q.is_paused() => "paused: no new claims",
+                    _ => "limited: no new claims until the controller has given the jobs Leased before the limits their slots",
+                };
                 tx.send_if_modified(|known| {
                     let changed = known.version() != now.version();
                     *known = now;
                     changed
                 });
-                if was != paused {
-                    let paused = paused == Some(true);
-                    info!(queue = %queue, paused, "Queue {}", if paused { "paused: no new claims" } else { "running" });
+                if was != held {
+                    info!(queue = %queue, held = held == Some(true), "Queue {why}");
                 }
             }
             tokio::time::sleep(crate::api::WATCH_BACKOFF_MAX).await;

@@ -161,27 +161,15 @@ async fn take_one(
         "{SLOT_OF_LABEL}={queue_name},{SLOT_SCOPE_LABEL}={}",
         scope.label()
     );
-    let list = leases
-        .list(&ListParams::default().labels(&selector).match_any())
-        .await
-        .map_err(|source| SlotError {
-            what: format!("listing the slots of queue {queue_name} ({selector})"),
-            source,
-        })?;
     let mut existing: HashMap<u32, Lease> = HashMap::new();
     let mut listed = Vec::new();
-    for lease in list.items {
+    for lease in list(leases, &queue_name, &selector).await? {
         let Some(index) = slots::index_of(&lease.name_any(), &queue_name, scope) else {
             continue;
         };
-        let claims = lease
-            .annotations()
-            .get(CLAIMS_ANNOTATION)
-            .map(String::as_str);
-        let named = Named::read(leasehold_core::lease::holder_identity(&lease), claims);
         listed.push(Listed {
             index,
-            holder: named,
+            holder: named(&lease),
         });
         existing.insert(index, lease);
     }
@@ -220,13 +208,14 @@ async fn take_one(
             }
         }
         let name = slots::slot_name(&queue_name, scope, index);
+        let taken = Named::taken(claim.mine.clone(), claim.mark.clone());
         let written = match existing.remove(&index) {
             Some(mut lease) => {
-                stamp(&mut lease, queue, claim);
+                stamp(&mut lease, queue, &taken, claim.pod);
                 leases.replace(&name, &PostParams::default(), &lease).await
             }
             None => {
-                let lease = new_slot(queue, scope, &name, claim);
+                let lease = new_slot(queue, scope, &name, &taken, claim.pod);
                 leases.create(&PostParams::default(), &lease).await
             }
         };
@@ -250,9 +239,36 @@ async fn take_one(
     Ok(Take::Done(None))
 }
 
+/// The slot Leases of queue `queue` that `selector` (a label selector) picks, from the watch
+/// cache.
+pub(crate) async fn list(
+    leases: &Api<Lease>,
+    queue: &str,
+    selector: &str,
+) -> Result<Vec<Lease>, SlotError> {
+    let list = leases
+        .list(&ListParams::default().labels(selector).match_any())
+        .await
+        .map_err(|source| SlotError {
+            what: format!("listing the slots of queue {queue} ({selector})"),
+            source,
+        })?;
+    Ok(list.items)
+}
+
+/// What the slot `lease` names: its holderIdentity, with the marks of its
+/// [`CLAIMS_ANNOTATION`]; `None` when it names no claim.
+pub(crate) fn named(lease: &Lease) -> Option<Named> {
+    let claims = lease
+        .annotations()
+        .get(CLAIMS_ANNOTATION)
+        .map(String::as_str);
+    Named::read(leasehold_core::lease::holder_identity(lease), claims)
+}
+
 /// The state of a slot naming `named`, from a read of that job not older than the version it
 /// names.
-async fn state(jobs: &Api<LeasedJob>, named: &Named) -> Result<SlotState, SlotError> {
+pub(crate) async fn state(jobs: &Api<LeasedJob>, named: &Named) -> Result<SlotState, SlotError> {
     let params = GetParams {
         resource_version: Some(named.holder.resource_version.clone()),
     };
@@ -266,8 +282,14 @@ async fn state(jobs: &Api<LeasedJob>, named: &Named) -> Result<SlotState, SlotEr
     }
 }
 
-/// A new slot Lease: labelled with its queue and scope, [`stamp`]ed for `claim`.
-fn new_slot(queue: &LeasedQueue, scope: &Scope, name: &str, claim: &Claim<'_>) -> Lease {
+/// A new slot Lease: labelled with its queue and scope, [`stamp`]ed with `named` by `pod`.
+pub(crate) fn new_slot(
+    queue: &LeasedQueue,
+    scope: &Scope,
+    name: &str,
+    named: &Named,
+    pod: &str,
+) -> Lease {
     let mut lease = Lease {
         metadata: ObjectMeta {
             name: Some(name.into()),
@@ -282,16 +304,16 @@ fn new_slot(queue: &LeasedQueue, scope: &Scope, name: &str, claim: &Claim<'_>) -
         },
         spec: None,
     };
-    stamp(&mut lease, queue, claim);
+    stamp(&mut lease, queue, named, pod);
     lease
 }
 
-/// Makes `lease` name `claim` (marked with its mark alone), taken now by its pod, and owned
-/// by `queue` as it is now (deleting that LeasedQueue deletes its slots; a slot left by an
+/// Makes `lease` name `named` (for a claim: its copy, marked with its mark alone), taken now by
+/// `pod`, and owned by `queue` as it is now (deleting that LeasedQueue deletes its slots; a slot left by an
 /// earlier object of the same name is owned by the new one from its next take, so garbage
 /// collection of the old one does not delete it).
-fn stamp(lease: &mut Lease, queue: &LeasedQueue, claim: &Claim<'_>) {
-    mark(lease, &Named::taken(claim.mine.clone(), claim.mark.clone()));
+pub(crate) fn stamp(lease: &mut Lease, queue: &LeasedQueue, named: &Named, pod: &str) {
+    mark(lease, named);
     if let Some(spec) = lease.spec.as_mut() {
         spec.acquire_time = Some(leasehold_core::lease::micro_time(
             k8s_openapi::jiff::Timestamp::now(),
@@ -299,7 +321,7 @@ fn stamp(lease: &mut Lease, queue: &LeasedQueue, claim: &Claim<'_>) {
     }
     lease
         .annotations_mut()
-        .insert(slots::TAKEN_BY_ANNOTATION.into(), claim.pod.into());
+        .insert(slots::TAKEN_BY_ANNOTATION.into(), pod.into());
     lease.metadata.owner_references = queue.uid().map(|uid| {
         vec![OwnerReference {
             api_version: LeasedQueue::api_version(&()).into(),

@@ -5,6 +5,10 @@
 //! sent before this sidecar saw the pause is the only one that lands after it, which bounds a
 //! pause's effect by the watch's delay (milliseconds; under a second).
 //!
+//! A queue whose LeasedQueue sets limits the controller has not confirmed yet (its
+//! `status.slotsAdopted`: [`leasehold_core::slots::adopted`]) holds claims the same way: the
+//! jobs Leased before those limits may hold no slot until then.
+//!
 //! The pause is read from this sidecar's own watch of its LeasedQueue, never from the
 //! dispatcher: a dispatcher that offers a paused queue's job (stale or lying) gets it declined.
 
@@ -20,9 +24,10 @@ impl Worker {
         self.inner.queue_object.borrow().queue().cloned()
     }
 
-    /// True while the queue's LeasedQueue pauses claims, or is not read yet.
+    /// True while the queue's LeasedQueue pauses claims or waits for its limits' adoption, or
+    /// is not read yet.
     pub fn paused_now(&self) -> bool {
-        self.inner.queue_object.borrow().paused() != Some(false)
+        self.inner.queue_object.borrow().held() != Some(false)
     }
 
     /// Waits until claims of the queue may go on: `Ok(true)` at once when they may, or when
@@ -45,7 +50,7 @@ impl Worker {
         let mut known = self.inner.queue_object.clone();
         tokio::select! {
             biased;
-            running = known.wait_for(|k| k.paused() == Some(false)) => Ok(running.is_ok()),
+            running = known.wait_for(|k| k.held() == Some(false)) => Ok(running.is_ok()),
             () = gone.as_mut() => Ok(false),
             _ = draining.wait_for(|d| *d) => Err(WorkerError::ShuttingDown),
             () = tokio::time::sleep_until(deadline) => Ok(false),
