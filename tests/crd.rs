@@ -149,6 +149,23 @@ async fn defaults_apply_and_the_payload_comes_back_unchanged() {
     assert_eq!(job.spec.priority, 0);
     let (ok, out) = kubectl(&["explain", "leasedjob.spec.leaseDurationSeconds"], "");
     assert!(ok && out.contains("heartbeat"), "{out}");
+    // An explicit null is pruned, not stored: binaries from before these fields became
+    // optional read them as integers, and would skip a job holding a null as undecodable.
+    let nulls = json!({
+        "apiVersion": "leasehold.dev/v1alpha1",
+        "kind": "LeasedJob",
+        "metadata": {"name": "nulls"},
+        "spec": {"leaseDurationSeconds": null, "maxAttempts": null}
+    });
+    let (ok, out) = kubectl(&["create", "-n", &ns.name, "-f", "-"], &nulls.to_string());
+    assert!(ok, "{out}");
+    let (ok, out) = kubectl(&["get", "ljob", "nulls", "-n", &ns.name, "-o", "json"], "");
+    assert!(ok, "{out}");
+    let stored: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let spec = stored["spec"].as_object().unwrap();
+    for field in ["leaseDurationSeconds", "maxAttempts"] {
+        assert!(!spec.contains_key(field), "{field} stored: {spec:?}");
+    }
 }
 
 /// `status.phase`, `spec.queue` and `status.holder` are selectable fields: the API server

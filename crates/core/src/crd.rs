@@ -99,14 +99,14 @@ pub struct LeasedJobSpec {
     /// its attempt runs under in status.policy. Fixed while the job is Leased (a change is
     /// refused): it applies from the next claim.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 5, max = 86400))]
+    #[schemars(range(min = 5, max = 86400), transform = not_nullable)]
     pub lease_duration_seconds: Option<i32>,
 
     /// How many attempts may fail (an explicit failure or an expired lease) before the job ends
     /// Failed. A release (the worker hands the job back) does not count. At least 1. Unset: the
     /// queue's LeasedQueue spec.defaults.maxAttempts, else 3.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1), transform = not_nullable)]
     pub max_attempts: Option<i32>,
 
     /// Higher priorities are claimed first; among equal priorities, older jobs first. Default 0.
@@ -151,6 +151,24 @@ pub struct LeasedJobSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub ttl_seconds_after_finished: Option<i32>,
+}
+
+/// Drops `nullable` from an optional field's schema, so that the API server prunes an explicit
+/// `null` (Kubernetes "Defaulting and Nullable": null is pruned from fields not nullable)
+/// instead of storing it. For fields that were plain integers with a schema default before
+/// they became optional: a binary of that time cannot decode a stored `null`, and would skip
+/// the job as undecodable.
+fn not_nullable(schema: &mut schemars::Schema) {
+    schema.remove("nullable");
+    // schemars writes an Option as `type: [T, "null"]`, which becomes `nullable` later.
+    if let Some(serde_json::Value::Array(types)) = schema.get("type").cloned() {
+        let mut kept: Vec<serde_json::Value> = types.into_iter().filter(|t| t != "null").collect();
+        let kept = match kept.len() {
+            1 => kept.remove(0),
+            _ => serde_json::Value::Array(kept),
+        };
+        schema.insert("type".into(), kept);
+    }
 }
 
 impl Default for LeasedJobSpec {
