@@ -375,6 +375,50 @@ async fn only_the_holder_writes_status() {
     assert_eq!(w.job("m").await.status.unwrap().policy, Some(recorded));
 }
 
+/// A claim records in status.policy the spec's own values where the spec sets them: a worker
+/// cannot grant its attempt a longer lease, or its job more attempts, than the job's author
+/// wrote.
+#[tokio::test]
+async fn a_claim_records_the_policy_its_job_s_spec_sets() {
+    let w = World::new(fixture!("adm-policy"), &[]).await;
+    create_job(
+        &w.admin,
+        &w.ns.name,
+        json!({"metadata": {"name": "p"},
+               "spec": {"queue": "q", "leaseDurationSeconds": 30, "maxAttempts": 2,
+                        "backoff": {"initialSeconds": 2}}}),
+    )
+    .await;
+    let backoff = json!({"initialSeconds": 2, "maxSeconds": 300});
+    let claim = |policy: Value| {
+        json!({"phase": "Leased", "attempt": 1, "holder": "pod-a", "token": hex_token(1),
+               "leaseName": "ljob-p", "policy": policy})
+    };
+    for forged in [
+        json!({"leaseDurationSeconds": 86400, "maxAttempts": 2, "backoff": backoff}),
+        json!({"leaseDurationSeconds": 30, "maxAttempts": 50, "backoff": backoff}),
+        json!({"leaseDurationSeconds": 30, "maxAttempts": 2}),
+        json!({"leaseDurationSeconds": 30, "maxAttempts": 2,
+               "backoff": {"initialSeconds": 0, "maxSeconds": 0}}),
+    ] {
+        let body = w.with_status("p", claim(forged.clone())).await;
+        assert_refused(
+            raw(&w.a, "PUT", &w.status_path("p"), "application/json", &body).await,
+            "policy-follows-spec",
+        );
+    }
+    assert!(w.job("p").await.status.is_none(), "a refused claim wrote");
+    // The spec's own values, as the sidecar's claim records them.
+    let (job, _) = leasehold_kube::claim::claim(&w.jobs(&w.a), &w.job("p").await, "pod-a", None)
+        .await
+        .expect("a claim recording the spec's policy");
+    let policy = job.status.unwrap().policy.expect("status.policy");
+    assert_eq!(
+        (policy.lease_duration_seconds, policy.max_attempts),
+        (30, 2)
+    );
+}
+
 #[tokio::test]
 async fn workers_renew_and_release_only_the_leases_they_hold() {
     let w = World::new(fixture!("adm-lease"), &[]).await;
