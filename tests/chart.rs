@@ -231,6 +231,23 @@ fn helm_lint_passes_with_defaults_and_with_every_option_on() {
         !ok && out.contains("admissionWebhook.failurePolicy must be Ignore or Fail"),
         "{out}"
     );
+    // values.schema.json: a typo in a key, or a value of the wrong type, fails the install
+    // with the key named, instead of being ignored.
+    for (set, says) in [
+        (
+            "controller.replcas=3",
+            "at '/controller': additional properties 'replcas' not allowed",
+        ),
+        ("controller.replicas=two", "at '/controller/replicas'"),
+        (
+            "metrics.prometheusRule.alerts.noLeader.for=soon",
+            "at '/metrics/prometheusRule/alerts/noLeader/for'",
+        ),
+        ("image.pullPolicy=Sometimes", "at '/image/pullPolicy'"),
+    ] {
+        let (ok, out) = helm(&["template", "r", chart, "--set", set]);
+        assert!(!ok && out.contains(says), "--set {set}: {out}");
+    }
     // The chart refuses an example worker outside the worker namespaces (at render time:
     // helm lint reports a template's `fail` only as information).
     let (ok, out) = helm(&[
@@ -247,6 +264,178 @@ fn helm_lint_passes_with_defaults_and_with_every_option_on() {
     assert!(
         !ok && out.contains("exampleWorker.namespace must be one of"),
         "{out}"
+    );
+}
+
+/// The controller's pods as operators expect them: spread over nodes by default, their
+/// security contexts and volumes set from values, and their ServiceAccount their own or one
+/// brought along.
+#[test]
+fn controller_pods_spread_and_take_their_security_context_volumes_and_account_from_values() {
+    require_control_plane!();
+    let chart = chart_dir();
+    let chart = chart.to_str().unwrap();
+    let render = |extra: &[&str]| {
+        let mut args = vec!["template", "r", chart, "--set", "workers.namespaces={jobs}"];
+        for set in extra {
+            args.extend(["--set", set]);
+        }
+        documents(&helm_ok(&args))
+    };
+    let pod_of = |docs: &[Value]| -> Value {
+        docs.iter()
+            .find(|d| {
+                d["kind"] == "Deployment" && d["metadata"]["name"] == "r-leasehold-controller"
+            })
+            .expect("the controller's Deployment")["spec"]["template"]["spec"]
+            .clone()
+    };
+    let docs = render(&[]);
+    let pod = pod_of(&docs);
+    let spread = &pod["topologySpreadConstraints"][0];
+    assert_eq!(spread["topologyKey"], "kubernetes.io/hostname", "{pod}");
+    assert_eq!(spread["whenUnsatisfiable"], "ScheduleAnyway", "{pod}");
+    assert_eq!(
+        spread["labelSelector"]["matchLabels"]["app.kubernetes.io/component"],
+        "controller"
+    );
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true, "{pod}");
+    assert_eq!(
+        pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"], true,
+        "{pod}"
+    );
+    assert_eq!(pod["serviceAccountName"], "r-leasehold-controller");
+    let accounts = |docs: &[Value]| -> Vec<String> {
+        docs.iter()
+            .filter(|d| d["kind"] == "ServiceAccount")
+            .map(|d| d["metadata"]["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(
+        accounts(&docs),
+        ["r-leasehold-controller", "leasehold-worker"]
+    );
+    // Options: no spread, other contexts, an extra volume, accounts brought along.
+    let docs = render(&[
+        "controller.topologySpread.enabled=false",
+        "controller.podSecurityContext.runAsUser=4242",
+        "controller.securityContext.privileged=false",
+        "controller.extraVolumes[0].name=ca",
+        "controller.extraVolumes[0].configMap.name=ca",
+        "controller.extraVolumeMounts[0].name=ca",
+        "controller.extraVolumeMounts[0].mountPath=/etc/ca",
+        "controller.serviceAccount.create=false",
+        "controller.serviceAccount.name=platform-controller",
+        "workers.createServiceAccount=false",
+    ]);
+    let pod = pod_of(&docs);
+    assert!(pod.get("topologySpreadConstraints").is_none(), "{pod}");
+    assert_eq!(pod["securityContext"]["runAsUser"], 4242, "{pod}");
+    assert_eq!(pod["containers"][0]["securityContext"]["privileged"], false);
+    assert!(
+        pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["name"] == "ca"),
+        "{pod}"
+    );
+    assert!(
+        pod["containers"][0]["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["mountPath"] == "/etc/ca"),
+        "{pod}"
+    );
+    assert_eq!(pod["serviceAccountName"], "platform-controller");
+    assert!(accounts(&docs).is_empty(), "{:?}", accounts(&docs));
+    let bound = docs.iter().any(|d| {
+        d["kind"] == "ClusterRoleBinding" && d["subjects"][0]["name"] == "platform-controller"
+    });
+    assert!(
+        bound,
+        "the controller's roles are not bound to its own ServiceAccount"
+    );
+    // Brought along, but not named: refused with what to set.
+    let (ok, out) = helm(&[
+        "template",
+        "r",
+        chart,
+        "--set",
+        "controller.serviceAccount.create=false",
+    ]);
+    assert!(
+        !ok && out.contains("controller.serviceAccount.name must name your own ServiceAccount"),
+        "{out}"
+    );
+}
+
+/// With `admissionWebhook.certManager.enabled`, cert-manager issues the webhook's certificate
+/// into the Secret the controller mounts, and injects its CA: the chart renders no key of its
+/// own, and the same every time (rendered here; no cert-manager runs in these tests).
+#[test]
+fn the_webhook_certificate_can_come_from_cert_manager() {
+    require_control_plane!();
+    let chart = chart_dir();
+    let chart = chart.to_str().unwrap();
+    let render = |extra: &[&str]| {
+        let mut args = vec!["template", "r", chart, "-n", "lh"];
+        for set in extra {
+            args.extend(["--set", set]);
+        }
+        helm_ok(&args)
+    };
+    let on = "admissionWebhook.certManager.enabled=true";
+    let text = render(&[on]);
+    assert_eq!(text, render(&[on]), "two renders differ");
+    let docs = documents(&text);
+    let kind = |k: &str| {
+        docs.iter()
+            .filter(|d| d["kind"] == k)
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        kind("Secret")
+            .iter()
+            .all(|d| d["type"] != "kubernetes.io/tls"),
+        "the chart made a key pair of its own"
+    );
+    let cert = &kind("Certificate")[0];
+    assert_eq!(cert["spec"]["secretName"], "r-leasehold-admission-tls");
+    assert_eq!(
+        cert["spec"]["issuerRef"]["name"],
+        "r-leasehold-admission-selfsigned"
+    );
+    let names = cert["spec"]["dnsNames"].as_array().unwrap();
+    assert!(
+        names.contains(&json!("r-leasehold-admission.lh.svc")),
+        "{cert}"
+    );
+    assert_eq!(kind("Issuer")[0]["spec"], json!({"selfSigned": {}}));
+    let webhook = &kind("ValidatingWebhookConfiguration")[0];
+    assert_eq!(
+        webhook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+        "lh/r-leasehold-admission"
+    );
+    assert!(
+        webhook["webhooks"][0]["clientConfig"]
+            .get("caBundle")
+            .is_none(),
+        "{webhook}"
+    );
+    // An issuer of one's own: no self-signed one.
+    let docs = documents(&render(&[
+        on,
+        "admissionWebhook.certManager.issuerRef.name=corp-ca",
+        "admissionWebhook.certManager.issuerRef.kind=ClusterIssuer",
+    ]));
+    assert!(!docs.iter().any(|d| d["kind"] == "Issuer"));
+    let cert = docs.iter().find(|d| d["kind"] == "Certificate").unwrap();
+    assert_eq!(
+        cert["spec"]["issuerRef"],
+        json!({"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"})
     );
 }
 

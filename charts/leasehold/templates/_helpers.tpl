@@ -36,7 +36,14 @@ app.kubernetes.io/component: controller
 
 {{/* The controller's ServiceAccount. */}}
 {{- define "leasehold.controllerServiceAccount" -}}
+{{- $sa := .Values.controller.serviceAccount }}
+{{- if $sa.name }}
+{{- $sa.name }}
+{{- else if or (not (hasKey $sa "create")) $sa.create }}
 {{- printf "%s-controller" (include "leasehold.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- fail "controller.serviceAccount.name must name your own ServiceAccount when controller.serviceAccount.create is false" }}
+{{- end }}
 {{- end }}
 
 {{/* The Service the API server calls the admission webhook through. */}}
