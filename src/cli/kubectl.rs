@@ -2,8 +2,13 @@
 
 use leasehold_core::crd;
 
-use super::{clients, namespace_or_default};
+use anyhow::{bail, Context as _};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use leasehold_kube::api::Clients;
+
+use super::{check_dns_label, clients, namespace_or_default};
 use crate::plugin;
+use crate::plugin::select::{Format, Selection};
 
 /// List LeasedJobs with queue, phase, attempt, holder, last heartbeat, time until the lease
 /// runs out, and the progress their worker reported (`kubectl leasehold get`).
@@ -13,18 +18,114 @@ pub struct GetArgs {
     names: Vec<String>,
     #[command(flatten)]
     scope: ScopeArgs,
+    #[command(flatten)]
+    select: SelectArgs,
+    /// Output format: `wide` (the table with priority, concurrency key, lease and
+    /// maxAttempts), `json` or `yaml` (the jobs as a v1 List, as `kubectl get -o json`).
+    #[arg(short = 'o', long, value_enum)]
+    output: Option<Format>,
     /// After listing, keep watching: print a job's row again each time it or its Lease
-    /// changes (every heartbeat).
-    #[arg(short = 'w', long)]
+    /// changes (every heartbeat). Prints the table only.
+    #[arg(short = 'w', long, conflicts_with = "output")]
     watch: bool,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+}
+
+/// Which jobs, when not named: every condition given must hold; the API server selects.
+#[derive(clap::Args)]
+pub struct SelectArgs {
+    /// Label selector, as kubectl takes it (e.g. `team=media,tier!=batch`).
+    #[arg(short = 'l', long = "selector", value_name = "SELECTOR")]
+    labels: Option<String>,
+    /// Only the jobs of this queue (spec.queue).
+    #[arg(long)]
+    queue: Option<String>,
+    /// Only the jobs in this phase: Queued, Leased, Succeeded, Failed or Cancelled.
+    #[arg(long, value_parser = plugin::select::parse_phase)]
+    phase: Option<crd::Phase>,
+}
+
+impl SelectArgs {
+    /// The selection, its queue checked.
+    fn selection(self) -> anyhow::Result<Selection> {
+        if let Some(q) = &self.queue {
+            check_dns_label("--queue", q)?;
+        }
+        if let Some(l) = &self.labels {
+            if l.trim().is_empty() {
+                bail!("--selector is empty: give a label selector such as team=media");
+            }
+        }
+        Ok(Selection {
+            labels: self.labels,
+            queue: self.queue,
+            phase: self.phase,
+        })
+    }
+}
+
+/// Which cluster: the kubeconfig and context to use instead of the standard ones (KUBECONFIG
+/// or ~/.kube/config, its current context; then the in-cluster service account).
+#[derive(clap::Args)]
+pub struct ClusterArgs {
+    /// Path of the kubeconfig file to use.
+    #[arg(long, value_name = "PATH")]
+    kubeconfig: Option<std::path::PathBuf>,
+    /// The kubeconfig context to use.
+    #[arg(long, value_name = "NAME")]
+    context: Option<String>,
+}
+
+impl ClusterArgs {
+    /// Clients for the cluster these flags name.
+    async fn clients(&self) -> anyhow::Result<Clients> {
+        if self.kubeconfig.is_none() && self.context.is_none() {
+            return clients().await;
+        }
+        let kubeconfig = match &self.kubeconfig {
+            Some(path) => Kubeconfig::read_from(path)
+                .with_context(|| format!("--kubeconfig {}: cannot read it", path.display()))?,
+            None => Kubeconfig::read()
+                .context("reading the kubeconfig (KUBECONFIG, or ~/.kube/config) for --context")?,
+        };
+        if let Some(context) = &self.context {
+            if !kubeconfig.contexts.iter().any(|c| &c.name == context) {
+                let known: Vec<&str> = kubeconfig
+                    .contexts
+                    .iter()
+                    .map(|c| c.name.as_str())
+                    .collect();
+                bail!(
+                    "--context {context:?}: the kubeconfig has no such context (it has: {})",
+                    if known.is_empty() {
+                        "none".to_string()
+                    } else {
+                        known.join(", ")
+                    }
+                );
+            }
+        }
+        let options = KubeConfigOptions {
+            context: self.context.clone(),
+            ..KubeConfigOptions::default()
+        };
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
+            .await
+            .context("building a client from the kubeconfig")?;
+        Ok(Clients::from_config(config)?)
+    }
 }
 
 /// Give a Failed or Cancelled LeasedJob a new attempt, keeping its failures, checkpoint and
 /// attempt count (`kubectl leasehold retry`).
 #[derive(clap::Args)]
 pub struct RetryArgs {
-    /// The job's name.
-    name: String,
+    /// The job's name; or select jobs with -l, --queue or --phase (each Failed or Cancelled
+    /// one of them is retried).
+    name: Option<String>,
+    #[command(flatten)]
+    select: SelectArgs,
     /// Namespace of the job (default: the kubeconfig's).
     #[arg(short = 'n', long)]
     namespace: Option<String>,
@@ -32,17 +133,24 @@ pub struct RetryArgs {
     /// far plus this, when it is lower.
     #[arg(long, default_value_t = 1)]
     attempts: i32,
+    #[command(flatten)]
+    cluster: ClusterArgs,
 }
 
 /// Cancel a LeasedJob: set spec.cancel, for the controller to end it (`kubectl leasehold
 /// cancel`).
 #[derive(clap::Args)]
 pub struct CancelArgs {
-    /// The job's name.
-    name: String,
+    /// The job's name; or select jobs with -l, --queue or --phase (each one of them not
+    /// finished yet is cancelled).
+    name: Option<String>,
+    #[command(flatten)]
+    select: SelectArgs,
     /// Namespace of the job (default: the kubeconfig's).
     #[arg(short = 'n', long)]
     namespace: Option<String>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
 }
 
 /// Stop new claims of a queue: set spec.paused of its LeasedQueue, creating it if need be
@@ -54,6 +162,8 @@ pub struct QueueArgs {
     /// Namespace of the queue (default: the kubeconfig's).
     #[arg(short = 'n', long)]
     namespace: Option<String>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
 }
 
 /// Which namespaces `get` looks at.
@@ -75,9 +185,13 @@ pub async fn get(args: GetArgs) -> anyhow::Result<()> {
     let GetArgs {
         names,
         scope,
+        select,
+        output,
         watch,
+        cluster,
     } = args;
-    let clients = clients().await?;
+    let selection = select.selection()?;
+    let clients = cluster.clients().await?;
     let scope = if scope.all_namespaces {
         plugin::Scope::All
     } else {
@@ -85,9 +199,10 @@ pub async fn get(args: GetArgs) -> anyhow::Result<()> {
     };
     let mut out = std::io::stdout().lock();
     if watch {
-        plugin::watch(&clients, &scope, &names, &mut out).await?;
+        plugin::watch(&clients, &scope, &names, &selection, &mut out).await?;
     } else {
-        plugin::get(&clients, &scope, &names, &mut out).await?;
+        let format = output.unwrap_or_default();
+        plugin::get(&clients, &scope, &names, &selection, format, &mut out).await?;
     }
     Ok(())
 }
@@ -99,46 +214,170 @@ pub async fn get(args: GetArgs) -> anyhow::Result<()> {
 pub async fn retry(args: RetryArgs) -> anyhow::Result<()> {
     let RetryArgs {
         name,
+        select,
         namespace,
         attempts,
+        cluster,
     } = args;
-    let clients = clients().await?;
+    let target = Target::of(name, select)?;
+    let clients = cluster.clients().await?;
     let ns = namespace_or_default(&clients, namespace)?;
-    let job = plugin::retry(&clients, &ns, &name, attempts).await?;
-    println!(
-        "LeasedJob {} retried: Queued; its next claim is attempt {} (failed attempts so far: {}, maxAttempts {})",
-        job.reference(),
-        job.attempt() + 1,
-        job.failed_attempts(),
-        job.spec
-            .max_attempts
-            .unwrap_or_else(|| job.policy().max_attempts)
-    );
-    Ok(())
+    let names = target.names(&clients, &ns).await?;
+    let mut tally = Tally::default();
+    for name in &names {
+        match plugin::retry(&clients, &ns, name, attempts).await {
+            Ok(job) => {
+                tally.done += 1;
+                println!(
+                    "LeasedJob {} retried: Queued; its next claim is attempt {} (failed attempts so far: {}, maxAttempts {})",
+                    job.reference(),
+                    job.attempt() + 1,
+                    job.failed_attempts(),
+                    job.spec
+                        .max_attempts
+                        .unwrap_or_else(|| job.policy().max_attempts)
+                );
+            }
+            Err(plugin::PluginError::NotRetryable(e)) if target.is_selection() => {
+                tally.skipped += 1;
+                println!("LeasedJob {ns}/{name} skipped: {e}");
+            }
+            Err(e) => tally.failed(&target, e)?,
+        }
+    }
+    tally.finish(&target, &ns, "retried", "not Failed or Cancelled")
 }
 
-/// Cancels a job and says what happens next.
+/// Cancels a job, or the jobs selected, and says what happens next.
 ///
 /// # Errors
 /// Bad flags, an unreachable API server, or the API server's refusal, with the job named.
 pub async fn cancel(args: CancelArgs) -> anyhow::Result<()> {
-    let CancelArgs { name, namespace } = args;
-    let clients = clients().await?;
+    let CancelArgs {
+        name,
+        select,
+        namespace,
+        cluster,
+    } = args;
+    let target = Target::of(name, select)?;
+    let clients = cluster.clients().await?;
     let ns = namespace_or_default(&clients, namespace)?;
-    let job = plugin::cancel(&clients, &ns, &name).await?;
-    match job.phase() {
-        crd::Phase::Cancelled => println!("LeasedJob {} is Cancelled", job.reference()),
-        crd::Phase::Leased => println!(
-            "LeasedJob {} cancel requested: the controller ends it now; its holder {} is told at its next heartbeat",
-            job.reference(),
-            job.status.as_ref().and_then(|s| s.holder.as_deref()).unwrap_or("-")
-        ),
-        phase => println!(
-            "LeasedJob {} cancel requested ({phase}): the controller ends it now",
-            job.reference()
-        ),
+    let names = target.names(&clients, &ns).await?;
+    let mut tally = Tally::default();
+    for name in &names {
+        let job = match plugin::cancel(&clients, &ns, name).await {
+            Ok(job) => job,
+            Err(plugin::PluginError::Finished { job, phase }) if target.is_selection() => {
+                tally.skipped += 1;
+                println!("LeasedJob {job} skipped: already {phase}");
+                continue;
+            }
+            Err(e) => {
+                tally.failed(&target, e)?;
+                continue;
+            }
+        };
+        tally.done += 1;
+        match job.phase() {
+            crd::Phase::Cancelled => println!("LeasedJob {} is Cancelled", job.reference()),
+            crd::Phase::Leased => println!(
+                "LeasedJob {} cancel requested: the controller ends it now; its holder {} is told at its next heartbeat",
+                job.reference(),
+                job.status.as_ref().and_then(|s| s.holder.as_deref()).unwrap_or("-")
+            ),
+            phase => println!(
+                "LeasedJob {} cancel requested ({phase}): the controller ends it now",
+                job.reference()
+            ),
+        }
     }
-    Ok(())
+    tally.finish(&target, &ns, "cancelled", "already finished")
+}
+
+/// The jobs a `retry` or `cancel` acts on: one named, or those a selection picks.
+enum Target {
+    Named(String),
+    Selected(Selection),
+}
+
+impl Target {
+    /// A name or a selection, not both, not neither.
+    fn of(name: Option<String>, select: SelectArgs) -> anyhow::Result<Target> {
+        let selection = select.selection()?;
+        match (name, selection.is_empty()) {
+            (Some(_), false) => bail!(
+                "give a job's name or select jobs with -l, --queue or --phase, not both ({})",
+                selection.describe()
+            ),
+            (Some(name), true) => Ok(Target::Named(name)),
+            (None, false) => Ok(Target::Selected(selection)),
+            (None, true) => {
+                bail!("name a job, or select jobs with -l, --queue or --phase")
+            }
+        }
+    }
+
+    fn is_selection(&self) -> bool {
+        matches!(self, Target::Selected(_))
+    }
+
+    /// The names to act on, in namespace `ns`.
+    async fn names(&self, clients: &Clients, ns: &str) -> anyhow::Result<Vec<String>> {
+        match self {
+            Target::Named(name) => Ok(vec![name.clone()]),
+            Target::Selected(selection) => Ok(plugin::selected(clients, ns, selection).await?),
+        }
+    }
+}
+
+/// What a `retry` or `cancel` of several jobs came to.
+#[derive(Default)]
+struct Tally {
+    done: usize,
+    skipped: usize,
+    failures: usize,
+}
+
+impl Tally {
+    /// One job's failure: the error itself for a named job; printed and counted for a
+    /// selection, whose other jobs go on.
+    fn failed(&mut self, target: &Target, e: plugin::PluginError) -> anyhow::Result<()> {
+        if !target.is_selection() {
+            return Err(e.into());
+        }
+        self.failures += 1;
+        eprintln!("error: {e}");
+        Ok(())
+    }
+
+    /// The summary line of a selection; an error when any job failed.
+    fn finish(self, target: &Target, ns: &str, done: &str, skipped: &str) -> anyhow::Result<()> {
+        let Target::Selected(selection) = target else {
+            return Ok(());
+        };
+        let total = self.done + self.skipped + self.failures;
+        if total == 0 {
+            println!(
+                "No LeasedJobs in namespace {ns} match ({})",
+                selection.describe()
+            );
+            return Ok(());
+        }
+        println!(
+            "{total} LeasedJobs matched ({}): {} {done}, {} skipped ({skipped}), {} failed",
+            selection.describe(),
+            self.done,
+            self.skipped,
+            self.failures
+        );
+        if self.failures > 0 {
+            bail!(
+                "{} of {total} LeasedJobs could not be {done}",
+                self.failures
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Pauses (`paused`) or resumes a queue and says what that means.
@@ -146,8 +385,12 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<()> {
 /// # Errors
 /// Bad flags, an unreachable API server, or the API server's refusal, with the queue named.
 pub async fn set_paused(args: QueueArgs, paused: bool) -> anyhow::Result<()> {
-    let QueueArgs { queue, namespace } = args;
-    let clients = clients().await?;
+    let QueueArgs {
+        queue,
+        namespace,
+        cluster,
+    } = args;
+    let clients = cluster.clients().await?;
     let ns = namespace_or_default(&clients, namespace)?;
     match plugin::queue::set_paused(&clients, &ns, &queue, paused).await? {
         plugin::queue::Outcome::NoObject => println!(

@@ -14,6 +14,7 @@
 
 pub mod queue;
 pub mod retry;
+pub mod select;
 pub mod view;
 
 use std::collections::HashMap;
@@ -32,6 +33,7 @@ use leasehold_core::crd::{LeasedJob, Phase, MANAGED_BY, MANAGED_BY_LABEL};
 use leasehold_core::lease;
 use leasehold_core::Category;
 use leasehold_kube::api::{error_chain, is_status, Clients};
+use select::{Format, Selection};
 use view::Row;
 
 /// Errors of the plugin's commands.
@@ -164,14 +166,33 @@ pub async fn get(
     clients: &Clients,
     scope: &Scope,
     names: &[String],
+    selection: &Selection,
+    format: Format,
     out: &mut impl Write,
 ) -> Result<(), PluginError> {
     let jobs_api: Api<LeasedJob> = scope.api(&clients.requests);
     let leases_api: Api<Lease> = scope.api(&clients.requests);
     let jobs = jobs_api
-        .list(&ListParams::default())
+        .list(&selection.list_params())
         .await
         .map_err(|e| api_error("listing LeasedJobs", &e))?;
+    if matches!(format, Format::Json | Format::Yaml) {
+        let mut chosen: Vec<&LeasedJob> = jobs
+            .items
+            .iter()
+            .filter(|j| names.is_empty() || names.contains(&j.name_any()))
+            .collect();
+        chosen.sort_by_key(|j| (j.namespace(), j.name_any()));
+        let list = select::as_list(&chosen);
+        let text = match format {
+            Format::Json => {
+                serde_json::to_string_pretty(&list).map_err(std::io::Error::other)? + "\n"
+            }
+            _ => serde_yaml::to_string(&list).map_err(std::io::Error::other)?,
+        };
+        out.write_all(text.as_bytes())?;
+        return Ok(());
+    }
     let leases = leases_api
         .list(&ListParams::default().labels(&managed_leases()))
         .await
@@ -190,8 +211,19 @@ pub async fn get(
         }
         return Ok(());
     }
-    let mut lines = vec![view::header(with_ns)];
-    lines.extend(rows.iter().map(|r| r.cells(with_ns)));
+    let wide = format == Format::Wide;
+    let mut lines = vec![if wide {
+        view::wide_header(with_ns)
+    } else {
+        view::header(with_ns)
+    }];
+    lines.extend(rows.iter().map(|r| {
+        if wide {
+            r.wide_cells(with_ns)
+        } else {
+            r.cells(with_ns)
+        }
+    }));
     out.write_all(view::table(&lines).as_bytes())?;
     Ok(())
 }
@@ -212,11 +244,12 @@ pub async fn watch(
     clients: &Clients,
     scope: &Scope,
     names: &[String],
+    selection: &Selection,
     out: &mut impl Write,
 ) -> Result<(), PluginError> {
     let jobs_api: Api<LeasedJob> = scope.api(&clients.watches);
     let leases_api: Api<Lease> = scope.api(&clients.watches);
-    let job_events = watcher(jobs_api, watcher::Config::default())
+    let job_events = watcher(jobs_api, selection.watcher_config())
         .default_backoff()
         .map(|e| e.map(|e| Change::Job(Box::new(e))));
     let lease_events = watcher(
@@ -407,4 +440,28 @@ pub async fn cancel(
         &job,
         "cancelled",
     )
+}
+
+/// The names of the jobs of namespace `namespace` that `selection` picks, sorted.
+///
+/// # Errors
+/// [`PluginError::Api`] when they cannot be listed.
+pub async fn selected(
+    clients: &Clients,
+    namespace: &str,
+    selection: &Selection,
+) -> Result<Vec<String>, PluginError> {
+    let api: Api<LeasedJob> = Api::namespaced(clients.requests.clone(), namespace);
+    let jobs = api.list(&selection.list_params()).await.map_err(|e| {
+        api_error(
+            format!(
+                "listing the LeasedJobs of namespace {namespace} ({})",
+                selection.describe()
+            ),
+            &e,
+        )
+    })?;
+    let mut names: Vec<String> = jobs.items.iter().map(ResourceExt::name_any).collect();
+    names.sort();
+    Ok(names)
 }

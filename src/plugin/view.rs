@@ -38,6 +38,13 @@ pub struct Row {
     /// past (Leased only). The controller judges expiry on its own clock, from when it saw the
     /// renewal (docs/protocol.md, Expiry), so this is a guide.
     pub expires_in: Option<i64>,
+    /// spec.priority (`-o wide`).
+    pub priority: i32,
+    /// spec.concurrencyKey, or empty (`-o wide`).
+    pub key: String,
+    /// The lease duration and maxAttempts the latest claim recorded (status.policy), when it
+    /// recorded one (`-o wide`).
+    pub policy: Option<(i32, i32)>,
 }
 
 impl Row {
@@ -84,7 +91,29 @@ impl Row {
             progress,
             heartbeat_age,
             expires_in,
+            priority: job.spec.priority,
+            key: job.spec.concurrency_key.clone().unwrap_or_default(),
+            policy: job
+                .status
+                .as_ref()
+                .and_then(|s| s.policy.as_ref())
+                .map(|p| (p.lease_duration_seconds, p.max_attempts)),
         }
+    }
+
+    /// The cells of `-o wide`: [`Row::cells`], then priority, concurrency key, and the lease
+    /// and maxAttempts of the latest attempt ([`wide_header`] order).
+    pub fn wide_cells(&self, with_namespace: bool) -> Vec<String> {
+        let mut cells = self.cells(with_namespace);
+        cells.extend([
+            self.priority.to_string(),
+            dash_if_empty(&self.key),
+            self.policy
+                .map_or_else(|| "-".into(), |(lease, _)| format!("{lease}s")),
+            self.policy
+                .map_or_else(|| "-".into(), |(_, attempts)| attempts.to_string()),
+        ]);
+        cells
     }
 
     /// The cells of the row, in [`header`] order (with or without the namespace column).
@@ -139,6 +168,13 @@ pub fn header(with_namespace: bool) -> Vec<String> {
         "PROGRESS",
     ]);
     h.into_iter().map(str::to_string).collect()
+}
+
+/// The header of `-o wide`: [`header`], then the columns [`Row::wide_cells`] adds.
+pub fn wide_header(with_namespace: bool) -> Vec<String> {
+    let mut h = header(with_namespace);
+    h.extend(["PRIORITY", "KEY", "LEASE", "MAX-ATTEMPTS"].map(str::to_string));
+    h
 }
 
 /// Lays `rows` (the header first) out in columns separated by three spaces, as kubectl does;

@@ -50,7 +50,7 @@ impl Known {
         match self {
             Known::Unknown => None,
             Known::Absent => Some(false),
-            Known::Present(q) => Some(q.is_paused() || !leasehold_core::slots::adopted(q)),
+            Known::Present(q) => Some(q.is_paused()),
         }
     }
 

@@ -1,0 +1,168 @@
+//! `kubectl leasehold` choosing its cluster and its jobs, against the real control plane:
+//! `--kubeconfig` and `--context`; `get` filtered by `--queue`, `--phase` and `-l` (the API
+//! server selects) and printed `-o json|yaml|wide`; `retry` and `cancel` of every job a
+//! selection picks; bad flags refused, naming the flag and the rule.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kube::Api;
+use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_testkit::*;
+use serde_json::{json, Value};
+
+/// A kubeconfig whose current context points at a server nobody listens on, beside the
+/// test control plane's context `leasehold-local`: a command that reaches the control plane
+/// with it used `--context`.
+fn two_context_kubeconfig() -> PathBuf {
+    let read = kube::config::Kubeconfig::read_from(kubeconfig_path()).unwrap();
+    let mut config: Value = serde_json::to_value(read).unwrap();
+    let clusters = config["clusters"].as_array_mut().unwrap();
+    clusters.push(json!({"name": "nowhere", "cluster": {"server": "https://127.0.0.1:9"}}));
+    let contexts = config["contexts"].as_array_mut().unwrap();
+    contexts.push(json!({"name": "nowhere", "context": {"cluster": "nowhere", "user": "admin"}}));
+    config["current-context"] = json!("nowhere");
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("plugin-two-contexts.kubeconfig");
+    std::fs::write(&path, serde_yaml::to_string(&config).unwrap()).unwrap();
+    path
+}
+
+/// `leasehold ARGS` (the plugin's commands), with the test kubeconfig in KUBECONFIG.
+fn leasehold(args: &[&str]) -> (bool, String) {
+    run(&leasehold_bin(), args, "", &[])
+}
+
+fn names_in(list: &Value) -> Vec<String> {
+    list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["metadata"]["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn the_plugin_selects_its_cluster_and_its_jobs() {
+    let Fixture { client, ns } = fixture!("plugin-select");
+    let _controller = controller(&ns.name);
+    let n = ns.name.as_str();
+    for (name, queue, labels) in [
+        ("a-1", "a", json!({"team": "x"})),
+        ("a-2", "a", json!({})),
+        ("b-1", "b", json!({"team": "x"})),
+    ] {
+        create_job(
+            &client,
+            n,
+            json!({"metadata": {"name": name, "labels": labels},
+                   "spec": {"queue": queue, "priority": 7}}),
+        )
+        .await;
+    }
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), n);
+    wait_for("every job Queued", Duration::from_secs(30), || async {
+        let list = jobs.list(&Default::default()).await.ok()?;
+        list.items
+            .iter()
+            .all(|j| j.status.as_ref().and_then(|s| s.phase) == Some(Phase::Queued))
+            .then_some(())
+    })
+    .await;
+
+    // The cluster: --kubeconfig and --context, not the kubeconfig's current context.
+    let file = two_context_kubeconfig();
+    let file = file.to_str().unwrap();
+    let (ok, out) = leasehold(&[
+        "get",
+        "-n",
+        n,
+        "--kubeconfig",
+        file,
+        "--context",
+        "leasehold-local",
+        "-o",
+        "json",
+    ]);
+    assert!(ok, "{out}");
+    let list: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(list["kind"], "List");
+    assert_eq!(names_in(&list), ["a-1", "a-2", "b-1"]);
+    assert_eq!(list["items"][0]["kind"], "LeasedJob");
+    let (ok, out) = leasehold(&["get", "-n", n, "--kubeconfig", file]);
+    assert!(!ok, "the current context (nowhere) answered: {out}");
+    let (ok, out) = leasehold(&["get", "-n", n, "--kubeconfig", file, "--context", "gone"]);
+    assert!(
+        !ok && out.contains("--context \"gone\"") && out.contains("leasehold-local, nowhere"),
+        "{out}"
+    );
+
+    // The jobs: the API server selects by queue, phase and labels.
+    let json_of = |args: &[&str]| -> Vec<String> {
+        let mut all = vec!["get", "-n", n, "-o", "json"];
+        all.extend_from_slice(args);
+        let (ok, out) = leasehold(&all);
+        assert!(ok, "{all:?}: {out}");
+        names_in(&serde_json::from_str(&out).unwrap())
+    };
+    assert_eq!(json_of(&["--queue", "a"]), ["a-1", "a-2"]);
+    assert_eq!(json_of(&["-l", "team=x"]), ["a-1", "b-1"]);
+    assert_eq!(json_of(&["--queue", "a", "-l", "team=x"]), ["a-1"]);
+    assert_eq!(json_of(&["--phase", "Queued", "--queue", "b"]), ["b-1"]);
+    assert!(json_of(&["--phase", "Failed"]).is_empty());
+    let (ok, out) = leasehold(&["get", "-n", n, "-o", "yaml", "--queue", "b"]);
+    assert!(
+        ok && out.contains("kind: List") && out.contains("name: b-1"),
+        "{out}"
+    );
+    let (ok, out) = leasehold(&["get", "-n", n, "-o", "wide", "--queue", "b"]);
+    assert!(ok, "{out}");
+    let header = out.lines().next().unwrap();
+    assert!(
+        header.contains("PRIORITY") && header.contains("KEY") && header.contains("MAX-ATTEMPTS"),
+        "{out}"
+    );
+    assert!(out.lines().nth(1).unwrap().contains(" 7 "), "{out}");
+
+    // Cancel, then retry, every job a selection picks.
+    let (ok, out) = leasehold(&["cancel", "-n", n, "--queue", "a"]);
+    assert!(
+        ok && out.contains("2 LeasedJobs matched (queue a): 2 cancelled"),
+        "{out}"
+    );
+    wait_for("a's jobs Cancelled", Duration::from_secs(30), || async {
+        (json_of(&["--phase", "Cancelled"]) == ["a-1", "a-2"]).then_some(())
+    })
+    .await;
+    let (ok, out) = leasehold(&["retry", "-n", n, "-l", "team=x"]);
+    assert!(
+        ok && out.contains("2 LeasedJobs matched (label selector team=x): 1 retried, 1 skipped"),
+        "b-1 is Queued, not retried: {out}"
+    );
+    assert_eq!(json_of(&["--phase", "Cancelled"]), ["a-2"]);
+    let (ok, out) = leasehold(&["retry", "-n", n, "--queue", "nothing-here"]);
+    assert!(ok && out.contains("No LeasedJobs in namespace"), "{out}");
+
+    // Bad flags: named, with the rule.
+    for (args, says) in [
+        (
+            vec!["cancel", "-n", n],
+            "name a job, or select jobs with -l, --queue or --phase",
+        ),
+        (vec!["cancel", "-n", n, "a-1", "--queue", "a"], "not both"),
+        (
+            vec!["get", "-n", n, "--phase", "done"],
+            "--phase \"done\" is not a phase",
+        ),
+        (
+            vec!["get", "-n", n, "--queue", "Not_A_Label"],
+            "--queue \"Not_A_Label\" is not a DNS label",
+        ),
+        (
+            vec!["get", "-n", n, "-o", "wide", "-w"],
+            "cannot be used with",
+        ),
+    ] {
+        let (ok, out) = leasehold(&args);
+        assert!(!ok && out.contains(says), "{args:?}: {out}");
+    }
+}
