@@ -167,8 +167,9 @@ pub async fn run(
                 workers
                     .iter()
                     .all(|w| {
-                        w.queue_object()
-                            .is_some_and(|q| q.spec.limits() && leasehold_core::slots::adopted(&q))
+                        w.queue_object().is_some_and(|q| {
+                            q.spec.limits() && leasehold_core::adoption::adopted(&q)
+                        })
                     })
                     .then_some(())
             },

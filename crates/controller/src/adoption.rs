@@ -1,83 +1,119 @@
 //! The leader's adoption of the jobs Leased before a limit existed
 //! ([`leasehold_kube::adopt`]): on every status pass, each LeasedQueue that sets a limit has
-//! its Leased jobs (from the controller's cache) checked against its slots, and each one no
-//! slot counts is given one. A pass that leaves every job counted confirms the queue's limits
+//! its Leased jobs checked against its slots, and each one no slot counts is given one; slots
+//! above a limit are tidied. A pass that leaves every job counted confirms the queue's limits
 //! in its status (`slotsAdopted`), which lets sidecars claim under them.
+//!
+//! The Leased jobs are listed afresh from the API server for each pass (a consistent read,
+//! made after the LeasedQueue was seen with its limits), not taken from the controller's
+//! cache: the cache's watch and the LeasedQueue's are separate streams, and a job whose claim
+//! the cache had not brought yet would be missed. The confirmation is written only by a pass
+//! that found every job counted, by a patch conditional on the LeasedQueue's resourceVersion
+//! the pass read, so that a pass on a stale copy writes nothing. A LeasedQueue seen without
+//! limits has its confirmation removed at once ([`clear`]), so that limits set again wait for
+//! an adoption of their own.
 //!
 //! Passes go on after the confirmation: a job claimed without a slot by a sidecar that had
 //! not seen the limit yet is adopted at the next one (docs/protocol.md, "Limits").
 
-use std::collections::HashMap;
-use std::sync::Arc;
-
 use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt};
+use serde_json::json;
 use tracing::{info, warn};
 
 use super::Context;
-use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::adoption;
+use leasehold_core::crd::LeasedJob;
 use leasehold_core::queue::LeasedQueue;
-use leasehold_core::slots;
+use leasehold_kube::api::{error_chain, is_status};
 
-/// What a pass found for each of `queues`, in order: `Some(value)` for `status.slotsAdopted`
-/// when the queue sets limits and every Leased job of it is counted by its slots now, `None`
-/// otherwise (no limits, or not confirmed in this pass). Writes only while this replica leads.
-pub(super) async fn pass(ctx: &Context, queues: &[Arc<LeasedQueue>]) -> Vec<Option<String>> {
-    let mut out = vec![None; queues.len()];
-    // namespace -> queue -> index, for the queues that set a limit.
-    let mut index: HashMap<&str, HashMap<&str, usize>> = HashMap::new();
-    for (i, q) in queues.iter().enumerate() {
-        if let (Some(_), Some(ns), Some(name)) = (
-            slots::adoption_of(q),
-            q.metadata.namespace.as_deref(),
-            q.metadata.name.as_deref(),
-        ) {
-            index.entry(ns).or_default().insert(name, i);
+/// Adopts the Leased jobs of `q` (a LeasedQueue that sets limits) and tidies its slots; when
+/// every Leased job is counted and the status does not say so yet, writes `slotsAdopted`
+/// conditional on `q`'s resourceVersion. Writes only while this replica leads; failures are
+/// logged and the next pass tries again.
+pub(super) async fn pass(ctx: &Context, q: &LeasedQueue) {
+    let Some(wanted) = adoption::adoption_of(q) else {
+        return;
+    };
+    if !ctx.leadership.is_leader() {
+        return;
+    }
+    let ns = q.namespace().unwrap_or_default();
+    let name = q.name_any();
+    let queue = format!("{ns}/{name}");
+    let leases: Api<Lease> = Api::namespaced(ctx.client.clone(), &ns);
+    let jobs: Api<LeasedJob> = Api::namespaced(ctx.client.clone(), &ns);
+    let params = ListParams::default().fields(&format!("spec.queue={name},status.phase=Leased"));
+    let leased = match jobs.list(&params).await {
+        Ok(list) => list.items,
+        Err(e) => {
+            warn!(queue = %queue, error = %error_chain(&e), "Listing the Leased jobs of queue {queue} failed; its new limits allow no claim until a pass succeeds; retrying");
+            return;
         }
-    }
-    if index.is_empty() {
-        return out;
-    }
-    let mut leased: Vec<Vec<LeasedJob>> = vec![Vec::new(); queues.len()];
+    };
+    let done = match leasehold_kube::adopt::adopt(&leases, &jobs, q, &leased, &ctx.field_manager)
+        .await
     {
-        let jobs = ctx.jobs.lock().unwrap();
-        for (key, record) in jobs.records() {
-            if record.phase() != Phase::Leased {
-                continue;
-            }
-            let found = index
-                .get(&*key.namespace)
-                .and_then(|q| q.get(record.queue()));
-            if let (Some(&i), Some(job)) = (found, jobs.job(key)) {
-                leased[i].push(job);
-            }
+        Ok(done) => done,
+        Err(e) => {
+            warn!(queue = %queue, error = %error_chain(&e), "Giving slots to the Leased jobs of queue {queue} failed; its new limits allow no claim until a pass succeeds; retrying");
+            return;
+        }
+    };
+    if done.adopted > 0 || done.moved > 0 {
+        info!(queue = %queue, adopted = done.adopted, moved = done.moved, "Queue {queue}: gave slots to {} Leased jobs that held none (Leased before its limit, or by a sidecar that had not seen it), moved {} below the limit", done.adopted, done.moved);
+    }
+    let confirmed = q.status.as_ref().and_then(|s| s.slots_adopted.as_deref());
+    if !done.complete || confirmed == Some(&*wanted) || !ctx.leadership.is_leader() {
+        return;
+    }
+    let patch = json!({
+        "metadata": {"resourceVersion": q.metadata.resource_version},
+        "status": {"slotsAdopted": wanted},
+    });
+    match write(ctx, &ns, &name, &patch).await {
+        Ok(()) => {
+            info!(queue = %queue, "Queue {queue}: every Leased job holds a slot of its limits; claims under them go on")
+        }
+        // The LeasedQueue changed since this pass read it: the next pass judges the new one.
+        Err(e) if is_status(&e, 409) || is_status(&e, 404) => {}
+        Err(e) => {
+            warn!(queue = %queue, error = %error_chain(&e), "Confirming the limits of queue {queue} failed; retrying")
         }
     }
-    for (i, q) in queues.iter().enumerate() {
-        let Some(wanted) = slots::adoption_of(q) else {
-            continue;
-        };
-        if !ctx.leadership.is_leader() {
-            break;
-        }
-        let ns = q.namespace().unwrap_or_default();
-        let leases: Api<Lease> = Api::namespaced(ctx.client.clone(), &ns);
-        let jobs: Api<LeasedJob> = Api::namespaced(ctx.client.clone(), &ns);
-        let queue = format!("{ns}/{}", q.name_any());
-        match leasehold_kube::adopt::adopt(&leases, &jobs, q, &leased[i], &ctx.field_manager).await
-        {
-            Ok(done) => {
-                if done.adopted > 0 {
-                    info!(queue = %queue, adopted = done.adopted, "Gave slots to {} Leased jobs of queue {queue} that held none (Leased before its limit, or by a sidecar that had not seen it)", done.adopted);
-                }
-                if done.complete {
-                    out[i] = Some(wanted);
-                }
-            }
-            Err(e) => {
-                warn!(queue = %queue, error = %leasehold_kube::api::error_chain(&e), "Giving slots to the Leased jobs of queue {queue} failed; its new limits allow no claim until a pass succeeds; retrying");
-            }
+}
+
+/// Removes the confirmation of `q`, a LeasedQueue seen without limits whose status still has
+/// one, whatever it became since (limits set again wait for a pass of their own: removing it
+/// only holds claims back until then). Only while this replica leads.
+pub(super) async fn clear(ctx: &Context, q: &LeasedQueue) {
+    let confirmed = q.status.as_ref().and_then(|s| s.slots_adopted.as_ref());
+    if adoption::adoption_of(q).is_some() || confirmed.is_none() || !ctx.leadership.is_leader() {
+        return;
+    }
+    let (ns, name) = (q.namespace().unwrap_or_default(), q.name_any());
+    let patch = json!({"status": {"slotsAdopted": null}});
+    if let Err(e) = write(ctx, &ns, &name, &patch).await {
+        if !is_status(&e, 404) {
+            warn!(queue = %format!("{ns}/{name}"), error = %error_chain(&e), "Removing the limits' confirmation of queue {ns}/{name} failed; the next pass retries");
         }
     }
-    out
+}
+
+/// A merge patch of the status of LeasedQueue `ns/name`.
+async fn write(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    patch: &serde_json::Value,
+) -> Result<(), kube::Error> {
+    let api: Api<LeasedQueue> = Api::namespaced(ctx.client.clone(), ns);
+    let params = PatchParams {
+        field_manager: Some(ctx.field_manager.clone()),
+        ..PatchParams::default()
+    };
+    api.patch_status(name, &params, &Patch::Merge(patch))
+        .await
+        .map(|_| ())
 }

@@ -4,9 +4,10 @@
 //! Event `Paused` or `Resumed` when its pause changes.
 //!
 //! While it leads it also gives slots to the jobs Leased before a queue's limit existed
-//! ([`crate::adoption`]) and confirms the limits in the status once they all hold one.
+//! ([`crate::adoption`]) and confirms the limits in the status once they all hold one (a
+//! write of its own: the status written here leaves `slotsAdopted` alone).
 //!
-//! Status writes: when a pause changes or new limits are confirmed, at once; otherwise when the counts changed, at most
+//! Status writes: when a pause changes, at once; otherwise when the counts changed, at most
 //! every [`STATUS_EVERY`] per queue, so that a busy queue costs the API server one write every
 //! few seconds, not one per job. A queue with no LeasedQueue costs nothing.
 
@@ -26,9 +27,9 @@ use tracing::{info, warn};
 
 use super::Context;
 use crate::dispatch::Dispatcher;
+use leasehold_core::adoption;
 use leasehold_core::dispatch::{Policy, QueueKey};
 use leasehold_core::queue::{self, LeasedQueue, LeasedQueueStatus, Member, Transition};
-use leasehold_core::slots;
 use leasehold_core::Category;
 use leasehold_kube::events::{EventType, Note};
 use leasehold_kube::recorder::Recorder;
@@ -84,8 +85,11 @@ async fn follow(
     while let Some(event) = stream.next().await {
         match event {
             Ok(watcher::Event::Apply(q)) | Ok(watcher::Event::InitApply(q)) => {
+                // Seen without limits: their confirmation goes now, from this very version,
+                // even if limits are set again before a pass reads the store.
+                crate::adoption::clear(&ctx, &q).await;
                 // A pause changed, or limits wait for their slots' adoption: a pass at once.
-                if queue::transition(&q).is_some() || !slots::adopted(&q) {
+                if queue::transition(&q).is_some() || !adoption::adopted(&q) {
                     due.notify_one();
                 }
             }
@@ -144,25 +148,20 @@ async fn report(store: Store<LeasedQueue>, ctx: Arc<Context>, due: Arc<Notify>) 
         }
         let queues = store.state();
         let now = Timestamp::now();
-        let mut statuses = statuses(&ctx, &queues, now);
+        let statuses = statuses(&ctx, &queues, now);
         reported = set_metrics(&ctx, &queues, &statuses, now, reported);
         if !ctx.leadership.is_leader() {
             continue;
-        }
-        // Limits are confirmed once every Leased job holds a slot; a queue without limits
-        // confirms none, so that limits set again wait for an adoption of their own.
-        let adopted = crate::adoption::pass(&ctx, &queues).await;
-        for ((q, status), adopted) in queues.iter().zip(&mut statuses).zip(adopted) {
-            if slots::adoption_of(q).is_none() {
-                status.slots_adopted = None;
-            } else if adopted.is_some() {
-                status.slots_adopted = adopted;
-            }
         }
         for (q, status) in queues.iter().zip(statuses) {
             if q.status.as_ref() != Some(&status) {
                 write_status(&ctx, q, &status).await;
             }
+        }
+        // Then the slots of the queues with limits, after every count and pause is written.
+        for q in &queues {
+            crate::adoption::clear(&ctx, q).await;
+            crate::adoption::pass(&ctx, q).await;
         }
     }
 }
@@ -291,7 +290,6 @@ async fn write_status(ctx: &Context, q: &LeasedQueue, status: &LeasedQueueStatus
             "atLimit": status.at_limit,
             "keysAtLimit": status.keys_at_limit,
             "keysAtLimitShown": status.keys_at_limit_shown,
-            "slotsAdopted": status.slots_adopted,
         }
     });
     let params = PatchParams {

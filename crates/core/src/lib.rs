@@ -17,6 +17,7 @@
 //! - [`claim_index`]: a queue's claimable jobs in claim order, kept from watch events.
 //! - [`dispatch`]: which waiting job the dispatcher offers to which waiting worker.
 //! - [`slots`]: the slots that make a queue's limits exact.
+//! - [`adoption`]: the jobs Leased before a limit, counted by slots before it allows a claim.
 //! - [`share`]: which job a claimer tries, so that the claimers of a queue do not race.
 //! - [`fence`]: the conditional writes that end an attempt; where a stale token is refused.
 //! - [`job_cache`]: the controller's slim copy of every job it watches.
@@ -27,6 +28,7 @@
 //! - [`queue_stats`]: what the controller reports per queue, computed from its caches.
 //! - [`category`]: the stable, short label every error of leasehold carries.
 
+pub mod adoption;
 pub mod category;
 pub mod claim;
 pub mod claim_index;

@@ -158,9 +158,10 @@ pub struct LeasedQueueStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub keys_at_limit_shown: Vec<String>,
     /// The limits whose slots count every Leased job of the queue, as
-    /// `<metadata.uid>:<fields>` (crate::slots::adoption_of): written by the controller once
-    /// each job Leased before a limit existed holds a slot. Until it names the limits the spec
-    /// sets, sidecars make no claim that a limit applies to (docs/protocol.md, "Limits").
+    /// `<metadata.uid>:<fields>` (the LeasedQueue's uid, and which of maxLeased and
+    /// maxLeasedPerKey the spec sets): written by the controller once each job Leased before a
+    /// limit existed holds a slot. Until it names the limits the spec sets, sidecars make no
+    /// claim that a limit applies to (docs/protocol.md, "Limits").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slots_adopted: Option<String>,
 }

@@ -79,16 +79,29 @@ impl Scope {
     }
 }
 
-/// The name of slot `index` of `scope` in queue `queue`: `lhq-<queue>-<scope>-<index>` (at
-/// most 4 + 63 + 1 + 13 + 1 + 3 characters: a valid Lease name).
-pub fn slot_name(queue: &str, scope: &Scope, index: u32) -> String {
-    format!("{SLOT_PREFIX}{queue}-{}-{index}", scope.label())
+/// The name of slot `index` of the scope labelled `scope` ([`Scope::label`]) in queue
+/// `queue`: `lhq-<queue>-<scope>-<index>` (at most 4 + 63 + 1 + 13 + 1 + 10 characters: a
+/// valid Lease name).
+pub fn slot_name(queue: &str, scope: &str, index: u32) -> String {
+    format!("{SLOT_PREFIX}{queue}-{scope}-{index}")
 }
 
-/// The index a slot's name ends with, if it is one of `queue`'s slots of `scope`.
-pub fn index_of(name: &str, queue: &str, scope: &Scope) -> Option<u32> {
-    let prefix = format!("{SLOT_PREFIX}{queue}-{}-", scope.label());
+/// The index a slot's name ends with, if it is one of `queue`'s slots of the scope labelled
+/// `scope` ([`Scope::label`]).
+pub fn index_of(name: &str, queue: &str, scope: &str) -> Option<u32> {
+    let prefix = format!("{SLOT_PREFIX}{queue}-{scope}-");
     name.strip_prefix(&prefix)?.parse().ok()
+}
+
+/// The limit `queue` sets on the scope labelled `scope` ([`Scope::label`]): `maxLeased` for
+/// `q`, `maxLeasedPerKey` for a key's; `None` when it sets none.
+pub fn limit_of(queue: &LeasedQueue, scope: &str) -> Option<u32> {
+    let limit = if scope == "q" {
+        queue.spec.max_leased
+    } else {
+        queue.spec.max_leased_per_key
+    };
+    limit.and_then(|l| u32::try_from(l.clamp(1, MAX_LIMIT)).ok())
 }
 
 /// The limits that apply to a claim of `job` in the queue `queue` describes: the queue's
@@ -108,65 +121,6 @@ pub fn scopes(queue: &LeasedQueue, job: &LeasedJob) -> Vec<(Scope, u32)> {
         out.push((Scope::Key(key.to_string()), m));
     }
     out
-}
-
-/// What the limits of `queue` are, as its status' `slotsAdopted` names them once the jobs
-/// Leased before they existed hold slots: `<metadata.uid>:<fields>`, the fields the spec sets
-/// of `maxLeased` and `maxLeasedPerKey`, comma-separated. `None` when it sets neither.
-///
-/// Only which scopes are limited counts, not their values: a Leased job holds a slot of each
-/// limited scope whatever the limit, and a lowered limit is kept by the slots above it. The
-/// uid makes a LeasedQueue deleted and made again (whose jobs ran unlimited meanwhile) wait for
-/// an adoption of its own.
-pub fn adoption_of(queue: &LeasedQueue) -> Option<String> {
-    let mut fields = Vec::new();
-    if queue.spec.max_leased.is_some() {
-        fields.push("maxLeased");
-    }
-    if queue.spec.max_leased_per_key.is_some() {
-        fields.push("maxLeasedPerKey");
-    }
-    if fields.is_empty() {
-        return None;
-    }
-    let uid = queue.metadata.uid.as_deref().unwrap_or_default();
-    Some(format!("{uid}:{}", fields.join(",")))
-}
-
-/// Whether claims under `queue`'s limits may be made: it sets none, or its status says every
-/// job Leased before they existed holds a slot ([`adoption_of`]). Until then a claimer makes
-/// no claim of the queue (docs/protocol.md, "Limits": jobs Leased before a limit).
-pub fn adopted(queue: &LeasedQueue) -> bool {
-    match adoption_of(queue) {
-        None => true,
-        Some(wanted) => {
-            queue
-                .status
-                .as_ref()
-                .and_then(|s| s.slots_adopted.as_deref())
-                == Some(&*wanted)
-        }
-    }
-}
-
-/// Whether the slot naming `named` counts `job` (a Leased copy) as it is: the slot names that
-/// job's attempt and is [`SlotState::Busy`] judged from it. A Leased job no slot of a limited
-/// scope counts is one to adopt.
-pub fn counts(named: &Named, job: &LeasedJob) -> bool {
-    job.metadata.name.as_deref() == Some(&named.holder.job)
-        && named.holder.attempt == job.attempt()
-        && state_of(named, Some(job)) == SlotState::Busy
-}
-
-/// The holder a slot adopting `job` (Leased, as read) names: the job at the version read, at
-/// its attempt. Marked with its token's mark, such a slot is busy exactly while that attempt
-/// lasts ([`state_of`]).
-pub fn adopting(job: &LeasedJob) -> Option<SlotHolder> {
-    Some(SlotHolder {
-        job: job.metadata.name.clone()?,
-        resource_version: job.metadata.resource_version.clone()?,
-        attempt: job.attempt(),
-    })
 }
 
 /// The claim a slot names (see the module doc).
@@ -567,14 +521,17 @@ mod tests {
     #[test]
     fn slot_names_are_valid_and_read_back() {
         let scope = Scope::Key("tenant/Ünïcode key".into());
-        let name = slot_name(&"q".repeat(63), &scope, 999);
+        let name = slot_name(&"q".repeat(63), &scope.label(), 999);
         assert!(name.len() <= 253 && name.starts_with("lhq-"), "{name}");
         assert!(name
             .chars()
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'));
-        assert_eq!(index_of(&name, &"q".repeat(63), &scope), Some(999));
-        assert_eq!(index_of(&name, &"q".repeat(63), &Scope::Queue), None);
-        assert_eq!(slot_name("media", &Scope::Queue, 0), "lhq-media-q-0");
+        assert_eq!(index_of(&name, &"q".repeat(63), &scope.label()), Some(999));
+        assert_eq!(index_of(&name, &"q".repeat(63), "q"), None);
+        assert_eq!(
+            slot_name("media", &Scope::Queue.label(), 0),
+            "lhq-media-q-0"
+        );
         assert_ne!(
             Scope::Key("a".into()).label(),
             Scope::Key("b".into()).label()
@@ -671,61 +628,15 @@ mod tests {
     }
 
     #[test]
-    fn limits_are_adopted_once_the_status_names_the_limited_fields_of_this_object() {
+    fn a_scope_s_limit_is_read_from_its_label() {
         let mut q = LeasedQueue::new("q", LeasedQueueSpec::default());
-        q.metadata.uid = Some("u1".into());
-        assert_eq!(adoption_of(&q), None);
-        assert!(adopted(&q), "no limit: nothing to adopt");
-        q.spec.max_leased_per_key = Some(2);
-        assert_eq!(adoption_of(&q).as_deref(), Some("u1:maxLeasedPerKey"));
-        assert!(!adopted(&q), "no status yet");
-        let mut status = crate::queue::LeasedQueueStatus {
-            slots_adopted: Some("u1:maxLeasedPerKey".into()),
-            ..Default::default()
-        };
-        q.status = Some(status.clone());
-        assert!(adopted(&q));
-        q.spec.max_leased_per_key = Some(5);
-        assert!(adopted(&q), "a changed value needs no adoption");
-        q.spec.max_leased = Some(9);
+        assert_eq!(limit_of(&q, "q"), None);
+        q.spec.max_leased = Some(3);
+        q.spec.max_leased_per_key = Some(5000);
+        assert_eq!(limit_of(&q, "q"), Some(3));
         assert_eq!(
-            adoption_of(&q).as_deref(),
-            Some("u1:maxLeased,maxLeasedPerKey")
+            limit_of(&q, &Scope::Key("a".into()).label()),
+            Some(MAX_LIMIT as u32)
         );
-        assert!(!adopted(&q), "a newly limited scope does");
-        status.slots_adopted = Some("u0:maxLeased,maxLeasedPerKey".into());
-        q.status = Some(status);
-        assert!(!adopted(&q), "adopted for an earlier object of the name");
-    }
-
-    #[test]
-    fn an_adopting_slot_counts_the_attempt_it_names_while_it_lasts() {
-        let leased = with_token(job("40", Phase::Leased, 2), "2.aaaa");
-        let mine = adopting(&leased).unwrap();
-        assert_eq!(mine.render(), "j@40#2");
-        let slot = Named::taken(mine, mark_of("2.aaaa"));
-        assert!(counts(&slot, &leased));
-        // A heartbeat's checkpoint moved the job on: still its attempt, still its token.
-        let later = with_token(job("41", Phase::Leased, 2), "2.aaaa");
-        assert!(counts(&slot, &later));
-        // Ended, requeued, or leased again: no longer.
-        assert!(!counts(&slot, &job("42", Phase::Queued, 2)));
-        assert!(!counts(
-            &slot,
-            &with_token(job("43", Phase::Leased, 3), "3.bbbb")
-        ));
-        assert_eq!(
-            state_of(
-                &slot,
-                Some(&with_token(job("43", Phase::Leased, 3), "3.bbbb"))
-            ),
-            SlotState::Free
-        );
-        // A claim's slot counts its claim once Leased; another job's slot never.
-        let claim = Named::taken(holder("39", 2), mark_of("2.aaaa"));
-        assert!(counts(&claim, &later));
-        let mut other = later.clone();
-        other.metadata.name = Some("k".into());
-        assert!(!counts(&claim, &other));
     }
 }

@@ -56,10 +56,10 @@ impl Known {
 
     /// Whether claims must wait: the queue is paused, or it sets limits that the controller
     /// has not confirmed yet (the jobs Leased before them may hold no slot:
-    /// [`leasehold_core::slots::adopted`]); `None` while not known.
+    /// [`leasehold_core::adoption::adopted`]); `None` while not known.
     pub fn held(&self) -> Option<bool> {
         match self {
-            Known::Present(q) => Some(q.is_paused() || !leasehold_core::slots::adopted(q)),
+            Known::Present(q) => Some(q.is_paused() || !leasehold_core::adoption::adopted(q)),
             other => other.paused(),
         }
     }

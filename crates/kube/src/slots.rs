@@ -8,7 +8,7 @@
 //! not older than the resourceVersion its slot names): a stale list costs a refused write, and
 //! a job copy only needs to be that recent (see the core module).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -163,19 +163,26 @@ async fn take_one(
     );
     let mut existing: HashMap<u32, Lease> = HashMap::new();
     let mut listed = Vec::new();
+    let mut foreign = HashSet::new();
     for lease in list(leases, &queue_name, &selector).await? {
-        let Some(index) = slots::index_of(&lease.name_any(), &queue_name, scope) else {
+        let Some(index) = slots::index_of(&lease.name_any(), &queue_name, &scope.label()) else {
             continue;
         };
-        listed.push(Listed {
-            index,
-            holder: named(&lease),
-        });
+        // A slot of an earlier LeasedQueue of this name is neither counted nor taken: garbage
+        // collection deletes it (a take could be deleted after it), and the jobs it names were
+        // given slots of this object before its limits were confirmed (crate::adopt).
+        let holder = if foreign_to(&lease, queue) {
+            foreign.insert(index);
+            None
+        } else {
+            named(&lease)
+        };
+        listed.push(Listed { index, holder });
         existing.insert(index, lease);
     }
     let plan = slots::plan(&claim.mine, limit, &listed);
     if let Some((index, named)) = plan.reuse {
-        let name = slots::slot_name(&queue_name, scope, index);
+        let name = slots::slot_name(&queue_name, &scope.label(), index);
         let reused = Taken {
             name: name.clone(),
             written: None,
@@ -202,12 +209,15 @@ async fn take_one(
         }
     }
     for (index, named) in plan.candidates {
+        if foreign.contains(&index) {
+            continue;
+        }
         if let Some(named) = &named {
             if state(jobs, named).await? == SlotState::Busy {
                 continue;
             }
         }
-        let name = slots::slot_name(&queue_name, scope, index);
+        let name = slots::slot_name(&queue_name, &scope.label(), index);
         let taken = Named::taken(claim.mine.clone(), claim.mark.clone());
         let written = match existing.remove(&index) {
             Some(mut lease) => {
@@ -215,7 +225,7 @@ async fn take_one(
                 leases.replace(&name, &PostParams::default(), &lease).await
             }
             None => {
-                let lease = new_slot(queue, scope, &name, &taken, claim.pod);
+                let lease = new_slot(queue, &scope.label(), &name, &taken, claim.pod);
                 leases.create(&PostParams::default(), &lease).await
             }
         };
@@ -256,6 +266,20 @@ pub(crate) async fn list(
     Ok(list.items)
 }
 
+/// Whether the slot `lease` is owned by another LeasedQueue object than `queue` (an earlier
+/// one of the same name, deleted: garbage collection deletes the slot). A slot owned by none
+/// is not.
+pub(crate) fn foreign_to(lease: &Lease, queue: &LeasedQueue) -> bool {
+    let Some(uid) = queue.metadata.uid.as_deref() else {
+        return false;
+    };
+    lease.owner_references().iter().any(|o| {
+        o.kind == LeasedQueue::kind(&())
+            && o.api_version.starts_with("leasehold.dev/")
+            && o.uid != uid
+    })
+}
+
 /// What the slot `lease` names: its holderIdentity, with the marks of its
 /// [`CLAIMS_ANNOTATION`]; `None` when it names no claim.
 pub(crate) fn named(lease: &Lease) -> Option<Named> {
@@ -282,10 +306,11 @@ pub(crate) async fn state(jobs: &Api<LeasedJob>, named: &Named) -> Result<SlotSt
     }
 }
 
-/// A new slot Lease: labelled with its queue and scope, [`stamp`]ed with `named` by `pod`.
+/// A new slot Lease: labelled with its queue and scope (its label, [`Scope::label`]),
+/// [`stamp`]ed with `named` by `pod`.
 pub(crate) fn new_slot(
     queue: &LeasedQueue,
-    scope: &Scope,
+    scope: &str,
     name: &str,
     named: &Named,
     pod: &str,
@@ -296,7 +321,7 @@ pub(crate) fn new_slot(
             labels: Some(
                 [
                     (SLOT_OF_LABEL.to_string(), queue.name_any()),
-                    (SLOT_SCOPE_LABEL.to_string(), scope.label()),
+                    (SLOT_SCOPE_LABEL.to_string(), scope.to_string()),
                 ]
                 .into(),
             ),

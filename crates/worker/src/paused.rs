@@ -6,7 +6,7 @@
 //! pause's effect by the watch's delay (milliseconds; under a second).
 //!
 //! A queue whose LeasedQueue sets limits the controller has not confirmed yet (its
-//! `status.slotsAdopted`: [`leasehold_core::slots::adopted`]) holds claims the same way: the
+//! `status.slotsAdopted`: [`leasehold_core::adoption::adopted`]) holds claims the same way: the
 //! jobs Leased before those limits may hold no slot until then.
 //!
 //! The pause is read from this sidecar's own watch of its LeasedQueue, never from the
