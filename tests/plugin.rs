@@ -1,7 +1,7 @@
 //! `kubectl leasehold` choosing its cluster and its jobs, against the real control plane:
 //! `--kubeconfig` and `--context`; `get` filtered by `--queue`, `--phase` and `-l` (the API
 //! server selects) and printed `-o json|yaml|wide`; `retry` and `cancel` of every job a
-//! selection picks; bad flags refused, naming the flag and the rule.
+//! selection picks; `describe` of one job; bad flags refused, naming the flag and the rule.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -141,6 +141,24 @@ async fn the_plugin_selects_its_cluster_and_its_jobs() {
     assert_eq!(json_of(&["--phase", "Cancelled"]), ["a-2"]);
     let (ok, out) = leasehold(&["retry", "-n", n, "--queue", "nothing-here"]);
     assert!(ok && out.contains("No LeasedJobs in namespace"), "{out}");
+
+    // One job described; one that is not there named.
+    let (ok, out) = leasehold(&["describe", "-n", n, "b-1"]);
+    assert!(ok, "{out}");
+    for part in [
+        "Name:             b-1",
+        "Queue:            b",
+        "Priority:         7",
+        "Phase:            Queued",
+        "Failures:         none",
+    ] {
+        assert!(out.contains(part), "no {part:?} in:\n{out}");
+    }
+    let (ok, out) = leasehold(&["describe", "-n", n, "nope"]);
+    assert!(
+        !ok && out.contains(&format!("LeasedJob {n}/nope not found")),
+        "{out}"
+    );
 
     // Bad flags: named, with the rule.
     for (args, says) in [

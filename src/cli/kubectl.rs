@@ -153,6 +153,35 @@ pub struct CancelArgs {
     cluster: ClusterArgs,
 }
 
+/// Show one LeasedJob: its attempts and failures, who holds it, its Lease (heartbeat, time
+/// left, progress) and its checkpoint (`kubectl leasehold describe`).
+#[derive(clap::Args)]
+pub struct DescribeArgs {
+    /// The job's name.
+    name: String,
+    /// Namespace of the job (default: the kubeconfig's).
+    #[arg(short = 'n', long)]
+    namespace: Option<String>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+}
+
+/// Prints one job's description.
+///
+/// # Errors
+/// Bad flags, an unreachable API server, or the API server's refusal, with the job named.
+pub async fn describe(args: DescribeArgs) -> anyhow::Result<()> {
+    let DescribeArgs {
+        name,
+        namespace,
+        cluster,
+    } = args;
+    let clients = cluster.clients().await?;
+    let ns = namespace_or_default(&clients, namespace)?;
+    print!("{}", plugin::describe_job(&clients, &ns, &name).await?);
+    Ok(())
+}
+
 /// Stop new claims of a queue: set spec.paused of its LeasedQueue, creating it if need be
 /// (`kubectl leasehold pause`); `resume` lets them go on. Jobs already Leased are not touched.
 #[derive(clap::Args)]

@@ -55,6 +55,9 @@ enum Command {
     /// Cancel a LeasedJob: set spec.cancel, for the controller to end it (`kubectl leasehold
     /// cancel`).
     Cancel(kubectl::CancelArgs),
+    /// Show one LeasedJob: its attempts and failures, who holds it, its Lease (heartbeat, time
+    /// left, progress) and its checkpoint (`kubectl leasehold describe`).
+    Describe(kubectl::DescribeArgs),
     /// Stop new claims of a queue: set spec.paused of its LeasedQueue, creating it if need be
     /// (`kubectl leasehold pause QUEUE`). Jobs already Leased go on.
     Pause(kubectl::QueueArgs),
@@ -114,6 +117,7 @@ impl Cli {
             Command::Get(args) => kubectl::get(args).await,
             Command::Retry(args) => kubectl::retry(args).await,
             Command::Cancel(args) => kubectl::cancel(args).await,
+            Command::Describe(args) => kubectl::describe(args).await,
             Command::Pause(args) => kubectl::set_paused(args, true).await,
             Command::Resume(args) => kubectl::set_paused(args, false).await,
         }

@@ -8,10 +8,13 @@
 //!   ([`retry`](fn@retry)).
 //! - `cancel` sets spec.cancel; the controller ends the job (docs/protocol.md).
 //! - `pause` and `resume` set spec.paused of a queue's LeasedQueue ([`queue`]).
+//! - `describe` prints one job: its attempts, failures, holder, Lease and progress
+//!   ([`describe`](mod@describe)).
 //!
 //! This module does the reads and writes; what is printed ([`view`]) and what a retry writes
 //! ([`retry`](fn@retry)) are pure functions beside it.
 
+pub mod describe;
 pub mod queue;
 pub mod retry;
 pub mod select;
@@ -464,4 +467,30 @@ pub async fn selected(
     let mut names: Vec<String> = jobs.items.iter().map(ResourceExt::name_any).collect();
     names.sort();
     Ok(names)
+}
+
+/// `kubectl leasehold describe NAME`: the description of job `name` of `namespace`
+/// ([`describe`](mod@describe)), with its Lease.
+///
+/// # Errors
+/// [`PluginError::NotFound`]; [`PluginError::Api`].
+pub async fn describe_job(
+    clients: &Clients,
+    namespace: &str,
+    name: &str,
+) -> Result<String, PluginError> {
+    let jobs: Api<LeasedJob> = Api::namespaced(clients.requests.clone(), namespace);
+    let leases: Api<Lease> = Api::namespaced(clients.requests.clone(), namespace);
+    let job_ref = format!("{namespace}/{name}");
+    let job = jobs
+        .get_opt(name)
+        .await
+        .map_err(|e| api_error(format!("reading LeasedJob {job_ref}"), &e))?
+        .ok_or_else(|| PluginError::NotFound(job_ref.clone()))?;
+    let (_, lease_name) = lease_key(&job);
+    let lease = leases
+        .get_opt(&lease_name)
+        .await
+        .map_err(|e| api_error(format!("reading Lease {namespace}/{lease_name}"), &e))?;
+    Ok(describe::describe(&job, lease.as_ref(), Timestamp::now()))
 }
