@@ -184,3 +184,45 @@ async fn the_plugin_selects_its_cluster_and_its_jobs() {
         assert!(!ok && out.contains(says), "{args:?}: {out}");
     }
 }
+
+/// Shell completion scripts: for `leasehold`, or with `--plugin` for `kubectl-leasehold`;
+/// bash's parses, and completes the subcommands and their flags.
+#[test]
+fn completion_scripts_name_the_commands_and_parse() {
+    let script = |args: &[&str]| -> String {
+        let out = std::process::Command::new(leasehold_bin())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let bash = script(&["completion", "bash"]);
+    for word in [
+        "_leasehold()",
+        "describe",
+        "--queue",
+        "--phase",
+        "--kubeconfig",
+    ] {
+        assert!(bash.contains(word), "no {word} in the bash script");
+    }
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("leasehold.bash");
+    std::fs::write(&path, &bash).unwrap();
+    let parsed = std::process::Command::new("bash")
+        .arg("-n")
+        .arg(&path)
+        .status()
+        .unwrap();
+    assert!(parsed.success(), "bash -n refused the script");
+    assert!(script(&["completion", "zsh", "--plugin"]).starts_with("#compdef kubectl-leasehold"));
+    let out = std::process::Command::new(leasehold_bin())
+        .args(["completion", "tcsh"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("invalid value 'tcsh'"),
+        "{err}"
+    );
+}

@@ -63,6 +63,20 @@ enum Command {
     Pause(kubectl::QueueArgs),
     /// Let claims of a paused queue go on (`kubectl leasehold resume QUEUE`).
     Resume(kubectl::QueueArgs),
+    /// Print a shell completion script: `source <(leasehold completion bash)`, or with
+    /// `--plugin` for the name kubectl runs (`kubectl-leasehold`).
+    Completion(CompletionArgs),
+}
+
+/// The shell, and which name the script completes.
+#[derive(clap::Args)]
+struct CompletionArgs {
+    /// The shell: bash, zsh, fish, elvish or powershell.
+    #[arg(value_enum)]
+    shell: clap_complete::Shell,
+    /// Complete `kubectl-leasehold` (the plugin's executable) instead of `leasehold`.
+    #[arg(long)]
+    plugin: bool,
 }
 
 /// The name the binary answers to as a kubectl plugin: kubectl runs `kubectl-leasehold` for
@@ -120,6 +134,17 @@ impl Cli {
             Command::Describe(args) => kubectl::describe(args).await,
             Command::Pause(args) => kubectl::set_paused(args, true).await,
             Command::Resume(args) => kubectl::set_paused(args, false).await,
+            Command::Completion(args) => {
+                use clap::CommandFactory;
+                let name = if args.plugin {
+                    PLUGIN_NAME
+                } else {
+                    "leasehold"
+                };
+                let mut command = Cli::command();
+                clap_complete::generate(args.shell, &mut command, name, &mut std::io::stdout());
+                Ok(())
+            }
         }
     }
 }
