@@ -247,7 +247,7 @@ fn the_image_holds_one_static_executable_and_no_shell() {
 /// The example worker's image (`scripts/image --worker`, from examples/Dockerfile), run as
 /// the chart runs it: as its own non-root user, read-only, with no PYTHONPATH. Its python
 /// imports the client pip installed in site-packages (a distribution `leasehold` of the
-/// pyproject's version, whose modules are the repository's clients/python/leasehold/*.py),
+/// package version, whose modules are the repository's clients/python/leasehold/*.py),
 /// and its entrypoint is examples/worker.py at /app/worker.py.
 #[test]
 fn example_worker_image_runs_on_the_pip_installed_client() {
@@ -299,10 +299,11 @@ print(json.dumps({
             .any(|s| Path::new(s.as_str().unwrap()) == package.parent().unwrap()),
         "leasehold is not imported from site-packages: {out}"
     );
-    let pyproject = std::fs::read_to_string(root.join("clients/python/pyproject.toml")).unwrap();
-    let version = pyproject
+    // The package's own __version__, which pyproject.toml reads (scripts/version keeps it).
+    let init = std::fs::read_to_string(root.join("clients/python/leasehold/__init__.py")).unwrap();
+    let version = init
         .lines()
-        .find_map(|l| l.strip_prefix("version = "))
+        .find_map(|l| l.strip_prefix("__version__ = "))
         .map(|v| v.trim_matches('"'))
         .expect("the client's version");
     assert_eq!(got["version"], version, "{out}");
