@@ -358,11 +358,7 @@ pub async fn retry(
 ) -> Result<LeasedJob, PluginError> {
     let api: Api<LeasedJob> = Api::namespaced(clients.requests.clone(), namespace);
     let job_ref = format!("{namespace}/{name}");
-    let job = api
-        .get_opt(name)
-        .await
-        .map_err(|e| api_error(format!("reading LeasedJob {job_ref}"), &e))?
-        .ok_or_else(|| PluginError::NotFound(job_ref.clone()))?;
+    let job = read_job(&api, &job_ref, name).await?;
     let job = match retry::spec_patch(&job, more_attempts)? {
         None => job,
         Some(patch) => conditional(
@@ -418,11 +414,7 @@ pub async fn cancel(
 ) -> Result<LeasedJob, PluginError> {
     let api: Api<LeasedJob> = Api::namespaced(clients.requests.clone(), namespace);
     let job_ref = format!("{namespace}/{name}");
-    let job = api
-        .get_opt(name)
-        .await
-        .map_err(|e| api_error(format!("reading LeasedJob {job_ref}"), &e))?
-        .ok_or_else(|| PluginError::NotFound(job_ref.clone()))?;
+    let job = read_job(&api, &job_ref, name).await?;
     match job.phase() {
         Phase::Cancelled => return Ok(job),
         phase @ (Phase::Succeeded | Phase::Failed) => {
@@ -482,15 +474,26 @@ pub async fn describe_job(
     let jobs: Api<LeasedJob> = Api::namespaced(clients.requests.clone(), namespace);
     let leases: Api<Lease> = Api::namespaced(clients.requests.clone(), namespace);
     let job_ref = format!("{namespace}/{name}");
-    let job = jobs
-        .get_opt(name)
-        .await
-        .map_err(|e| api_error(format!("reading LeasedJob {job_ref}"), &e))?
-        .ok_or_else(|| PluginError::NotFound(job_ref.clone()))?;
+    let job = read_job(&jobs, &job_ref, name).await?;
     let (_, lease_name) = lease_key(&job);
     let lease = leases
         .get_opt(&lease_name)
         .await
         .map_err(|e| api_error(format!("reading Lease {namespace}/{lease_name}"), &e))?;
     Ok(describe::describe(&job, lease.as_ref(), Timestamp::now()))
+}
+
+/// The job `name` through `api`, `job_ref` (`namespace/name`) naming it in errors.
+///
+/// # Errors
+/// [`PluginError::NotFound`]; [`PluginError::Api`].
+async fn read_job(
+    api: &Api<LeasedJob>,
+    job_ref: &str,
+    name: &str,
+) -> Result<LeasedJob, PluginError> {
+    api.get_opt(name)
+        .await
+        .map_err(|e| api_error(format!("reading LeasedJob {job_ref}"), &e))?
+        .ok_or_else(|| PluginError::NotFound(job_ref.to_string()))
 }

@@ -70,33 +70,10 @@ pub fn adopting(job: &LeasedJob) -> Option<SlotHolder> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{LeasedJobSpec, LeasedJobStatus, Phase};
+    use crate::crd::Phase;
     use crate::queue::LeasedQueueSpec;
     use crate::slots::mark_of;
-
-    fn job(rv: &str, phase: Phase, attempt: i32) -> LeasedJob {
-        let mut j = LeasedJob::new("j", LeasedJobSpec::default());
-        j.metadata.resource_version = Some(rv.into());
-        j.status = Some(LeasedJobStatus {
-            phase: Some(phase),
-            attempt,
-            ..LeasedJobStatus::default()
-        });
-        j
-    }
-
-    fn holder(rv: &str, attempt: i32) -> SlotHolder {
-        SlotHolder {
-            job: "j".into(),
-            resource_version: rv.into(),
-            attempt,
-        }
-    }
-
-    fn with_token(mut j: LeasedJob, token: &str) -> LeasedJob {
-        j.status.as_mut().unwrap().token = Some(token.into());
-        j
-    }
+    use crate::slots::tests::{holder, job, with_token};
 
     #[test]
     fn limits_are_adopted_once_the_status_names_the_limited_fields_of_this_object() {

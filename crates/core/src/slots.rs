@@ -339,12 +339,12 @@ pub fn plan(mine: &SlotHolder, limit: u32, listed: &[Listed]) -> Plan {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::crd::{LeasedJobSpec, LeasedJobStatus};
     use crate::queue::LeasedQueueSpec;
 
-    fn job(rv: &str, phase: Phase, attempt: i32) -> LeasedJob {
+    pub(crate) fn job(rv: &str, phase: Phase, attempt: i32) -> LeasedJob {
         let mut j = LeasedJob::new("j", LeasedJobSpec::default());
         j.metadata.resource_version = Some(rv.into());
         j.status = Some(LeasedJobStatus {
@@ -355,7 +355,7 @@ mod tests {
         j
     }
 
-    fn holder(rv: &str, attempt: i32) -> SlotHolder {
+    pub(crate) fn holder(rv: &str, attempt: i32) -> SlotHolder {
         SlotHolder {
             job: "j".into(),
             resource_version: rv.into(),
@@ -371,7 +371,7 @@ mod tests {
         }
     }
 
-    fn with_token(mut j: LeasedJob, token: &str) -> LeasedJob {
+    pub(crate) fn with_token(mut j: LeasedJob, token: &str) -> LeasedJob {
         j.status.as_mut().unwrap().token = Some(token.into());
         j
     }
