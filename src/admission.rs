@@ -207,21 +207,37 @@ pub fn review(body: &[u8], limit: usize) -> Result<Reviewed, ReviewError> {
     let decision = decide(&request, limit);
     let mut response = json!({"uid": request.uid, "allowed": true});
     if let Decision::TooLarge(refusal) = &decision {
-        response["allowed"] = json!(false);
-        response["status"] = json!({
-            "status": "Failure",
-            "code": 413,
-            "reason": "RequestEntityTooLarge",
-            "message": refusal.to_string(),
-        });
+        deny(
+            &mut response,
+            413,
+            "RequestEntityTooLarge",
+            refusal.to_string(),
+        );
     }
     Ok(Reviewed {
-        response: json!({
-            "apiVersion": review.api_version,
-            "kind": "AdmissionReview",
-            "response": response,
-        }),
+        response: envelope(&review.api_version, response),
         decision,
+    })
+}
+
+/// Marks an AdmissionReview `response` as a denial with HTTP `code`, `reason` and `message`
+/// (the API server passes a code of 400 or more through to the client).
+pub(crate) fn deny(response: &mut Value, code: u16, reason: &str, message: String) {
+    response["allowed"] = json!(false);
+    response["status"] = json!({
+        "status": "Failure",
+        "code": code,
+        "reason": reason,
+        "message": message,
+    });
+}
+
+/// The AdmissionReview to send back: `response` in an AdmissionReview of `api_version`.
+pub(crate) fn envelope(api_version: &str, response: Value) -> Value {
+    json!({
+        "apiVersion": api_version,
+        "kind": "AdmissionReview",
+        "response": response,
     })
 }
 
@@ -324,49 +340,35 @@ fn encoded_len(value: &Value) -> usize {
     count.0
 }
 
-/// The webhook's routes: `POST` [`PATH`] answers an AdmissionReview; anything else is 404 (or
-/// 405 for another method on [`PATH`]). Serve it with [`crate::http::serve_tls`]: the API
-/// server calls webhooks over HTTPS only.
+/// The webhooks' routes: `POST` [`PATH`] answers an AdmissionReview about a LeasedJob's size;
+/// with `injection`, `POST` [`crate::inject::PATH`] answers one about a pod to inject
+/// ([`crate::inject::router`]); anything else is 404 (or 405 for another method). Both share
+/// [`MAX_REVIEWS_IN_FLIGHT`]. Serve it with [`crate::http::serve_tls`]: the API server calls
+/// webhooks over HTTPS only.
 ///
 /// Answers: 200 with the AdmissionReview; 400 when the body is not one; 408 when it did not
 /// arrive within the server's body timeout; 413 over [`MAX_REVIEW_BYTES`]. Refusals are logged
 /// at info level with the job and its largest field.
-pub fn router() -> Router {
+pub fn router(injection: Option<Arc<crate::inject::Sidecar>>) -> Router {
     let turns = Arc::new(Semaphore::new(MAX_REVIEWS_IN_FLIGHT));
-    Router::new()
+    let size = Router::new()
         .route(PATH, post(answer))
         .layer(DefaultBodyLimit::max(MAX_REVIEW_BYTES))
-        .with_state(turns)
+        .with_state(Arc::clone(&turns));
+    match injection {
+        Some(sidecar) => size.merge(crate::inject::router(turns, sidecar)),
+        None => size,
+    }
 }
 
 async fn answer(State(turns): State<Arc<Semaphore>>, request: Request) -> Response {
-    let announced = request
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if announced.is_some_and(|l| l > MAX_REVIEW_BYTES as u64) {
-        return too_large_review();
-    }
     let _turn = turns
         .acquire()
         .await
         .expect("the semaphore is never closed");
-    let body = match Bytes::from_request(request, &()).await {
+    let body = match read_body(request).await {
         Ok(body) => body,
-        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => return too_large_review(),
-        Err(e) => {
-            let status = if crate::http::body_timeout_in(&e).is_some() {
-                StatusCode::REQUEST_TIMEOUT
-            } else {
-                StatusCode::BAD_REQUEST
-            };
-            return (
-                status,
-                format!("the AdmissionReview could not be read: {e}"),
-            )
-                .into_response();
-        }
+        Err(refused) => return refused,
     };
     match review(&body, MAX_JOB_BYTES) {
         Ok(reviewed) => {
@@ -380,11 +382,44 @@ async fn answer(State(turns): State<Arc<Semaphore>>, request: Request) -> Respon
             }
             axum::Json(reviewed.response).into_response()
         }
+        Err(e) => unreadable(&e),
+    }
+}
+
+/// Reads an AdmissionReview's body: at most [`MAX_REVIEW_BYTES`] (413 otherwise, refused
+/// before reading when the announced length is larger), within the server's body timeout
+/// (408), else 400. The caller holds a turn of [`MAX_REVIEWS_IN_FLIGHT`].
+pub(crate) async fn read_body(request: Request) -> Result<Bytes, Response> {
+    let announced = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|l| l > MAX_REVIEW_BYTES as u64) {
+        return Err(too_large_review());
+    }
+    match Bytes::from_request(request, &()).await {
+        Ok(body) => Ok(body),
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(too_large_review()),
         Err(e) => {
-            tracing::warn!(category = e.category(), error = %leasehold_kube::api::error_chain(&e), "Answered an unreadable AdmissionReview with 400");
-            (StatusCode::BAD_REQUEST, e.to_string()).into_response()
+            let status = if crate::http::body_timeout_in(&e).is_some() {
+                StatusCode::REQUEST_TIMEOUT
+            } else {
+                StatusCode::BAD_REQUEST
+            };
+            Err((
+                status,
+                format!("the AdmissionReview could not be read: {e}"),
+            )
+                .into_response())
         }
     }
+}
+
+/// The 400 for a body that is not an AdmissionReview, logged.
+pub(crate) fn unreadable(e: &ReviewError) -> Response {
+    tracing::warn!(category = e.category(), error = %leasehold_kube::api::error_chain(e), "Answered an unreadable AdmissionReview with 400");
+    (StatusCode::BAD_REQUEST, e.to_string()).into_response()
 }
 
 fn too_large_review() -> Response {

@@ -8,6 +8,8 @@
 //! - [`plugin`]: `kubectl leasehold` (get with progress, retry, cancel).
 //! - [`admission`]: the controller's admission webhook, which refuses a LeasedJob too large to
 //!   store ([`leasehold_core::crd::MAX_JOB_BYTES`]) with a 4xx naming the field.
+//! - [`inject`]: the controller's mutating webhook that adds the sidecar to pods annotated
+//!   `leasehold.dev/queue`.
 //! - [`http`]: serving HTTP with bounded waits, for the sidecar, the metrics endpoints and the
 //!   admission webhook.
 //! - [`observe`]: `/metrics`, `/healthz` and `/readyz` as HTTP responses.
@@ -18,6 +20,7 @@ pub mod admission;
 pub mod cli;
 pub mod dispatch;
 pub mod http;
+pub mod inject;
 pub mod observe;
 pub mod plugin;
 pub mod sidecar;

@@ -11,7 +11,9 @@
 //! the test ends. Its failurePolicy is Fail, so a webhook the API server cannot reach shows as
 //! an error here instead of a silent pass.
 
-use std::path::{Path, PathBuf};
+mod webhook_support;
+
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -22,106 +24,9 @@ use kube::{Api, Client};
 use leasehold_core::crd::{LeasedJob, Phase, MAX_JOB_BYTES};
 use leasehold_testkit::*;
 use serde_json::{json, Value};
+use webhook_support::{make_certs, scratch};
 
 const MIB: usize = 1024 * 1024;
-
-/// A directory of this test's own, emptied first.
-fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .output()
-        .expect("openssl runs");
-    assert!(
-        out.status.success(),
-        "openssl {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Makes `<prefix>ca.crt`, and `<prefix>tls.crt` + `<prefix>tls.key` for IP 127.0.0.1 signed
-/// by it (P-256 keys, valid for a day). Returns the CA's PEM.
-fn make_certs(dir: &Path, prefix: &str) -> String {
-    let (ca_key, ca_crt) = (format!("{prefix}ca.key"), format!("{prefix}ca.crt"));
-    let (key, csr, crt) = (
-        format!("{prefix}tls.key"),
-        format!("{prefix}tls.csr"),
-        format!("{prefix}tls.crt"),
-    );
-    let ext = format!("{prefix}ext.cnf");
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            &ca_key,
-            "-out",
-            &ca_crt,
-            "-days",
-            "1",
-            "-subj",
-            "/CN=leasehold-test-ca",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &csr,
-            "-subj",
-            "/CN=127.0.0.1",
-        ],
-    );
-    std::fs::write(
-        dir.join(&ext),
-        "subjectAltName = IP:127.0.0.1\nextendedKeyUsage = serverAuth\nbasicConstraints = CA:FALSE\n",
-    )
-    .unwrap();
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            &ca_crt,
-            "-CAkey",
-            &ca_key,
-            "-CAcreateserial",
-            "-out",
-            &crt,
-            "-days",
-            "1",
-            "-extfile",
-            &ext,
-        ],
-    );
-    std::fs::read_to_string(dir.join(ca_crt)).unwrap()
-}
 
 /// A controller serving the webhook, and the ValidatingWebhookConfiguration that sends the
 /// test namespace's LeasedJob writes to it (deleted on drop).

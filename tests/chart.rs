@@ -76,8 +76,8 @@ fn no_file_in_the_repository_is_a_copy_of_another() {
 /// The example worker runs its own image (examples/Dockerfile), from the values' repository,
 /// tag (default: the chart's appVersion) and pull policy: `python3 /app/worker.py`, where the
 /// Dockerfile puts examples/worker.py, with the client installed in the image, so the pod has
-/// no ConfigMap, no PYTHONPATH and no volume but the sidecar's dispatcher token (a projected
-/// service-account token for the audience `leasehold-dispatcher`).
+/// no ConfigMap, no PYTHONPATH and no volume of its own (the injected sidecar brings its
+/// tokens).
 #[test]
 fn example_worker_runs_its_own_image() {
     require_control_plane!();
@@ -106,12 +106,7 @@ fn example_worker_runs_its_own_image() {
             .expect("the example worker's Deployment")
             .clone();
         let pod = &deployment["spec"]["template"]["spec"];
-        assert_eq!(
-            pod["volumes"],
-            json!([{"name": "dispatcher-token", "projected": {"sources": [{"serviceAccountToken":
-                {"audience": "leasehold-dispatcher", "expirationSeconds": 3600, "path": "token"}}]}}]),
-            "{pod}"
-        );
+        assert!(pod["volumes"].is_null(), "{pod}");
         let containers = pod["containers"].as_array().unwrap();
         assert_eq!(containers.len(), 1, "{pod}");
         containers[0].clone()
@@ -137,7 +132,7 @@ fn example_worker_runs_its_own_image() {
     );
     assert_eq!(worker["imagePullPolicy"], "IfNotPresent");
     assert!(worker.get("volumeMounts").is_none(), "{worker}");
-    let env = worker["env"].as_array().unwrap();
+    let env = worker["env"].as_array().cloned().unwrap_or_default();
     assert!(env.iter().all(|e| e["name"] != "PYTHONPATH"), "{worker}");
     assert_eq!(worker["command"], json!(["python3", "/app/worker.py"]));
 
@@ -217,8 +212,53 @@ fn helm_lint_passes_with_defaults_and_with_every_option_on() {
         chart,
         "--set",
         "admissionWebhook.enabled=false",
+        "--set",
+        "sidecar.injection.enabled=false",
     ]);
     assert!(out.contains("0 chart(s) failed"), "{out}");
+    // Injection is served by the admission server: without it, a clear refusal.
+    let (ok, out) = helm(&[
+        "template",
+        "r",
+        chart,
+        "--set",
+        "workers.namespaces={jobs}",
+        "--set",
+        "admissionWebhook.enabled=false",
+    ]);
+    assert!(
+        !ok && out.contains("sidecar.injection.enabled needs admissionWebhook.enabled"),
+        "{out}"
+    );
+    let (ok, out) = helm(&[
+        "template",
+        "r",
+        chart,
+        "--set",
+        "workers.namespaces={jobs}",
+        "--set",
+        "sidecar.injection.failurePolicy=Sometimes",
+    ]);
+    assert!(
+        !ok && out.contains("sidecar.injection.failurePolicy must be Ignore or Fail"),
+        "{out}"
+    );
+    // A release made before sidecar.resources keeps its exampleWorker.sidecarResources (what
+    // `--reuse-values` brings along): accepted, and it wins.
+    let out = helm_ok(&[
+        "template",
+        "r",
+        chart,
+        "--set",
+        "workers.namespaces={jobs}",
+        "--set",
+        "exampleWorker.sidecarResources.limits.memory=96Mi",
+    ]);
+    let template = sidecar_template(&documents(&out));
+    assert_eq!(
+        template["container"]["resources"],
+        json!({"limits": {"memory": "96Mi"}})
+    );
     // Only the two failure policies the API server knows.
     let (ok, out) = helm(&[
         "template",
@@ -305,9 +345,13 @@ fn controller_pods_spread_and_take_their_security_context_volumes_and_account_fr
         "{pod}"
     );
     assert_eq!(pod["serviceAccountName"], "r-leasehold-controller");
+    // The release's own accounts (not the CRD upgrade hook's, which lives only while it runs).
     let accounts = |docs: &[Value]| -> Vec<String> {
         docs.iter()
-            .filter(|d| d["kind"] == "ServiceAccount")
+            .filter(|d| {
+                d["kind"] == "ServiceAccount"
+                    && d["metadata"]["annotations"]["helm.sh/hook"].is_null()
+            })
             .map(|d| d["metadata"]["name"].as_str().unwrap().to_string())
             .collect()
     };
@@ -387,8 +431,12 @@ fn the_webhook_certificate_can_come_from_cert_manager() {
         helm_ok(&args)
     };
     let on = "admissionWebhook.certManager.enabled=true";
-    let text = render(&[on]);
-    assert_eq!(text, render(&[on]), "two renders differ");
+    let text = render(&[on, "workers.namespaces={jobs}"]);
+    assert_eq!(
+        text,
+        render(&[on, "workers.namespaces={jobs}"]),
+        "two renders differ"
+    );
     let docs = documents(&text);
     let kind = |k: &str| {
         docs.iter()
@@ -414,17 +462,25 @@ fn the_webhook_certificate_can_come_from_cert_manager() {
         "{cert}"
     );
     assert_eq!(kind("Issuer")[0]["spec"], json!({"selfSigned": {}}));
-    let webhook = &kind("ValidatingWebhookConfiguration")[0];
-    assert_eq!(
-        webhook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
-        "lh/r-leasehold-admission"
-    );
-    assert!(
-        webhook["webhooks"][0]["clientConfig"]
-            .get("caBundle")
-            .is_none(),
-        "{webhook}"
-    );
+    // Both webhooks: the size check and the sidecar injection.
+    let webhooks = [
+        kind("ValidatingWebhookConfiguration"),
+        kind("MutatingWebhookConfiguration"),
+    ]
+    .concat();
+    assert_eq!(webhooks.len(), 2);
+    for webhook in &webhooks {
+        assert_eq!(
+            webhook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+            "lh/r-leasehold-admission"
+        );
+        assert!(
+            webhook["webhooks"][0]["clientConfig"]
+                .get("caBundle")
+                .is_none(),
+            "{webhook}"
+        );
+    }
     // An issuer of one's own: no self-signed one.
     let docs = documents(&render(&[
         on,
@@ -453,6 +509,8 @@ async fn rendered_chart_passes_a_dry_run() {
     let w2 = TestNamespace::new(&client, "dry-run-w2").await;
     let workers = format!("workers.namespaces={{{},{}}}", w1.name, w2.name);
     let chart = chart_dir();
+    // Without the `helm test` pod, whose ServiceAccount a dry run does not make (the node
+    // test runs `helm test`).
     let rendered = helm_ok(&[
         "template",
         "dry",
@@ -463,6 +521,7 @@ async fn rendered_chart_passes_a_dry_run() {
         &workers,
         "--set",
         "exampleWorker.enabled=true",
+        "--skip-tests",
     ]);
     let (ok, out) = kubectl(&["apply", "--dry-run=server", "-f", "-"], &rendered);
     assert!(ok, "server-side dry run refused the chart:\n{out}");
@@ -492,14 +551,22 @@ async fn rendered_chart_passes_a_dry_run() {
             "{kind} {name} missing from the dry run:\n{out}"
         );
     }
-    // The example worker: a native sidecar with the pod's name from the downward API.
+    // The example worker: a plain Deployment with the annotation; the injection webhook's
+    // template is the native sidecar, with the pod's name from the downward API.
     let worker = docs
         .iter()
         .find(|d| {
             d["kind"] == "Deployment" && d["metadata"]["name"] == "dry-leasehold-example-worker"
         })
         .expect("example worker Deployment");
-    let sidecar = &worker["spec"]["template"]["spec"]["initContainers"][0];
+    let pod = &worker["spec"]["template"];
+    assert_eq!(
+        pod["metadata"]["annotations"]["leasehold.dev/queue"],
+        "demo"
+    );
+    assert!(pod["spec"]["initContainers"].is_null(), "{pod}");
+    let template = sidecar_template(&docs);
+    let sidecar = &template["container"];
     assert_eq!(sidecar["restartPolicy"], "Always", "{sidecar}");
     assert_eq!(sidecar["args"][0], "sidecar");
     let env = sidecar["env"].as_array().unwrap();
@@ -513,34 +580,119 @@ async fn rendered_chart_passes_a_dry_run() {
         from_field("POD_NAMESPACE"),
         Some("metadata.namespace".into())
     );
+    assert_eq!(template["serviceAccountName"], "leasehold-worker");
+    let mwc = docs
+        .iter()
+        .find(|d| d["kind"] == "MutatingWebhookConfiguration")
+        .expect("the injection webhook");
+    let injector = &mwc["webhooks"][0];
     assert_eq!(
-        worker["spec"]["template"]["spec"]["serviceAccountName"],
-        "leasehold-worker"
+        injector["clientConfig"]["service"]["path"],
+        leasehold::inject::PATH
+    );
+    assert_eq!(
+        injector["namespaceSelector"]["matchExpressions"][0]["values"],
+        json!([w1.name, w2.name])
     );
 
     check_admission_webhook(&docs, &release_ns.name);
 
-    // The example in the docs is a manifest of its own: it must pass the same dry run.
-    let example = repo("docs/example-worker.yaml");
-    let (ok, out) = kubectl(
-        &["apply", "--dry-run=server", "-n", &w1.name, "-f", "-"],
-        &example,
+    // Without injection, the example worker writes the same sidecar out, for its queue.
+    let manual = helm_ok(&[
+        "template",
+        "dry",
+        chart.to_str().unwrap(),
+        "--namespace",
+        &release_ns.name,
+        "--set",
+        &workers,
+        "--set",
+        "exampleWorker.enabled=true",
+        "--set",
+        "sidecar.injection.enabled=false",
+    ]);
+    let manual_docs = documents(&manual);
+    assert!(
+        !manual_docs
+            .iter()
+            .any(|d| d["kind"] == "MutatingWebhookConfiguration"),
+        "injection off renders no webhook"
     );
-    assert!(ok, "docs/example-worker.yaml refused:\n{out}");
-    let example_docs = documents(&example);
-    let deployment = example_docs
+    let written = manual_docs
+        .iter()
+        .find(|d| {
+            d["kind"] == "Deployment" && d["metadata"]["name"] == "dry-leasehold-example-worker"
+        })
+        .unwrap();
+    let mut written_sidecar = written["spec"]["template"]["spec"]["initContainers"][0].clone();
+    let written_env = written_sidecar["env"].as_array_mut().unwrap();
+    assert_eq!(
+        written_env.remove(0),
+        json!({"name": "LEASEHOLD_QUEUE", "value": "demo"})
+    );
+    assert_eq!(
+        &written_sidecar, sidecar,
+        "the written sidecar is the injected one"
+    );
+    assert_eq!(
+        written["spec"]["template"]["spec"]["volumes"],
+        template["volumes"]
+    );
+
+    // The examples in the docs are manifests of their own: they must pass the same dry run.
+    for file in [
+        "docs/example-worker.yaml",
+        "docs/example-worker-manual.yaml",
+    ] {
+        let example = repo(file);
+        let (ok, out) = kubectl(
+            &["apply", "--dry-run=server", "-n", &w1.name, "-f", "-"],
+            &example,
+        );
+        assert!(ok, "{file} refused:\n{out}");
+    }
+    let example = documents(&repo("docs/example-worker.yaml"));
+    let deployment = example
         .iter()
         .find(|d| d["kind"] == "Deployment")
         .expect("a Deployment in docs/example-worker.yaml");
-    let sidecar = &deployment["spec"]["template"]["spec"]["initContainers"][0];
-    assert_eq!(sidecar["restartPolicy"], "Always");
-    // Its sidecar's resources are the chart's measured defaults (docs/scaling.md).
-    let charted = &worker["spec"]["template"]["spec"]["initContainers"][0]["resources"];
-    assert_eq!(
-        &sidecar["resources"], charted,
-        "docs/example-worker.yaml and the chart's exampleWorker.sidecarResources differ"
+    assert!(
+        deployment["spec"]["template"]["metadata"]["annotations"]["leasehold.dev/queue"]
+            .is_string()
     );
-    assert_eq!(charted["limits"]["memory"], "64Mi", "{charted}");
+    assert!(deployment["spec"]["template"]["spec"]["initContainers"].is_null());
+    let example = documents(&repo("docs/example-worker-manual.yaml"));
+    let deployment = example
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .expect("a Deployment in docs/example-worker-manual.yaml");
+    let written = &deployment["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!(written["restartPolicy"], "Always");
+    // Its sidecar's resources are the chart's measured defaults (docs/scaling.md).
+    assert_eq!(
+        &written["resources"], &sidecar["resources"],
+        "docs/example-worker-manual.yaml and the chart's sidecar.resources differ"
+    );
+    assert_eq!(sidecar["resources"]["limits"]["memory"], "64Mi");
+}
+
+/// The injection webhook's sidecar template, as the chart renders it (checked by the
+/// controller's own loader).
+fn sidecar_template(docs: &[Value]) -> Value {
+    let text = docs
+        .iter()
+        .find(|d| {
+            d["kind"] == "ConfigMap"
+                && d["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.ends_with("-leasehold-sidecar"))
+        })
+        .expect("the sidecar template ConfigMap")["data"]["sidecar.json"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    leasehold::inject::Sidecar::from_json(text.as_bytes()).expect("the controller loads it");
+    serde_json::from_str(&text).unwrap()
 }
 
 /// The rendered webhook hangs together: the configuration calls the Service on the path the
@@ -649,13 +801,17 @@ fn decode_base64(text: &str) -> Vec<u8> {
 fn old_crd() -> String {
     let mut crd: Value =
         serde_yaml::from_str(&repo("charts/leasehold/crds/leasedjob.yaml")).unwrap();
-    let status = &mut crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
-        ["status"]["properties"];
-    assert!(status
-        .as_object_mut()
-        .unwrap()
-        .remove("checkpoint")
-        .is_some());
+    // From every version: an older release's versions share one schema. (The API server
+    // refuses versions whose schemas differ while their selectableFields are the same.)
+    for version in crd["spec"]["versions"].as_array_mut().unwrap() {
+        let status =
+            &mut version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"];
+        assert!(status
+            .as_object_mut()
+            .unwrap()
+            .remove("checkpoint")
+            .is_some());
+    }
     serde_yaml::to_string(&crd).unwrap()
 }
 
@@ -840,6 +996,8 @@ async fn helm_install_upgrade_uninstall() {
         &workers_set,
         "--set",
         &webhook_scope,
+        "--set",
+        "crds.upgradeJob.enabled=false",
     ]);
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
     let secret_name = format!("{rel}-leasehold-admission-tls");
@@ -853,7 +1011,8 @@ async fn helm_install_upgrade_uninstall() {
         "helm installed the wrong CRD"
     );
 
-    // Upgrade to this chart: Helm leaves the CRD as it was.
+    // Upgrade to this chart with its CRD upgrade Job off (no kubelet runs it here; the node
+    // test does): Helm itself leaves the CRD as it was.
     let chart = chart_dir();
     helm_ok(&[
         "upgrade",
@@ -865,6 +1024,8 @@ async fn helm_install_upgrade_uninstall() {
         &workers_set,
         "--set",
         &webhook_scope,
+        "--set",
+        "crds.upgradeJob.enabled=false",
     ]);
     assert!(
         !crd_has_checkpoint(&crds.get(CRD_NAME).await.unwrap()),
@@ -917,6 +1078,8 @@ async fn helm_install_upgrade_uninstall() {
         "controller.extraArgs={--namespace,jobs}",
         "--set",
         &webhook_scope,
+        "--set",
+        "crds.upgradeJob.enabled=false",
     ]);
     // Upgrades keep the webhook's CA and certificate (looked up, not made again), and the
     // configuration trusts that CA.
@@ -958,6 +1121,7 @@ async fn helm_install_upgrade_uninstall() {
             "--admission-listen=0.0.0.0:9443",
             "--admission-cert=/etc/leasehold/admission/tls.crt",
             "--admission-key=/etc/leasehold/admission/tls.key",
+            "--inject-sidecar=/etc/leasehold/sidecar/sidecar.json",
             "--namespace",
             "jobs"
         ]
@@ -980,7 +1144,7 @@ async fn helm_install_upgrade_uninstall() {
     std::mem::forget(release); // uninstalled by hand below
     helm_ok(&["uninstall", rel, "--namespace", &ns.name, "--wait"]);
     let namespaced = "deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings,secrets,poddisruptionbudgets";
-    let cluster = "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings,validatingwebhookconfigurations";
+    let cluster = "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings,validatingwebhookconfigurations,mutatingwebhookconfigurations";
     wait_for(
         "no objects of the release left",
         Duration::from_secs(60),
@@ -1026,4 +1190,98 @@ fn copy_dir(from: &Path, to: &Path) {
             std::fs::copy(entry.path(), target).unwrap();
         }
     }
+}
+
+/// `leasehold crd --apply` (the chart's pre-upgrade hook Job runs it) upgrades an older CRD so
+/// that the controller starts, says what it added, and leaves a newer CRD as it is.
+#[tokio::test]
+async fn crd_apply_upgrades_an_older_crd_and_leaves_a_newer_one() {
+    let _lock = CRD_LOCK.lock().await;
+    let Fixture { client, ns } = fixture!("crd-apply");
+    let _restore = RestoreCrd;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let apply = || {
+        let out = Command::new(leasehold_bin())
+            .args(["crd", "--apply"])
+            .env("KUBECONFIG", kubeconfig_path())
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success(),
+            "leasehold crd --apply failed:\n{text}"
+        );
+        text
+    };
+
+    // An older CRD: no status.checkpoint, and no v1beta1 (what the previous release shipped).
+    let mut old: Value = serde_yaml::from_str(&old_crd()).unwrap();
+    old["spec"]["versions"].as_array_mut().unwrap().truncate(1);
+    let (ok, out) = kubectl(
+        &["apply", "--server-side", "--force-conflicts", "-f", "-"],
+        &old.to_string(),
+    );
+    assert!(ok, "{out}");
+    let out = apply();
+    assert!(
+        out.contains("CustomResourceDefinition leasedjobs.leasehold.dev: upgraded: added field status.checkpoint (version v1alpha1), served version v1beta1"),
+        "{out}"
+    );
+    assert!(
+        out.contains("CustomResourceDefinition leasedqueues.leasehold.dev: already current"),
+        "{out}"
+    );
+    let installed = crds.get(CRD_NAME).await.unwrap();
+    assert!(crd_has_checkpoint(&installed));
+    let served: Vec<(String, bool)> = installed
+        .spec
+        .versions
+        .iter()
+        .map(|v| (v.name.clone(), v.storage))
+        .collect();
+    assert_eq!(
+        served,
+        [
+            ("v1alpha1".to_string(), true),
+            ("v1beta1".to_string(), false)
+        ]
+    );
+    let mut controller = Proc::spawn(
+        &format!("{}-controller-applied", ns.name),
+        &leasehold_bin(),
+        &ControllerArgs::new(&ns.name).identity("t").to_args(),
+        std::process::Stdio::null(),
+    );
+    assert_runs(&mut controller).await;
+    drop(controller);
+
+    // A newer release's CRD (one more field, and its release's stamp): left as it is.
+    let mut newer: Value =
+        serde_yaml::from_str(&repo("charts/leasehold/crds/leasedjob.yaml")).unwrap();
+    newer["metadata"]["annotations"]["leasehold.dev/version"] = json!("99.0.0");
+    for version in newer["spec"]["versions"].as_array_mut().unwrap() {
+        version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["futureField"] =
+            json!({"type": "string"});
+    }
+    let (ok, out) = kubectl(
+        &["apply", "--server-side", "--force-conflicts", "-f", "-"],
+        &newer.to_string(),
+    );
+    assert!(ok, "{out}");
+    let out = apply();
+    assert!(
+        out.contains("CustomResourceDefinition leasedjobs.leasehold.dev: left as it is: leasehold 99.0.0 made it, newer than this leasehold"),
+        "{out}"
+    );
+    let installed = serde_json::to_value(crds.get(CRD_NAME).await.unwrap()).unwrap();
+    assert!(
+        installed["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+            ["properties"]["futureField"]
+            .is_object(),
+        "the newer CRD lost its field"
+    );
 }

@@ -444,7 +444,16 @@ async fn monitoring_objects_pass_a_dry_run() {
             d["kind"] == "Deployment" && d["metadata"]["name"] == "mon-leasehold-example-worker"
         })
         .unwrap();
-    let sidecar = &worker["spec"]["template"]["spec"]["initContainers"][0];
+    // The sidecar the injection webhook adds to worker pods.
+    let template: Value = serde_json::from_str(
+        docs.iter()
+            .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "mon-leasehold-sidecar")
+            .expect("the sidecar template")["data"]["sidecar.json"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let sidecar = &template["container"];
     assert_eq!(endpoint["relabelings"][0]["regex"], sidecar["name"]);
     assert!(sidecar["ports"]
         .as_array()

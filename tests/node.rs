@@ -15,7 +15,9 @@ mod node_support;
 use std::time::{Duration, Instant};
 
 use chart_support::*;
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::ListParams;
 use kube::Api;
 use leasehold_core::crd::Phase;
@@ -49,10 +51,44 @@ async fn chart_runs_on_a_node() {
 
     // The pods run the image's binary as 65532 with the chart's read-only root filesystem:
     // what the kubelet reports for each container.
+    // The example worker's Deployment has no sidecar of its own, only the annotation
+    // leasehold.dev/queue: the controllers' webhook injected each pod's.
+    let deployments: Api<Deployment> = Api::namespaced(inst.client.clone(), &inst.workers.name);
+    let template = deployments
+        .get(&inst.worker_deployment())
+        .await
+        .unwrap()
+        .spec
+        .template;
+    assert!(
+        template.spec.unwrap().init_containers.is_none(),
+        "the example worker writes its sidecar out"
+    );
+    let annotations = template.metadata.unwrap().annotations.unwrap_or_default();
+    assert_eq!(
+        annotations.get("leasehold.dev/queue").map(String::as_str),
+        Some("demo")
+    );
     let workers = inst.pods(&inst.workers.name, "example-worker").await;
     for p in &workers {
+        let injected = p
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(leasehold::inject::INJECTED_ANNOTATION));
+        assert_eq!(
+            injected.map(String::as_str),
+            Some(env!("CARGO_PKG_VERSION")),
+            "{:?}",
+            p.metadata.name
+        );
         let spec = p.spec.as_ref().unwrap();
+        assert_eq!(
+            spec.service_account_name.as_deref(),
+            Some("leasehold-worker")
+        );
         let sidecar = &spec.init_containers.as_ref().unwrap()[0];
+        assert_eq!(sidecar.name, leasehold::inject::SIDECAR_NAME);
         assert_eq!(sidecar.restart_policy.as_deref(), Some("Always"));
         let st = p.status.as_ref().unwrap();
         let sc = &st.init_container_statuses.as_ref().unwrap()[0];
@@ -135,6 +171,29 @@ async fn chart_runs_on_a_node() {
     assert!(
         offered > 0,
         "no claim was offered by the dispatcher ({claims} claims logged)"
+    );
+
+    // `helm test`: a pod whose sidecar is injected runs one job through the installation
+    // (`leasehold smoke-test` exits 0 only when every step passed; the pod is deleted then).
+    let out = helm_ok(&[
+        "test",
+        &inst.release.name,
+        "--namespace",
+        &inst.release.namespace,
+        "--timeout",
+        "3m",
+    ]);
+    let suite = format!("TEST SUITE:     {}-smoke-test", inst.release.fullname());
+    let pod_phase = out
+        .split(&suite)
+        .filter_map(|section| section.lines().find(|l| l.starts_with("Phase:")))
+        .last();
+    assert_eq!(
+        pod_phase
+            .map(str::split_whitespace)
+            .and_then(|mut w| w.nth(1)),
+        Some("Succeeded"),
+        "{out}"
     );
 
     // The controller pods' size webhook answers the API server: an oversized job is refused
@@ -469,18 +528,14 @@ async fn helm_upgrade_and_uninstall_on_a_node() {
     }
     inst.wait_in_progress("job-0").await;
 
-    // The CRD changes (here: one more printer column), applied as docs/install.md says,
-    // then the release is upgraded with a change that rolls every pod.
+    // The cluster has the previous release's CRD (v1alpha1 only); `helm upgrade` alone
+    // brings the new one: its pre-upgrade hook Job applies it from the new image before the
+    // controllers (which refuse to start on an older CRD) roll. Every pod rolls too.
     let mut crd: Value = serde_yaml::from_str(
         &std::fs::read_to_string(repo_path("charts/leasehold/crds/leasedjob.yaml")).unwrap(),
     )
     .unwrap();
-    crd["spec"]["versions"][0]["additionalPrinterColumns"]
-        .as_array_mut()
-        .unwrap()
-        .push(
-            json!({"name": "Token", "type": "string", "jsonPath": ".status.token", "priority": 1}),
-        );
+    crd["spec"]["versions"].as_array_mut().unwrap().truncate(1);
     let (ok, out) = kubectl(
         &["apply", "--server-side", "--force-conflicts", "-f", "-"],
         &serde_yaml::to_string(&crd).unwrap(),
@@ -511,6 +566,22 @@ async fn helm_upgrade_and_uninstall_on_a_node() {
     ];
     let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
     helm_ok(&args_ref);
+    let crds: Api<CustomResourceDefinition> = Api::all(inst.client.clone());
+    let upgraded = crds.get("leasedjobs.leasehold.dev").await.unwrap();
+    let versions: Vec<(String, bool)> = upgraded
+        .spec
+        .versions
+        .iter()
+        .map(|v| (v.name.clone(), v.storage))
+        .collect();
+    assert_eq!(
+        versions,
+        [
+            ("v1alpha1".to_string(), true),
+            ("v1beta1".to_string(), false)
+        ],
+        "the upgrade did not bring the new CRD"
+    );
     inst.wait_ready(&inst.controller_deployment(), &inst.release.namespace, 2)
         .await;
     inst.wait_ready(&inst.worker_deployment(), &inst.workers.name, 2)
@@ -546,7 +617,8 @@ async fn helm_upgrade_and_uninstall_on_a_node() {
             "get",
             "deployments,replicasets,services,serviceaccounts,configmaps,secrets,roles,rolebindings,\
              clusterroles,clusterrolebindings,validatingadmissionpolicies,\
-             validatingadmissionpolicybindings,validatingwebhookconfigurations,poddisruptionbudgets",
+             validatingadmissionpolicybindings,validatingwebhookconfigurations,\
+             mutatingwebhookconfigurations,jobs,poddisruptionbudgets",
             "-l",
             &selector,
             "--all-namespaces",

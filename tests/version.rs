@@ -12,9 +12,11 @@ const FILES: &[&str] = &[
     "README.md",
     "clients/python/leasehold/__init__.py",
     "charts/leasehold/Chart.yaml",
-    "docs/example-worker.yaml",
+    "docs/example-worker-manual.yaml",
     "docs/install.md",
     "docs/monitoring.md",
+    "charts/leasehold/crds/leasedjob.yaml",
+    "charts/leasehold/crds/leasedqueue.yaml",
 ];
 
 /// A directory of its own under the temporary directory, removed when dropped.

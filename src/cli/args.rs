@@ -84,11 +84,32 @@ pub struct AdmissionArgs {
         requires = "admission_listen"
     )]
     pub admission_key: Option<PathBuf>,
+    /// Also serve the sidecar injection webhook (path /mutate/pods), adding the sidecar this
+    /// JSON template describes to pods annotated `leasehold.dev/queue` (see
+    /// `leasehold::inject`). Read once at start.
+    #[arg(
+        long,
+        env = "LEASEHOLD_INJECT_SIDECAR",
+        value_name = "FILE",
+        requires = "admission_listen"
+    )]
+    pub inject_sidecar: Option<PathBuf>,
+}
+
+/// The admission server's configuration: its address, TLS, and the injection template when
+/// injection is on.
+pub struct Admission {
+    /// Where to listen.
+    pub addr: SocketAddr,
+    /// The serving certificate.
+    pub tls: Arc<rustls::ServerConfig>,
+    /// The sidecar to inject, with `--inject-sidecar`.
+    pub injection: Option<Arc<crate::inject::Sidecar>>,
 }
 
 impl AdmissionArgs {
-    /// The address and TLS configuration to serve the webhook with, when it is on.
-    pub fn config(&self) -> anyhow::Result<Option<(SocketAddr, Arc<rustls::ServerConfig>)>> {
+    /// The admission server's configuration, checked, when it is on.
+    pub fn config(&self) -> anyhow::Result<Option<Admission>> {
         let (Some(addr), Some(cert), Some(key)) = (
             self.admission_listen,
             &self.admission_cert,
@@ -99,7 +120,18 @@ impl AdmissionArgs {
         let tls = tls::server_config(cert, key).context(
             "--admission-cert and --admission-key must name a PEM certificate and its key",
         )?;
-        Ok(Some((addr, tls)))
+        let injection = match &self.inject_sidecar {
+            Some(path) => Some(Arc::new(
+                crate::inject::Sidecar::load(path)
+                    .with_context(|| format!("--inject-sidecar {}", path.display()))?,
+            )),
+            None => None,
+        };
+        Ok(Some(Admission {
+            addr,
+            tls,
+            injection,
+        }))
     }
 }
 

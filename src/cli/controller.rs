@@ -9,7 +9,7 @@ use leasehold_controller as controller;
 use leasehold_kube::health::Health;
 use leasehold_metrics::Metrics;
 
-use super::args::{AdmissionArgs, ElectionArgs, HttpArgs};
+use super::args::{self, AdmissionArgs, ElectionArgs, HttpArgs};
 use super::{check_dns_label, clients, identity_or_hostname};
 use crate::{admission, http, observe};
 
@@ -84,6 +84,11 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
     );
     let limits = http.limits()?;
     let admission = admission.config()?;
+    let reinject = admission
+        .as_ref()
+        .and_then(|a| a.injection.as_ref())
+        .map(|sidecar| sidecar.namespaces().to_vec())
+        .unwrap_or_default();
     if let Some(ns) = &namespace {
         check_dns_label("--namespace", ns)?;
     }
@@ -107,15 +112,22 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
         std::future::pending(),
     );
     let admission = match admission {
-        Some((addr, tls)) => {
+        Some(args::Admission {
+            addr,
+            tls,
+            injection,
+        }) => {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("--admission-listen {addr}: cannot bind"))?;
             let bound = listener.local_addr().unwrap_or(addr);
             tracing::info!(admission_listen = %bound, "Serving the admission webhook at https://{bound}{}", admission::PATH);
+            if injection.is_some() {
+                tracing::info!(admission_listen = %bound, "Serving the sidecar injection webhook at https://{bound}{}", crate::inject::PATH);
+            }
             Some(tokio::spawn(http::serve_tls(
                 listener,
-                admission::router(),
+                admission::router(injection),
                 limits,
                 tls,
                 std::future::pending(),
@@ -191,6 +203,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
                 controller::EventPolicy::Problems
             },
             dispatch,
+            reinject,
         },
         metrics,
         Arc::clone(&health),

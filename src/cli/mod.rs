@@ -12,6 +12,7 @@ pub mod args;
 pub mod controller;
 pub mod kubectl;
 pub mod sidecar;
+pub mod smoke;
 
 use crate::telemetry;
 
@@ -44,8 +45,9 @@ enum Command {
     /// Serve the worker's HTTP API: claim, heartbeat, complete, fail, release.
     Sidecar(sidecar::SidecarArgs),
     /// Print leasehold's CustomResourceDefinitions (LeasedJob, then LeasedQueue) as one YAML
-    /// stream, for `kubectl apply --server-side -f -`.
-    Crd,
+    /// stream, for `kubectl apply --server-side -f -`; or, with --apply, install or upgrade
+    /// them in the cluster (never replacing a newer one).
+    Crd(CrdArgs),
     /// List LeasedJobs with queue, phase, attempt, holder, last heartbeat, time until the lease
     /// runs out, and the progress their worker reported (`kubectl leasehold get`).
     Get(kubectl::GetArgs),
@@ -63,9 +65,38 @@ enum Command {
     Pause(kubectl::QueueArgs),
     /// Let claims of a paused queue go on (`kubectl leasehold resume QUEUE`).
     Resume(kubectl::QueueArgs),
+    /// Run one job through this installation, end to end: create a LeasedJob in --queue,
+    /// claim it through the sidecar, complete it, check it Succeeded, delete it (the chart's
+    /// `helm test` runs this in a pod whose sidecar is injected).
+    SmokeTest(smoke::SmokeArgs),
     /// Print a shell completion script: `source <(leasehold completion bash)`, or with
     /// `--plugin` for the name kubectl runs (`kubectl-leasehold`).
     Completion(CompletionArgs),
+}
+
+/// What `leasehold crd` does.
+#[derive(clap::Args)]
+struct CrdArgs {
+    /// Install or upgrade the CRDs in the cluster (KUBECONFIG, then in-cluster credentials)
+    /// with server-side apply, and wait until the API server serves them; a CRD newer than
+    /// this binary's (one that declares something it lacks) is left as it is. Needs get,
+    /// create and patch on customresourcedefinitions.
+    #[arg(long)]
+    apply: bool,
+}
+
+/// `leasehold crd --apply`: one line per CRD saying what was done.
+async fn apply_crds() -> anyhow::Result<()> {
+    let clients = clients().await?;
+    for crd in [
+        leasehold_core::crd::definition(),
+        leasehold_core::crd::queue_definition(),
+    ] {
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        let outcome = leasehold_controller::crd_upgrade::apply(&clients.requests, &crd).await?;
+        println!("CustomResourceDefinition {name}: {outcome}");
+    }
+    Ok(())
 }
 
 /// The shell, and which name the script completes.
@@ -122,7 +153,8 @@ impl Cli {
             telemetry::init(self.log_format);
         }
         match self.command {
-            Command::Crd => {
+            Command::Crd(args) if args.apply => apply_crds().await,
+            Command::Crd(_) => {
                 print!("{}", leasehold_core::crd::all_crds_yaml()?);
                 Ok(())
             }
@@ -134,6 +166,7 @@ impl Cli {
             Command::Describe(args) => kubectl::describe(args).await,
             Command::Pause(args) => kubectl::set_paused(args, true).await,
             Command::Resume(args) => kubectl::set_paused(args, false).await,
+            Command::SmokeTest(args) => smoke::run(args).await,
             Command::Completion(args) => {
                 use clap::CommandFactory;
                 let name = if args.plugin {

@@ -65,7 +65,8 @@ impl Release {
     ///
     /// The admission webhook is off unless `sets` turn it on: no controller pod runs here (no
     /// kubelet), so the API server could not reach it, and its configuration is cluster-wide:
-    /// every LeasedJob write of every test would wait for its timeout.
+    /// every LeasedJob write of every test would wait for its timeout. Sidecar injection,
+    /// which it serves, is off with it.
     pub fn install(name: &str, namespace: &str, sets: &[&str]) -> Release {
         let chart = chart_dir();
         let mut args = vec![
@@ -77,6 +78,11 @@ impl Release {
             "--skip-crds",
             "--set",
             "admissionWebhook.enabled=false",
+            "--set",
+            "sidecar.injection.enabled=false",
+            // No kubelet runs here to run the pre-upgrade hook Job: `helm upgrade` would wait.
+            "--set",
+            "crds.upgradeJob.enabled=false",
         ];
         for s in sets {
             args.extend_from_slice(&["--set", s]);

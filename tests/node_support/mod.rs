@@ -99,6 +99,11 @@ impl Install {
         // The controller pods serve the size webhook; the API server reaches them by their
         // pod IPs. Scoped to this test's worker namespace.
         sets.push("admissionWebhook.enabled=true".into());
+        // The example worker is a plain Deployment with the annotation leasehold.dev/queue:
+        // the controllers' webhook injects its sidecar.
+        sets.push("sidecar.injection.enabled=true".into());
+        // `helm upgrade` runs the CRD upgrade Job on the node.
+        sets.push("crds.upgradeJob.enabled=true".into());
         sets.push(format!(
             "admissionWebhook.namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name={}",
             w.name
@@ -122,6 +127,32 @@ impl Install {
         install
             .wait_ready(&install.worker_deployment(), &install.workers.name, workers)
             .await;
+        // The worker pods made before the webhook existed (Helm creates it after the
+        // Deployment) are evicted by the leading controller and made again, injected: wait
+        // for those, all ready.
+        wait_for(
+            "every example worker pod injected and ready",
+            Duration::from_secs(180),
+            || async {
+                let pods = install.pods(&install.workers.name, "example-worker").await;
+                let injected = pods.iter().all(|p| {
+                    let annotated =
+                        p.metadata.annotations.as_ref().is_some_and(|a| {
+                            a.contains_key(leasehold::inject::INJECTED_ANNOTATION)
+                        });
+                    let ready = p
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.conditions.as_ref())
+                        .is_some_and(|c| {
+                            c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                        });
+                    annotated && ready
+                });
+                (pods.len() == workers as usize && injected).then_some(())
+            },
+        )
+        .await;
         install
     }
 

@@ -48,10 +48,12 @@ use tracing::{info, warn};
 
 mod adoption;
 pub mod crd_check;
+pub mod crd_upgrade;
 pub mod dispatch;
 mod expire;
 pub mod leader;
 mod queues;
+pub mod reinject;
 mod report;
 mod transitions;
 mod workers;
@@ -148,6 +150,9 @@ pub struct Config {
     /// The dispatcher fed from the job watch, answering while this replica leads, and where
     /// it is advertised; None dispatches nothing (sidecars then choose on their own).
     pub dispatch: Option<dispatch::Setup>,
+    /// Namespaces whose pods that escaped sidecar injection are evicted at the start of each
+    /// term ([`reinject`]); empty: none.
+    pub reinject: Vec<String>,
 }
 
 /// Which transitions the controller records as Events. Events are for people and for
@@ -274,6 +279,14 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
             .await;
         })
     });
+    if !config.reinject.is_empty() {
+        tokio::spawn(reinject::run(
+            client.clone(),
+            config.reinject.clone(),
+            Arc::clone(&leadership),
+            Arc::clone(&health),
+        ));
+    }
     let ctx = Arc::new(Context {
         event_policy: config.events,
         client,

@@ -14,6 +14,7 @@ use serde_json::Value;
 
 pub use crate::definition::{
     all_crds_yaml, crd_yaml, definition, paragraphs, queue_crd_yaml, queue_definition,
+    BETA_VERSION, STORAGE_VERSION, VERSION_ANNOTATION,
 };
 
 /// API group of every leasehold resource.

@@ -17,13 +17,49 @@ use crate::queue::LeasedQueue;
 /// comment's source line ended. Everything that installs or compares the CRD uses this, never
 /// `LeasedJob::crd()` directly.
 pub fn definition() -> CustomResourceDefinition {
-    reflowed(LeasedJob::crd())
+    with_beta(reflowed(LeasedJob::crd()))
 }
 
 /// The CustomResourceDefinition of LeasedQueue as leasehold installs it, reflowed as
-/// [`definition`]'s.
+/// [`definition`]'s, with the same two versions.
 pub fn queue_definition() -> CustomResourceDefinition {
-    reflowed(LeasedQueue::crd())
+    with_beta(reflowed(LeasedQueue::crd()))
+}
+
+/// The version leasehold stores objects in (`spec.versions[].storage`).
+pub const STORAGE_VERSION: &str = "v1alpha1";
+
+/// The annotation on leasehold's CRDs naming the release that made them (its SemVer version),
+/// so that `leasehold crd --apply` never replaces a CRD of a newer release with an older one.
+pub const VERSION_ANNOTATION: &str = "leasehold.dev/version";
+
+/// The second version served, beside [`STORAGE_VERSION`].
+pub const BETA_VERSION: &str = "v1beta1";
+
+/// `crd` (one version, `v1alpha1`, as kube derives it), stamped with [`VERSION_ANNOTATION`],
+/// serving [`BETA_VERSION`] too, with the
+/// same schema, subresources, printer columns and selectable fields, and no conversion
+/// webhook (`conversion.strategy: None`): the API server converts between two identical
+/// schemas by rewriting `apiVersion`. `v1alpha1` stays the storage version, so a cluster can
+/// go back to a release that knows only it. docs/versioning.md says how a later schema change
+/// lands in v1beta1 alone, with a conversion webhook.
+fn with_beta(mut crd: CustomResourceDefinition) -> CustomResourceDefinition {
+    crd.metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(
+            VERSION_ANNOTATION.to_string(),
+            env!("CARGO_PKG_VERSION").to_string(),
+        );
+    let Some(alpha) = crd.spec.versions.first_mut() else {
+        return crd;
+    };
+    alpha.storage = true;
+    let mut beta = alpha.clone();
+    beta.name = BETA_VERSION.to_string();
+    beta.storage = false;
+    crd.spec.versions.push(beta);
+    crd
 }
 
 /// `crd` with every description reflowed into paragraphs ([`paragraphs`]).

@@ -20,6 +20,7 @@
 //! - [`adoption`]: the jobs Leased before a limit, counted by slots before it allows a claim.
 //! - [`share`]: which job a claimer tries, so that the claimers of a queue do not race.
 //! - [`fence`]: the conditional writes that end an attempt; where a stale token is refused.
+//! - [`injection`]: sidecar injection's names; which pods escaped it.
 //! - [`job_cache`]: the controller's slim copy of every job it watches.
 //! - [`policy`]: a job's lease duration, maxAttempts and backoff: its own, else its queue's.
 //! - [`lease`]: the per-job `coordination.k8s.io/v1` Lease: its name, whose it is, its patches.
@@ -37,6 +38,7 @@ pub mod definition;
 pub mod dispatch;
 pub mod expiry;
 pub mod fence;
+pub mod injection;
 pub mod job_cache;
 pub mod lease;
 pub mod policy;
