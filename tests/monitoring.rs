@@ -338,9 +338,12 @@ async fn monitoring_objects_pass_a_dry_run() {
         "exampleWorker.enabled=true",
         "--set",
         "exampleWorker.keda.enabled=true",
-        // No controller pod answers here: keep every test's LeasedJob writes off the webhook.
+        // No controller pod answers here: keep every test's LeasedJob writes off the webhook,
+        // and write the example worker's sidecar out (injection needs the webhook).
         "--set",
         "admissionWebhook.enabled=false",
+        "--set",
+        "sidecar.injection.enabled=false",
     ]);
     let docs = documents(&rendered);
     let wanted = [
@@ -444,16 +447,7 @@ async fn monitoring_objects_pass_a_dry_run() {
             d["kind"] == "Deployment" && d["metadata"]["name"] == "mon-leasehold-example-worker"
         })
         .unwrap();
-    // The sidecar the injection webhook adds to worker pods.
-    let template: Value = serde_json::from_str(
-        docs.iter()
-            .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "mon-leasehold-sidecar")
-            .expect("the sidecar template")["data"]["sidecar.json"]
-            .as_str()
-            .unwrap(),
-    )
-    .unwrap();
-    let sidecar = &template["container"];
+    let sidecar = &worker["spec"]["template"]["spec"]["initContainers"][0];
     assert_eq!(endpoint["relabelings"][0]["regex"], sidecar["name"]);
     assert!(sidecar["ports"]
         .as_array()

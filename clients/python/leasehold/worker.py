@@ -1,6 +1,9 @@
 """The claim loop: claims jobs one at a time, runs a handler on each, ends each attempt
 exactly once, and stops gracefully on SIGTERM."""
 
+import asyncio
+import inspect
+import json
 import logging
 import os
 import signal
@@ -10,7 +13,7 @@ import time
 from typing import Any, Callable, Optional
 
 from .client import MAX_CLAIM_WAIT, Client, Event
-from .errors import ApiError, ConnectionFailed, JobLost, LeaseholdError
+from .errors import ApiError, ConnectionFailed, JobLost, LeaseholdError, ShuttingDown
 from .job import Job
 
 log = logging.getLogger("leasehold")
@@ -26,13 +29,24 @@ class Worker:
     it does decides how the attempt ends:
 
     * returns a value: the job is completed with it as the result (unless the handler ended
-      the job itself, or the job was lost: then nothing is sent);
+      the job itself, or the job was lost: then nothing is sent); a value that is not JSON
+      fails the attempt as not retryable (reason ``ResultNotJSON``, naming its type): another
+      attempt would return the same;
     * raises :class:`leasehold.Fail`: the attempt fails with its reason, message, retryable;
     * raises :class:`leasehold.JobLost` (e.g. from :meth:`Job.check`): nothing is sent;
     * raises :class:`leasehold.ShutdownRequested`: the job is released with its latest
       checkpoint;
     * raises anything else: the attempt fails (reason ``WorkerError``, retryable), the
       error is logged, and the worker goes on with the next job.
+
+    An ``async def`` handler is run to its end on an event loop of its own
+    (``asyncio.run``), one job at a time, with the same heartbeats, checkpoints, lease loss
+    and cancellation: call :meth:`Job.check` between awaits, and ``await asyncio.sleep``
+    rather than :meth:`Job.sleep`. Anything else that is not callable is refused with a
+    TypeError when the worker is made.
+
+    When the sidecar answers a claim with ``shutting_down`` (it is draining: its pod is
+    stopping), the worker claims nothing more and returns, logging one line.
 
     Stopping: the first SIGTERM or SIGINT stops claiming (a claim waiting in its long poll
     returns at once) and, with ``on_shutdown="release"`` (the default), makes the running
@@ -66,6 +80,16 @@ class Worker:
         heartbeat_interval: Optional[float] = None,
         handle_signals: bool = True,
     ):
+        if not callable(handler):
+            raise TypeError(
+                "handler must be a function (or an async function) taking a leasehold.Job, not %r of type %s"
+                % (handler, type(handler).__name__)
+            )
+        if inspect.isasyncgenfunction(handler) or inspect.isgeneratorfunction(handler):
+            raise TypeError(
+                "handler %s is a generator function: it must return the result (def) or be awaited to it (async def)"
+                % getattr(handler, "__qualname__", repr(handler))
+            )
         if on_shutdown not in SHUTDOWN_POLICIES:
             raise ValueError("on_shutdown must be one of %s, not %r" % (SHUTDOWN_POLICIES, on_shutdown))
         if not 0 <= wait <= MAX_CLAIM_WAIT:
@@ -124,6 +148,9 @@ class Worker:
                 break
             try:
                 answer = self._claim()
+            except ShuttingDown:
+                log.info("The sidecar is shutting down: claiming nothing more; handled %d job(s)", done)
+                return done
             except (ConnectionFailed, ApiError) as err:
                 if isinstance(err, ConnectionFailed):
                     self.client.emit(Event("error", message="claim: %s" % err))
@@ -155,8 +182,15 @@ class Worker:
         try:
             with job:
                 result = self.handler(job)
+                if inspect.isawaitable(result):
+                    result = asyncio.run(_awaited(result))
                 if job.ended is None and job.lost is None:
-                    job.complete(result)
+                    unencodable = _not_json(result)
+                    if unencodable:
+                        log.error("%s: %s", job.label, unencodable)
+                        job.fail("ResultNotJSON", unencodable, retryable=False)
+                    else:
+                        job.complete(result)
         except JobLost:
             pass  # reported by the job as a `lost` event
         except LeaseholdError as err:
@@ -211,6 +245,19 @@ class Worker:
 
 
 _STOPPED = object()
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _not_json(result: Any) -> Optional[str]:
+    """Why ``result`` cannot be a job's result (strict JSON: no NaN), or None."""
+    try:
+        json.dumps(result, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        return "the handler's result of type %s is not JSON: %s" % (type(result).__name__, err)
+    return None
 
 
 def run(handler: Callable[[Job], Any], **kwargs: Any) -> int:

@@ -1,6 +1,8 @@
 """The leasehold Python client against the real sidecar and control plane."""
 
+import asyncio
 import json
+import logging
 import os
 import re
 import shutil
@@ -350,3 +352,75 @@ def test_the_package_installs_with_pip(tmp_path):
         cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=str(target)), capture_output=True, text=True,
     )
     assert probe.returncode == 0 and probe.stdout.startswith(str(target)), probe.stdout + probe.stderr
+
+
+def test_an_async_handler_runs_its_job_to_the_end(procs, queue, recorder):
+    create_job("awaited", queue, {"n": 3}, lease=5)
+    sidecar = procs.sidecar(queue, "awaited")
+    client = leasehold.Client(sidecar.base, on_event=recorder)
+    seen = []
+
+    async def handle(job):
+        for step in range(job.payload["n"]):
+            await asyncio.sleep(0.05)
+            job.check()
+            seen.append(step)
+        return {"steps": len(seen)}
+
+    worker = leasehold.Worker(handle, client=client, wait=5, max_jobs=1, handle_signals=False)
+    assert worker.run() == 1
+    assert seen == [0, 1, 2]
+    s = status("awaited")
+    assert s["phase"] == "Succeeded", s
+    assert s["result"] == {"steps": 3}
+
+
+def test_a_result_that_is_not_json_fails_the_attempt_once_naming_its_type(procs, queue, recorder):
+    create_job("unencodable", queue, lease=5, maxAttempts=3)
+    sidecar = procs.sidecar(queue, "unencodable")
+    client = leasehold.Client(sidecar.base, on_event=recorder)
+
+    class Transcript:
+        pass
+
+    worker = leasehold.Worker(lambda job: Transcript(), client=client, wait=5, max_jobs=1, handle_signals=False)
+    assert worker.run() == 1
+    s = status("unencodable")
+    assert s["phase"] == "Failed", s
+    assert [(f["attempt"], f["reason"]) for f in s["failures"]] == [(1, "ResultNotJSON")]
+    assert "result of type Transcript is not JSON" in s["failures"][0]["message"]
+
+
+def test_a_handler_that_cannot_be_run_is_refused_when_the_worker_is_made():
+    def steps(job):
+        yield job
+
+    async def agen(job):
+        yield job
+
+    for handler, says in [
+        (42, "handler must be a function"),
+        ("handle", "handler must be a function"),
+        (steps, "is a generator function"),
+        (agen, "is a generator function"),
+    ]:
+        with pytest.raises(TypeError) as refused:
+            leasehold.Worker(handler, client=leasehold.Client("http://127.0.0.1:9"))
+        assert says in str(refused.value)
+
+
+def test_a_sidecar_shutting_down_ends_the_worker_with_one_line(caplog):
+    class Draining(leasehold.Client):
+        def claim(self, wait=0):
+            raise leasehold.ShuttingDown(503, "shutting_down", "the sidecar is shutting down")
+
+    worker = leasehold.Worker(
+        lambda job: None, client=Draining("http://127.0.0.1:9"), wait=1, handle_signals=False
+    )
+    with caplog.at_level(logging.INFO, logger="leasehold"):
+        started = time.monotonic()
+        assert worker.run() == 0
+    assert time.monotonic() - started < 1.0
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and "shutting" in r.getMessage()]
+    assert lines == ["The sidecar is shutting down: claiming nothing more; handled 0 job(s)"], caplog.records
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
