@@ -85,7 +85,8 @@ class Worker:
                 "handler must be a function (or an async function) taking a leasehold.Job, not %r of type %s"
                 % (handler, type(handler).__name__)
             )
-        if inspect.isasyncgenfunction(handler) or inspect.isgeneratorfunction(handler):
+        call = handler if inspect.isfunction(handler) or inspect.ismethod(handler) else getattr(handler, "__call__", handler)
+        if any(inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f) for f in (handler, call)):
             raise TypeError(
                 "handler %s is a generator function: it must return the result (def) or be awaited to it (async def)"
                 % getattr(handler, "__qualname__", repr(handler))
@@ -183,7 +184,7 @@ class Worker:
             with job:
                 result = self.handler(job)
                 if inspect.isawaitable(result):
-                    result = asyncio.run(_awaited(result))
+                    result = _run_to_end(result)
                 if job.ended is None and job.lost is None:
                     unencodable = _not_json(result)
                     if unencodable:
@@ -249,6 +250,31 @@ _STOPPED = object()
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
+
+
+def _run_to_end(awaitable: Any) -> Any:
+    """Runs an async handler's awaitable to its end on an event loop of its own: in this
+    thread, or, when this thread already runs a loop (a notebook, an async caller), in a
+    helper thread this one waits for. Returns its result or raises what it raised."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_awaited(awaitable))
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = asyncio.run(_awaited(awaitable))
+        except BaseException as err:  # handed to the waiting thread
+            box["error"] = err
+
+    helper = threading.Thread(target=run, name="async-handler", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(0.1)
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
 
 
 def _not_json(result: Any) -> Optional[str]:

@@ -375,6 +375,25 @@ def test_an_async_handler_runs_its_job_to_the_end(procs, queue, recorder):
     assert s["result"] == {"steps": 3}
 
 
+def test_an_async_handler_runs_when_the_calling_thread_already_runs_an_event_loop(procs, queue, recorder):
+    create_job("in-a-loop", queue, {"n": 2}, lease=5)
+    sidecar = procs.sidecar(queue, "in-a-loop")
+    client = leasehold.Client(sidecar.base, on_event=recorder)
+
+    async def handle(job):
+        await asyncio.sleep(0.05)
+        job.check()
+        return {"n": job.payload["n"]}
+
+    async def notebook():  # as a notebook cell or an async service would call it
+        return leasehold.Worker(handle, client=client, wait=5, max_jobs=1, handle_signals=False).run()
+
+    assert asyncio.run(notebook()) == 1
+    s = status("in-a-loop")
+    assert s["phase"] == "Succeeded", s
+    assert s["result"] == {"n": 2}
+
+
 def test_a_result_that_is_not_json_fails_the_attempt_once_naming_its_type(procs, queue, recorder):
     create_job("unencodable", queue, lease=5, maxAttempts=3)
     sidecar = procs.sidecar(queue, "unencodable")
@@ -398,7 +417,12 @@ def test_a_handler_that_cannot_be_run_is_refused_when_the_worker_is_made():
     async def agen(job):
         yield job
 
+    class Steps:
+        def __call__(self, job):
+            yield job
+
     for handler, says in [
+        (Steps(), "is a generator function"),
         (42, "handler must be a function"),
         ("handle", "handler must be a function"),
         (steps, "is a generator function"),
@@ -417,9 +441,14 @@ def test_a_sidecar_shutting_down_ends_the_worker_with_one_line(caplog):
     worker = leasehold.Worker(
         lambda job: None, client=Draining("http://127.0.0.1:9"), wait=1, handle_signals=False
     )
-    with caplog.at_level(logging.INFO, logger="leasehold"):
-        started = time.monotonic()
-        assert worker.run() == 0
+    guard = threading.Timer(5, worker.stop)  # a regression would retry forever: end it
+    guard.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="leasehold"):
+            started = time.monotonic()
+            assert worker.run() == 0
+    finally:
+        guard.cancel()
     assert time.monotonic() - started < 1.0
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and "shutting" in r.getMessage()]
     assert lines == ["The sidecar is shutting down: claiming nothing more; handled 0 job(s)"], caplog.records
