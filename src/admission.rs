@@ -9,7 +9,7 @@
 //! ValidatingAdmissionPolicy can measure it first: CEL has no function that serialises a
 //! value, and `spec.payload` is free-form JSON.
 //!
-//! The decision is a pure function over the AdmissionReview's JSON ([`review`]); the HTTP edge
+//! The decision is a pure function over the AdmissionReview's JSON ([`review()`]); the HTTP edge
 //! ([`router`], served over TLS by [`crate::http::serve_tls`]) only reads the body and writes
 //! the answer. The protocol is `admission.k8s.io/v1` AdmissionReview, as described in
 //! "Dynamic Admission Control" (kubernetes.io/docs/reference/access-authn-authz/
@@ -21,36 +21,21 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
-use axum::http::{header, StatusCode};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
-use leasehold_core::Category;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
-use thiserror::Error;
 use tokio::sync::Semaphore;
 
+use crate::review::{self, deny, envelope};
+pub use crate::review::{ReviewError, MAX_REVIEWS_IN_FLIGHT, MAX_REVIEW_BYTES};
 pub use leasehold_core::crd::MAX_JOB_BYTES;
 
 /// The path the webhook serves (POST, `Content-Type: application/json`).
 pub const PATH: &str = "/validate/leasedjobs";
-
-/// Largest AdmissionReview read, in bytes: 8 MiB. A review carries the new object and, for an
-/// update, the old one. The API server refuses request bodies over 3 MiB itself, and the old
-/// object is one etcd accepted (at most about 1.5 MiB), so every review about a create, an
-/// update or a merge patch fits with room to spare. A larger review (a JSON Patch that copies
-/// large values many times over) is answered 413 without a decision, which the API server
-/// treats as a failed call (`failurePolicy`).
-pub const MAX_REVIEW_BYTES: usize = 8 * 1024 * 1024;
-
-/// Reviews read and decided at once; further requests wait for a turn before their body is
-/// read. Bounds the webhook's memory to this many times [`MAX_REVIEW_BYTES`] (plus the parsed
-/// object of a refused one), whoever connects; a decision takes milliseconds.
-pub const MAX_REVIEWS_IN_FLIGHT: usize = 8;
 
 /// What the webhook decided about one request.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,27 +95,6 @@ impl std::fmt::Display for TooLarge {
             f,
             ". Keep large inputs and results out of the job: put them in an object store (or a database) and pass a reference, such as a URL or a key, in spec.payload or status.result"
         )
-    }
-}
-
-/// Why an AdmissionReview could not be answered (the HTTP answer is then 400, which the API
-/// server treats as a failed call: see `failurePolicy`).
-#[derive(Debug, Error)]
-pub enum ReviewError {
-    /// The body is not an AdmissionReview.
-    #[error("the body is not an admission.k8s.io/v1 AdmissionReview with a request")]
-    NotAReview(#[source] serde_json::Error),
-    /// The AdmissionReview has no `request`.
-    #[error("the AdmissionReview has no request to answer")]
-    NoRequest,
-}
-
-impl Category for ReviewError {
-    /// Stable category, for logs.
-    fn category(&self) -> &'static str {
-        match self {
-            ReviewError::NotAReview(_) | ReviewError::NoRequest => "invalid_review",
-        }
     }
 }
 
@@ -217,27 +181,6 @@ pub fn review(body: &[u8], limit: usize) -> Result<Reviewed, ReviewError> {
     Ok(Reviewed {
         response: envelope(&review.api_version, response),
         decision,
-    })
-}
-
-/// Marks an AdmissionReview `response` as a denial with HTTP `code`, `reason` and `message`
-/// (the API server passes a code of 400 or more through to the client).
-pub(crate) fn deny(response: &mut Value, code: u16, reason: &str, message: String) {
-    response["allowed"] = json!(false);
-    response["status"] = json!({
-        "status": "Failure",
-        "code": code,
-        "reason": reason,
-        "message": message,
-    });
-}
-
-/// The AdmissionReview to send back: `response` in an AdmissionReview of `api_version`.
-pub(crate) fn envelope(api_version: &str, response: Value) -> Value {
-    json!({
-        "apiVersion": api_version,
-        "kind": "AdmissionReview",
-        "response": response,
     })
 }
 
@@ -340,34 +283,24 @@ fn encoded_len(value: &Value) -> usize {
     count.0
 }
 
-/// The webhooks' routes: `POST` [`PATH`] answers an AdmissionReview about a LeasedJob's size;
-/// with `injection`, `POST` [`crate::inject::PATH`] answers one about a pod to inject
-/// ([`crate::inject::router`]); anything else is 404 (or 405 for another method). Both share
-/// [`MAX_REVIEWS_IN_FLIGHT`]. Serve it with [`crate::http::serve_tls`]: the API server calls
-/// webhooks over HTTPS only.
+/// The size webhook's route, sharing `turns` ([`review::turns`]) with the other webhooks the
+/// admission server serves: `POST` [`PATH`] answers an AdmissionReview; anything else is 404
+/// (or 405 for another method on [`PATH`]). Serve it with [`crate::http::serve_tls`]: the API
+/// server calls webhooks over HTTPS only.
 ///
 /// Answers: 200 with the AdmissionReview; 400 when the body is not one; 408 when it did not
 /// arrive within the server's body timeout; 413 over [`MAX_REVIEW_BYTES`]. Refusals are logged
 /// at info level with the job and its largest field.
-pub fn router(injection: Option<Arc<crate::inject::Sidecar>>) -> Router {
-    let turns = Arc::new(Semaphore::new(MAX_REVIEWS_IN_FLIGHT));
-    let size = Router::new()
+pub fn router(turns: Arc<Semaphore>) -> Router {
+    Router::new()
         .route(PATH, post(answer))
         .layer(DefaultBodyLimit::max(MAX_REVIEW_BYTES))
-        .with_state(Arc::clone(&turns));
-    match injection {
-        Some(sidecar) => size.merge(crate::inject::router(turns, sidecar)),
-        None => size,
-    }
+        .with_state(turns)
 }
 
 async fn answer(State(turns): State<Arc<Semaphore>>, request: Request) -> Response {
-    let _turn = turns
-        .acquire()
-        .await
-        .expect("the semaphore is never closed");
-    let body = match read_body(request).await {
-        Ok(body) => body,
+    let (_turn, body) = match review::receive(&turns, request).await {
+        Ok(received) => received,
         Err(refused) => return refused,
     };
     match review(&body, MAX_JOB_BYTES) {
@@ -382,57 +315,8 @@ async fn answer(State(turns): State<Arc<Semaphore>>, request: Request) -> Respon
             }
             axum::Json(reviewed.response).into_response()
         }
-        Err(e) => unreadable(&e),
+        Err(e) => review::unreadable(&e),
     }
-}
-
-/// Reads an AdmissionReview's body: at most [`MAX_REVIEW_BYTES`] (413 otherwise, refused
-/// before reading when the announced length is larger), within the server's body timeout
-/// (408), else 400. The caller holds a turn of [`MAX_REVIEWS_IN_FLIGHT`].
-pub(crate) async fn read_body(request: Request) -> Result<Bytes, Response> {
-    let announced = request
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if announced.is_some_and(|l| l > MAX_REVIEW_BYTES as u64) {
-        return Err(too_large_review());
-    }
-    match Bytes::from_request(request, &()).await {
-        Ok(body) => Ok(body),
-        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(too_large_review()),
-        Err(e) => {
-            let status = if crate::http::body_timeout_in(&e).is_some() {
-                StatusCode::REQUEST_TIMEOUT
-            } else {
-                StatusCode::BAD_REQUEST
-            };
-            Err((
-                status,
-                format!("the AdmissionReview could not be read: {e}"),
-            )
-                .into_response())
-        }
-    }
-}
-
-/// The 400 for a body that is not an AdmissionReview, logged.
-pub(crate) fn unreadable(e: &ReviewError) -> Response {
-    tracing::warn!(category = e.category(), error = %leasehold_kube::api::error_chain(e), "Answered an unreadable AdmissionReview with 400");
-    (StatusCode::BAD_REQUEST, e.to_string()).into_response()
-}
-
-fn too_large_review() -> Response {
-    let mut response = (
-        StatusCode::PAYLOAD_TOO_LARGE,
-        format!("the AdmissionReview is larger than {MAX_REVIEW_BYTES} bytes"),
-    )
-        .into_response();
-    response.headers_mut().insert(
-        header::CONNECTION,
-        header::HeaderValue::from_static("close"),
-    );
-    response
 }
 
 #[cfg(test)]

@@ -41,7 +41,7 @@ use serde_json::{json, Map, Value};
 use thiserror::Error;
 use tokio::sync::Semaphore;
 
-use crate::admission::{deny, envelope, read_body, unreadable, ReviewError, MAX_REVIEW_BYTES};
+use crate::review::{self, deny, envelope, ReviewError, MAX_REVIEW_BYTES};
 
 /// The path the injection webhook serves (POST, `Content-Type: application/json`).
 pub const PATH: &str = "/mutate/pods";
@@ -554,8 +554,7 @@ pub fn is_quantity(text: &str) -> bool {
     text.len() <= 63 && digits_ok && suffix_ok
 }
 
-/// The injection webhook's route, sharing `turns` (reviews decided at once) with the
-/// validating webhook: `POST` [`PATH`] answers an AdmissionReview (200), or 400, 408, 413 as
+/// The injection webhook's route, sharing `turns` ([`review::turns`]) with the size webhook: `POST` [`PATH`] answers an AdmissionReview (200), or 400, 408, 413 as
 /// [`crate::admission::router`] does. Injections are logged at info level with the pod and its
 /// queue, refusals with the rule.
 pub fn router(turns: Arc<Semaphore>, sidecar: Arc<Sidecar>) -> Router {
@@ -569,12 +568,8 @@ async fn answer(
     State((turns, sidecar)): State<(Arc<Semaphore>, Arc<Sidecar>)>,
     request: Request,
 ) -> Response {
-    let _turn = turns
-        .acquire()
-        .await
-        .expect("the semaphore is never closed");
-    let body = match read_body(request).await {
-        Ok(body) => body,
+    let (_turn, body) = match review::receive(&turns, request).await {
+        Ok(received) => received,
         Err(refused) => return refused,
     };
     match review(&body, &sidecar) {
@@ -590,7 +585,7 @@ async fn answer(
             }
             axum::Json(reviewed.response).into_response()
         }
-        Err(e) => unreadable(&e),
+        Err(e) => review::unreadable(&e),
     }
 }
 

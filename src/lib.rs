@@ -10,6 +10,7 @@
 //!   store ([`leasehold_core::crd::MAX_JOB_BYTES`]) with a 4xx naming the field.
 //! - [`inject`]: the controller's mutating webhook that adds the sidecar to pods annotated
 //!   `leasehold.dev/queue`.
+//! - [`review`]: reading an AdmissionReview and writing its answer, for both webhooks.
 //! - [`http`]: serving HTTP with bounded waits, for the sidecar, the metrics endpoints and the
 //!   admission webhook.
 //! - [`observe`]: `/metrics`, `/healthz` and `/readyz` as HTTP responses.
@@ -23,6 +24,7 @@ pub mod http;
 pub mod inject;
 pub mod observe;
 pub mod plugin;
+pub mod review;
 pub mod sidecar;
 pub mod telemetry;
 pub mod tls;

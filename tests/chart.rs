@@ -509,20 +509,27 @@ async fn rendered_chart_passes_a_dry_run() {
     let w2 = TestNamespace::new(&client, "dry-run-w2").await;
     let workers = format!("workers.namespaces={{{},{}}}", w1.name, w2.name);
     let chart = chart_dir();
-    // Without the `helm test` pod, whose ServiceAccount a dry run does not make (the node
-    // test runs `helm test`).
-    let rendered = helm_ok(&[
-        "template",
-        "dry",
-        chart.to_str().unwrap(),
-        "--namespace",
-        &release_ns.name,
-        "--set",
-        &workers,
-        "--set",
-        "exampleWorker.enabled=true",
-        "--skip-tests",
-    ]);
+    // The chart with its example worker, and `extra` values; without the `helm test` pod,
+    // whose ServiceAccount a dry run does not make (the node test runs `helm test`).
+    let render = |extra: &[&str]| {
+        let mut args = vec![
+            "template",
+            "dry",
+            chart.to_str().unwrap(),
+            "--namespace",
+            &release_ns.name,
+            "--set",
+            &workers,
+            "--set",
+            "exampleWorker.enabled=true",
+            "--skip-tests",
+        ];
+        for set in extra {
+            args.extend(["--set", set]);
+        }
+        helm_ok(&args)
+    };
+    let rendered = render(&[]);
     let (ok, out) = kubectl(&["apply", "--dry-run=server", "-f", "-"], &rendered);
     assert!(ok, "server-side dry run refused the chart:\n{out}");
     let docs = documents(&rendered);
@@ -598,19 +605,7 @@ async fn rendered_chart_passes_a_dry_run() {
     check_admission_webhook(&docs, &release_ns.name);
 
     // Without injection, the example worker writes the same sidecar out, for its queue.
-    let manual = helm_ok(&[
-        "template",
-        "dry",
-        chart.to_str().unwrap(),
-        "--namespace",
-        &release_ns.name,
-        "--set",
-        &workers,
-        "--set",
-        "exampleWorker.enabled=true",
-        "--set",
-        "sidecar.injection.enabled=false",
-    ]);
+    let manual = render(&["sidecar.injection.enabled=false"]);
     let manual_docs = documents(&manual);
     assert!(
         !manual_docs
@@ -1237,14 +1232,8 @@ async fn crd_apply_upgrades_an_older_crd_and_leaves_a_newer_one() {
     );
     let installed = crds.get(CRD_NAME).await.unwrap();
     assert!(crd_has_checkpoint(&installed));
-    let served: Vec<(String, bool)> = installed
-        .spec
-        .versions
-        .iter()
-        .map(|v| (v.name.clone(), v.storage))
-        .collect();
     assert_eq!(
-        served,
+        crd_versions(&installed),
         [
             ("v1alpha1".to_string(), true),
             ("v1beta1".to_string(), false)

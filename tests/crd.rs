@@ -359,38 +359,21 @@ async fn a_job_stored_as_v1alpha1_is_read_and_written_through_v1beta1() {
     assert_eq!(beta["spec"]["priority"], 1);
 
     // Written through v1beta1: the spec, and the status subresource.
-    let (ok, out) = kubectl(
-        &[
-            "patch",
-            "leasedjobs.v1beta1.leasehold.dev",
-            "b",
-            "-n",
-            &ns,
-            "--type",
-            "merge",
-            "-p",
-            r#"{"spec":{"priority":7},"metadata":{"labels":{"written-as":"v1beta1"}}}"#,
-        ],
-        "",
+    let patch = |subresource: &[&str], body: &str| {
+        let mut args = vec!["patch", "leasedjobs.v1beta1.leasehold.dev", "b", "-n", &ns];
+        args.extend(subresource);
+        args.extend(["--type", "merge", "-p", body]);
+        let (ok, out) = kubectl(&args, "");
+        assert!(ok, "{out}");
+    };
+    patch(
+        &[],
+        r#"{"spec":{"priority":7},"metadata":{"labels":{"written-as":"v1beta1"}}}"#,
     );
-    assert!(ok, "{out}");
-    let (ok, out) = kubectl(
-        &[
-            "patch",
-            "leasedjobs.v1beta1.leasehold.dev",
-            "b",
-            "-n",
-            &ns,
-            "--subresource",
-            "status",
-            "--type",
-            "merge",
-            "-p",
-            r#"{"status":{"checkpoint":{"offset":42}}}"#,
-        ],
-        "",
+    patch(
+        &["--subresource", "status"],
+        r#"{"status":{"checkpoint":{"offset":42}}}"#,
     );
-    assert!(ok, "{out}");
 
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns);
     let alpha = jobs.get("b").await.unwrap();

@@ -568,14 +568,8 @@ async fn helm_upgrade_and_uninstall_on_a_node() {
     helm_ok(&args_ref);
     let crds: Api<CustomResourceDefinition> = Api::all(inst.client.clone());
     let upgraded = crds.get("leasedjobs.leasehold.dev").await.unwrap();
-    let versions: Vec<(String, bool)> = upgraded
-        .spec
-        .versions
-        .iter()
-        .map(|v| (v.name.clone(), v.storage))
-        .collect();
     assert_eq!(
-        versions,
+        crd_versions(&upgraded),
         [
             ("v1alpha1".to_string(), true),
             ("v1beta1".to_string(), false)

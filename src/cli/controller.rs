@@ -127,7 +127,7 @@ pub async fn run(args: ControllerArgs) -> anyhow::Result<()> {
             }
             Some(tokio::spawn(http::serve_tls(
                 listener,
-                admission::router(injection),
+                admission_routes(injection),
                 limits,
                 tls,
                 std::future::pending(),
@@ -274,6 +274,17 @@ fn host_of(ip: std::net::IpAddr) -> String {
     match ip {
         std::net::IpAddr::V4(v4) => v4.to_string(),
         std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+    }
+}
+
+/// The admission server's routes: the size webhook, and the injection webhook with a
+/// template; one set of turns for both.
+fn admission_routes(injection: Option<Arc<crate::inject::Sidecar>>) -> axum::Router {
+    let turns = crate::review::turns();
+    let size = admission::router(Arc::clone(&turns));
+    match injection {
+        Some(sidecar) => size.merge(crate::inject::router(turns, sidecar)),
+        None => size,
     }
 }
 

@@ -222,6 +222,15 @@ pub async fn install_crd(client: &Client) {
     .await;
 }
 
+/// The versions `crd` declares, in order, each with whether it is the storage version.
+pub fn crd_versions(crd: &CustomResourceDefinition) -> Vec<(String, bool)> {
+    crd.spec
+        .versions
+        .iter()
+        .map(|v| (v.name.clone(), v.storage))
+        .collect()
+}
+
 /// Applies charts/leasehold/crds/`file`, the CRD `name`, and waits until it is Established.
 async fn apply_crd(client: &Client, file: &str, name: &str) {
     let path = repo_root().join("charts/leasehold/crds").join(file);
