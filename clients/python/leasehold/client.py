@@ -7,6 +7,7 @@ optional listener. It keeps no state about jobs; :class:`leasehold.Job` does.
 
 import http.client
 import json
+import math
 import os
 import socket
 import time
@@ -14,7 +15,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .errors import ConnectionFailed, TooLarge, Unavailable, error_from_answer
+from .errors import ConnectionFailed, InvalidRequest, TooLarge, Unavailable, error_from_answer
 
 #: The sidecar's address when neither the argument nor ``$LEASEHOLD_SIDECAR`` gives one.
 DEFAULT_SIDECAR = "http://127.0.0.1:7070"
@@ -25,6 +26,9 @@ MAX_CLAIM_WAIT = 300
 CLAIM_SLACK = 15.0
 #: The sidecar refuses a request body over this many bytes.
 MAX_BODY_BYTES = 1024 * 1024
+#: Largest ``retryAfterSeconds`` a failure may ask for (one day); the sidecar caps it further
+#: at the job's ``backoff.maxSeconds`` (docs/protocol.md).
+MAX_RETRY_AFTER_SECONDS = 86400
 #: Default HTTP timeout of heartbeat, complete, fail and release, in seconds. The sidecar
 #: answers each within min(5 s, leaseDurationSeconds / 3).
 CALL_TIMEOUT = 10.0
@@ -97,7 +101,7 @@ class Client:
 
         Returns:
             dict or None: the claim ``{namespace, name, attempt, token, payload,
-            leaseDurationSeconds, checkpoint}``, or None when nothing was claimable in time
+            leaseDurationSeconds, checkpoint, maxAttempts, failures, lastAttempt}``, or None when nothing was claimable in time
             (204). :meth:`leasehold.Job.claim` wraps it in a :class:`leasehold.Job`.
 
         Raises:
@@ -180,6 +184,7 @@ class Client:
         retryable: bool = False,
         attempt: Optional[int] = None,
         timeout: float = CALL_TIMEOUT,
+        retry_after: Optional[float] = None,
     ) -> Dict[str, Any]:
         """Ends the attempt as failed.
 
@@ -188,15 +193,22 @@ class Client:
             message (str): at most 4096 bytes of UTF-8; longer is cut here at a character
                 boundary rather than refused.
             retryable (bool): whether another attempt could succeed.
+            retry_after (float or None): with ``retryable``, seconds before the next attempt
+                (0 to 86400, rounded up to a whole second; sent as ``retryAfterSeconds``),
+                instead of the backoff's delay. The sidecar caps it at the job's
+                ``backoff.maxSeconds``, or 3600 s for a job without a backoff.
 
         Returns:
-            dict: ``{namespace, name, attempt, phase}``, phase ``"Queued"`` (retried) or
-            ``"Failed"``.
+            dict: ``{namespace, name, attempt, phase, retryAfter?}``, phase ``"Queued"``
+            (retried; ``retryAfter`` when it waits) or ``"Failed"``.
 
         Raises:
-            InvalidRequest: a bad reason. JobLost, Unavailable, TooLarge: as for complete.
+            InvalidRequest: a bad reason, or ``retry_after`` out of range or without
+            ``retryable``. JobLost, Unavailable, TooLarge: as for complete.
         """
         body = {"token": token, "reason": reason, "message": _cut_utf8(message, 4096), "retryable": bool(retryable)}
+        if retry_after is not None:
+            body["retryAfterSeconds"] = _whole_seconds(retry_after)
         return self._job_call("fail", name, attempt, body, timeout)
 
     def release(
@@ -284,6 +296,21 @@ def retrying(call: Callable[[], Any], deadline: float, pause: float = 0.5, max_p
                 raise
         time.sleep(pause)
         pause = min(pause * 2, max_pause)
+
+
+def _whole_seconds(seconds: Any) -> int:
+    """``seconds`` rounded up to a whole number, checked as the sidecar checks
+    ``retryAfterSeconds`` (0 to :data:`MAX_RETRY_AFTER_SECONDS`), so that a failure is never
+    refused for it. Raises :class:`InvalidRequest` naming the value."""
+    ok = not isinstance(seconds, bool) and isinstance(seconds, (int, float)) and math.isfinite(seconds)
+    if not ok or not 0 <= seconds <= MAX_RETRY_AFTER_SECONDS:
+        raise InvalidRequest(
+            400,
+            "invalid_request",
+            "retry_after %r is out of range: expected a number of seconds from 0 to %d"
+            % (seconds, MAX_RETRY_AFTER_SECONDS),
+        )
+    return int(math.ceil(seconds))
 
 
 def _cut_utf8(text: str, limit: int) -> str:

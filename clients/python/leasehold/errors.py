@@ -204,13 +204,18 @@ class Fail(LeaseholdError):
         retryable (bool): whether another attempt could succeed. False ends the job Failed
             at once; True requeues it (after its backoff) until ``maxAttempts`` failed
             attempts were used.
+        retry_after (float or None): with ``retryable``, how long the next attempt waits,
+            in seconds (rounded up to whole seconds), instead of the backoff's delay: e.g. a
+            vendor's ``Retry-After``. The sidecar caps it at the job's ``backoff.maxSeconds``
+            (3600 s when the job has no backoff); see :meth:`leasehold.Job.fail`.
     """
 
-    def __init__(self, reason: str, message: str, retryable: bool = False):
+    def __init__(self, reason: str, message: str, retryable: bool = False, retry_after: Optional[float] = None):
         LeaseholdError.__init__(self, message)
         self.reason = reason
         self.message = message
         self.retryable = retryable
+        self.retry_after = retry_after
 
 
 #: Error code -> exception class, for every code docs/protocol.md documents.

@@ -5,9 +5,9 @@ import logging
 import threading
 import time
 import unicodedata
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-from .client import Client, Event, retrying
+from .client import Client, Event, _whole_seconds, retrying
 from .errors import (
     ApiError,
     ConnectionFailed,
@@ -65,6 +65,13 @@ class Job:
             saved, or None for a fresh start. It does not change while the job runs; the
             one saved last is :attr:`saved`.
         lease_duration (float): leaseDurationSeconds, in seconds.
+        max_attempts (int or None): failed attempts that end the job (``maxAttempts`` of the
+            policy this attempt was claimed under); None from a sidecar too old to say.
+        failures (list of dict): the job's earlier failed attempts, oldest first, each
+            ``{attempt, holder, reason, message, time}`` (lease expiries included, reason
+            ``LeaseExpired``).
+        last_attempt (bool): whether a failure of this attempt ends the job Failed (no
+            attempt is left after it); False from a sidecar too old to say.
         claim_answer (dict): the sidecar's whole claim answer.
         interrupted (threading.Event): set once the job is lost (or cancelled) or the worker
             was asked to stop; wait on it, or pass it to code that can be interrupted.
@@ -105,6 +112,11 @@ class Job:
         self.checkpoint: Any = claim.get("checkpoint")
         duration = claim.get("leaseDurationSeconds")
         self.lease_duration = float(duration) if isinstance(duration, (int, float)) and duration > 0 else 60.0
+        max_attempts = claim.get("maxAttempts")
+        self.max_attempts: Optional[int] = max_attempts if isinstance(max_attempts, int) else None
+        failures = claim.get("failures")
+        self.failures: List[Dict[str, Any]] = [f for f in failures if isinstance(f, dict)] if isinstance(failures, list) else []
+        self.last_attempt: bool = claim.get("lastAttempt") is True
         self._interval_wanted = heartbeat_interval
         self._should_stop = should_stop or (lambda: False)
         self.interrupted = threading.Event()
@@ -287,14 +299,30 @@ class Job:
         """
         return self._end("complete", lambda: self.client.complete(self.name, self.token, result, self.attempt))
 
-    def fail(self, reason: str, message: str = "", retryable: bool = False) -> Dict[str, Any]:
+    def fail(
+        self, reason: str, message: str = "", retryable: bool = False, retry_after: Optional[float] = None
+    ) -> Dict[str, Any]:
         """Ends the attempt as failed. ``reason``: CamelCase word (at most 64 characters);
         ``message``: what happened (at most 4096 bytes; longer is cut); ``retryable``:
-        whether another attempt could succeed. Returns ``{..., phase}`` with phase
-        ``"Queued"`` or ``"Failed"``. Raises as :meth:`complete`, and InvalidRequest for a
-        bad reason."""
+        whether another attempt could succeed; ``retry_after``: with ``retryable``, seconds
+        the next attempt waits (0 to 86400, rounded up), instead of the backoff's delay,
+        capped by the sidecar at the job's ``backoff.maxSeconds`` (3600 s without a backoff).
+        Returns ``{..., phase, retryAfter?}`` with phase ``"Queued"`` or ``"Failed"``.
+        Raises as :meth:`complete`, and InvalidRequest for a bad reason or ``retry_after``
+        (nothing is sent then)."""
+        if retry_after is not None:
+            if not retryable:
+                raise InvalidRequest(
+                    400,
+                    "invalid_request",
+                    "retry_after is given for a failure that is not retryable: only a retryable failure is retried",
+                )
+            _whole_seconds(retry_after)
         return self._end(
-            "fail", lambda: self.client.fail(self.name, self.token, reason, message, retryable, self.attempt)
+            "fail",
+            lambda: self.client.fail(
+                self.name, self.token, reason, message, retryable, self.attempt, retry_after=retry_after
+            ),
         )
 
     def release(self) -> Dict[str, Any]:
@@ -338,7 +366,9 @@ class Job:
             self._set_lost(exc)
         if self.ended is None and self.lost is None and not self._gave_up:
             if etype is not None and issubclass(etype, Fail):
-                self._quietly(lambda: self.fail(exc.reason, exc.message, exc.retryable))
+                self._quietly(
+                    lambda: self.fail(exc.reason, exc.message, exc.retryable, getattr(exc, "retry_after", None))
+                )
             elif etype is None or issubclass(etype, ShutdownRequested):
                 if etype is None:
                     log.warning("%s was neither completed nor failed: releasing it", self.label)
