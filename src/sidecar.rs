@@ -7,7 +7,9 @@
 //!   renewal (`progress` a number from 0 to 1, `message` at most
 //!   [`leasehold_core::progress::MAX_MESSAGE_BYTES`] bytes: [`leasehold_core::progress`])
 //! - `POST /v1/jobs/{name}/complete` `{token, result}` -> 200
-//! - `POST /v1/jobs/{name}/fail` `{token, reason, message, retryable}` -> 200
+//! - `POST /v1/jobs/{name}/fail` `{token, reason, message, retryable, retryAfterSeconds?}`
+//!   -> 200 (`retryAfterSeconds`: the failure's own delay before the next attempt:
+//!   [`leasehold_core::fence::requested_delay`])
 //! - `POST /v1/jobs/{name}/release` `{token}` -> 200
 //! - `GET /healthz` (background tasks alive), `GET /readyz` (watch synced, not shutting
 //!   down), `GET /metrics` (Prometheus text format), `GET /openapi.json` (this API described
@@ -160,13 +162,17 @@ fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::E
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct FailBody {
     token: Option<String>,
     reason: Option<String>,
     #[serde(default)]
     message: Option<String>,
     retryable: Option<bool>,
+    /// Read as any JSON value, so that a wrong type or range is answered `invalid_request`
+    /// naming the field and its rule ([`retry_after_seconds`]).
+    #[serde(default)]
+    retry_after_seconds: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -183,18 +189,63 @@ struct Ended {
     name: String,
     attempt: i32,
     phase: String,
+    /// For a job requeued with a delay (a failure under a backoff, or one that asked for its
+    /// own): when it is claimable again (RFC 3339, whole seconds).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_after: Option<k8s_openapi::jiff::Timestamp>,
 }
 
 impl From<LeasedJob> for Ended {
     fn from(job: LeasedJob) -> Self {
         use kube::ResourceExt;
+        let queued = job.phase() == leasehold_core::crd::Phase::Queued;
+        // A claim clears status.retryAfter, so a Queued job's is the one its last ending set.
+        let retry_after = job
+            .status
+            .as_ref()
+            .and_then(|s| s.retry_after.as_ref())
+            .filter(|_| queued)
+            .map(|t| t.0);
         Ended {
             namespace: job.namespace().unwrap_or_default(),
             name: job.name_any(),
             attempt: job.attempt(),
             phase: job.phase().to_string(),
+            retry_after,
         }
     }
+}
+
+/// `retryAfterSeconds` of a fail body: a whole number of seconds (`30.0` included, as JSON
+/// Schema counts it) from 0 to
+/// [`leasehold_core::fence::MAX_RETRY_AFTER_SECONDS`], else 400 `invalid_request` naming the
+/// value and the rule.
+fn retry_after_seconds(value: Option<&Value>) -> Result<Option<u32>, ApiError> {
+    let Some(value) = value.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let max = leasehold_core::fence::MAX_RETRY_AFTER_SECONDS;
+    // JSON Schema's integer: 30.0 is one too.
+    let whole = value.as_u64().or_else(|| {
+        value
+            .as_f64()
+            .filter(|f| f.fract() == 0.0 && (0.0..=f64::from(max)).contains(f))
+            .map(|f| f as u64)
+    });
+    whole
+        .and_then(|s| u32::try_from(s).ok())
+        .filter(|s| *s <= max)
+        .map(Some)
+        .ok_or_else(|| {
+            let shown: String = value.to_string().chars().take(40).collect();
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!(
+                    "retryAfterSeconds {shown} is not a whole number of seconds from 0 to {max}"
+                ),
+            )
+        })
 }
 
 /// The sidecar's router over `worker`. Every call about a held job is answered within the
@@ -445,8 +496,9 @@ async fn fail(
     let reason = required(body.reason, "reason")?;
     let retryable = required(body.retryable, "retryable")?;
     let message = body.message.unwrap_or_default();
+    let retry_after = retry_after_seconds(body.retry_after_seconds.as_ref())?;
     let job = worker
-        .fail(name, &token, &reason, &message, retryable)
+        .fail(name, &token, &reason, &message, retryable, retry_after)
         .await?;
     Ok(Json(Ended::from(job)).into_response())
 }
@@ -535,6 +587,39 @@ mod tests {
         let absent: CompleteBody =
             parse(RequestBody(Bytes::from_static(b"{\"token\":\"t\"}"))).unwrap();
         assert_eq!(absent.result, None);
+    }
+
+    #[test]
+    fn a_retry_delay_is_whole_seconds_up_to_a_day() {
+        let max = leasehold_core::fence::MAX_RETRY_AFTER_SECONDS;
+        for (value, want) in [
+            (json!(0), Some(0)),
+            (json!(30), Some(30)),
+            (json!(max), Some(max)),
+        ] {
+            assert_eq!(retry_after_seconds(Some(&value)).unwrap(), want, "{value}");
+        }
+        assert_eq!(retry_after_seconds(None).unwrap(), None);
+        assert_eq!(retry_after_seconds(Some(&Value::Null)).unwrap(), None);
+        for bad in [
+            json!(-1),
+            json!(1.5),
+            json!(max + 1),
+            json!("30"),
+            json!(u64::MAX),
+        ] {
+            let e = retry_after_seconds(Some(&bad)).unwrap_err();
+            assert_eq!(
+                (e.status, e.code),
+                (StatusCode::BAD_REQUEST, "invalid_request")
+            );
+            assert!(e.message.contains("retryAfterSeconds"), "{}", e.message);
+        }
+        let body: FailBody = parse(RequestBody(Bytes::from_static(
+            b"{\"token\":\"t\",\"reason\":\"R\",\"retryable\":true,\"retryAfterSeconds\":5}",
+        )))
+        .unwrap();
+        assert_eq!(body.retry_after_seconds, Some(json!(5)));
     }
 
     #[test]

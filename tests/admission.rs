@@ -234,6 +234,7 @@ async fn claims_are_made_only_in_the_requesting_pods_name() {
         message: String::new(),
         retryable: true,
         checkpoint: None,
+        retry_after_seconds: None,
     };
     leasehold_kube::fence::apply(&w.jobs(&w.a), &w.ns.name, &k.name_any(), &tk, &failed)
         .await
@@ -346,6 +347,7 @@ async fn only_the_holder_writes_status() {
         message: "first".into(),
         retryable: true,
         checkpoint: None,
+        retry_after_seconds: None,
     };
     leasehold_kube::fence::apply(&jobs_a, &w.ns.name, "m", &m1, &failed)
         .await

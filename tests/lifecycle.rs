@@ -65,6 +65,131 @@ async fn backoff_delays_the_retry() {
     );
 }
 
+/// The claim tells a handler its attempt history, and a retryable failure may set its own
+/// delay: capped at the backoff's maxSeconds, refused without retryable, none on the last
+/// attempt.
+#[tokio::test]
+async fn a_failure_sets_its_own_delay_and_the_claim_shows_the_history() {
+    let Fixture { client, ns } = fixture!("retry-after");
+    let _controller = controller(&ns.name);
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "vendor"}, "spec": {"queue": "q", "maxAttempts": 3,
+            "backoff": {"initialSeconds": 60, "maxSeconds": 120}}}),
+    )
+    .await;
+    let (s, c) = sc.claim(10).await;
+    assert_eq!(s, 200, "{c}");
+    assert_eq!(
+        (&c["maxAttempts"], &c["failures"], &c["lastAttempt"]),
+        (&json!(3), &json!([]), &json!(false)),
+        "{c}"
+    );
+    let fail = |c: &serde_json::Value, extra: serde_json::Value| {
+        let mut body = json!({"token": token_of(c), "reason": "RateLimited", "message": "429", "retryable": true});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    // Refused, nothing written: a delay for a failure that is not retried, one out of range.
+    let (s, r) = sc
+        .post(
+            "/v1/jobs/vendor/fail",
+            json!({"token": token_of(&c), "reason": "Bad", "retryable": false, "retryAfterSeconds": 5}),
+        )
+        .await;
+    assert_eq!(
+        (s, r["error"].as_str()),
+        (400, Some("invalid_request")),
+        "{r}"
+    );
+    assert!(
+        r["message"].as_str().unwrap().contains("retryAfterSeconds"),
+        "{r}"
+    );
+    let (s, r) = sc
+        .post(
+            "/v1/jobs/vendor/fail",
+            fail(&c, json!({"retryAfterSeconds": 86401})),
+        )
+        .await;
+    assert_eq!(
+        (s, r["error"].as_str()),
+        (400, Some("invalid_request")),
+        "{r}"
+    );
+    assert_eq!(jobs.get("vendor").await.unwrap().phase(), Phase::Leased);
+    // 2 s instead of the backoff's 30 to 60 s.
+    let (s, r) = sc
+        .post(
+            "/v1/jobs/vendor/fail",
+            fail(&c, json!({"retryAfterSeconds": 2})),
+        )
+        .await;
+    let failed_at = Timestamp::now();
+    assert_eq!((s, r["phase"].as_str()), (200, Some("Queued")), "{r}");
+    let retry_after: Timestamp = r["retryAfter"]
+        .as_str()
+        .expect("retryAfter")
+        .parse()
+        .unwrap();
+    let delay = retry_after.duration_since(failed_at).as_secs_f64();
+    assert!(
+        (0.0..=3.5).contains(&delay),
+        "retryAfter is {delay:.2}s after the failure"
+    );
+    let (s, c2) = sc.claim(10).await;
+    assert_eq!(s, 200, "{c2}");
+    assert!(Timestamp::now() >= retry_after);
+    assert_eq!(c2["failures"][0]["reason"], "RateLimited", "{c2}");
+    assert_eq!(c2["failures"][0]["attempt"], 1, "{c2}");
+    assert_eq!(c2["lastAttempt"], false, "{c2}");
+    // A day is capped at maxSeconds (120 s).
+    let (s, r) = sc
+        .post(
+            "/v1/jobs/vendor/fail",
+            fail(&c2, json!({"retryAfterSeconds": 86400})),
+        )
+        .await;
+    let failed_at = Timestamp::now();
+    assert_eq!((s, r["phase"].as_str()), (200, Some("Queued")), "{r}");
+    let retry_after: Timestamp = r["retryAfter"].as_str().unwrap().parse().unwrap();
+    let delay = retry_after.duration_since(failed_at).as_secs_f64();
+    assert!(
+        (118.0..=121.5).contains(&delay),
+        "retryAfter is {delay:.2}s after the failure"
+    );
+    // Make it claimable now (as `kubectl leasehold retry` would not: it is Queued) to see the
+    // last attempt.
+    jobs.patch_status(
+        "vendor",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"retryAfter": null}})),
+    )
+    .await
+    .unwrap();
+    let (s, c3) = sc.claim(10).await;
+    assert_eq!(s, 200, "{c3}");
+    assert_eq!(
+        (&c3["attempt"], &c3["lastAttempt"]),
+        (&json!(3), &json!(true)),
+        "{c3}"
+    );
+    assert_eq!(c3["failures"].as_array().unwrap().len(), 2, "{c3}");
+    let (s, r) = sc
+        .post(
+            "/v1/jobs/vendor/fail",
+            fail(&c3, json!({"retryAfterSeconds": 5})),
+        )
+        .await;
+    assert_eq!((s, r["phase"].as_str()), (200, Some("Failed")), "{r}");
+    assert!(r.get("retryAfter").is_none(), "{r}");
+}
+
 #[tokio::test]
 async fn a_job_is_not_claimable_before_not_before() {
     let Fixture { client, ns } = fixture!("notbefore");

@@ -579,6 +579,13 @@ async fn a_checkpoint_written_by_attempt_1_reaches_attempt_2() {
     assert_eq!(s, 200, "{c2}");
     assert_eq!(c2["attempt"], 2);
     assert_eq!(c2["checkpoint"], checkpoint);
+    // The expiry is in the history the claim hands over.
+    assert_eq!(c2["failures"][0]["reason"], "LeaseExpired", "{c2}");
+    assert_eq!(c2["failures"][0]["holder"], "pod-a", "{c2}");
+    assert_eq!(
+        (&c2["maxAttempts"], &c2["lastAttempt"]),
+        (&json!(3), &json!(false))
+    );
 }
 
 /// Reads the example worker's JSON events from its stdout.

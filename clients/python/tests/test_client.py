@@ -272,6 +272,31 @@ def test_a_handler_failure_fails_the_attempt_retryable_or_not(procs, queue, reco
     assert "RuntimeError: disk full" in s["failures"][0]["message"]
 
 
+def test_a_handler_sees_its_attempt_history_and_a_failure_sets_its_own_delay(procs, queue, recorder):
+    create_job("quota", queue, lease=10, maxAttempts=2, backoff={"initialSeconds": 300, "maxSeconds": 600})
+    sidecar = procs.sidecar(queue, "quota")
+    client = leasehold.Client(sidecar.base, on_event=recorder)
+    seen = []
+
+    def handle(job):
+        seen.append((job.attempt, job.max_attempts, job.last_attempt, [f["reason"] for f in job.failures]))
+        if not job.last_attempt:
+            raise leasehold.Fail("RateLimited", "vendor said 429", retryable=True, retry_after=1.5)
+        return {"fallback": True}
+
+    started = time.monotonic()
+    worker = leasehold.Worker(handle, client=client, wait=10, max_jobs=2, handle_signals=False)
+    assert worker.run() == 2
+    # 2 s (1.5 rounded up) instead of the backoff's 150 to 300 s.
+    assert time.monotonic() - started < 10
+    assert seen == [(1, 2, False, []), (2, 2, True, ["RateLimited"])]
+    assert status("quota")["phase"] == "Succeeded"
+    with pytest.raises(leasehold.InvalidRequest, match="not retryable"):
+        leasehold.Job(client, {"name": "x", "token": "1." + "0" * 32}).fail("X", retryable=False, retry_after=5)
+    with pytest.raises(leasehold.InvalidRequest, match="retry_after"):
+        leasehold.Job(client, {"name": "x", "token": "1." + "0" * 32}).fail("X", retryable=True, retry_after=-1)
+
+
 def test_every_documented_error_code_is_a_typed_exception_with_the_servers_message(procs, queue, recorder):
     # The table of docs/protocol.md lists the codes; each has its class.
     with open(os.path.join(REPO, "docs", "protocol.md")) as f:

@@ -165,6 +165,7 @@ async fn expire(
         message: message.clone(),
         retryable: true,
         checkpoint,
+        retry_after_seconds: None,
     };
     let patch = |outcome: &Outcome| {
         fence::end_attempt_patch(
@@ -201,6 +202,7 @@ async fn expire(
                 message,
                 retryable,
                 checkpoint: None,
+                retry_after_seconds: None,
             };
             ctx.patch_status_if_unchanged(jobs, job, patch(&without), action)
                 .await?

@@ -49,6 +49,9 @@ pub enum Outcome {
         retryable: bool,
         /// Progress to hand to the next attempt, if any.
         checkpoint: Option<Value>,
+        /// The worker's own delay before the next attempt, in seconds, instead of the
+        /// backoff's ([`requested_delay`]); None: the backoff's.
+        retry_after_seconds: Option<u32>,
     },
     /// The holder gives the job back unfinished; it does not count as a failed attempt.
     Release {
@@ -217,6 +220,26 @@ pub fn retry_delay(backoff: &Backoff, failed: usize, jitter: f64) -> SignedDurat
     SignedDuration::from_secs_f64(secs)
 }
 
+/// Largest delay a failure may ask for, in seconds (one day): `retryAfterSeconds` of the
+/// sidecar's fail call.
+pub const MAX_RETRY_AFTER_SECONDS: u32 = 86_400;
+/// The cap of a failure's own delay for a job whose policy has no backoff, in seconds (one
+/// hour): such a job is otherwise claimable again at once, and a worker asking for a delay
+/// (a vendor's `Retry-After`) should get it, within reason.
+pub const NO_BACKOFF_RETRY_AFTER_CAP_SECONDS: u32 = 3_600;
+
+/// The delay a failure that asked for `seconds` gets under `backoff`: the request, capped at
+/// `backoff.maxSeconds` (the longest the job's own policy ever waits), or at
+/// [`NO_BACKOFF_RETRY_AFTER_CAP_SECONDS`] without a backoff. A worker may ask for less than
+/// the backoff would wait (it knows when its dependency recovers), never for more than the
+/// policy allows, so a job's owner keeps the bound on how long a retry can be put off.
+pub fn requested_delay(backoff: Option<&Backoff>, seconds: u32) -> SignedDuration {
+    let cap = backoff.map_or(NO_BACKOFF_RETRY_AFTER_CAP_SECONDS, |b| {
+        u32::try_from(b.max_seconds.max(0)).unwrap_or(0)
+    });
+    SignedDuration::from_secs(i64::from(seconds.min(cap)))
+}
+
 /// `t` rounded up to a whole second: metav1.Time keeps seconds only, and a retryAfter rounded
 /// down would let a job be claimed before its backoff ran out.
 fn ceil_to_second(t: Timestamp) -> Timestamp {
@@ -229,8 +252,9 @@ fn ceil_to_second(t: Timestamp) -> Timestamp {
 /// stay (they name the latest attempt's owner), and attempt is never touched. Whether a
 /// failure requeues or ends the job, and its backoff, follow the policy the attempt's claim
 /// recorded ([`LeasedJob::policy`]: maxAttempts and backoff from the spec, else the queue's
-/// defaults). A failure that requeues a job with a backoff sets status.retryAfter
-/// ([`retry_delay`] with `jitter` in [0, 1]).
+/// defaults). A failure that requeues a job sets status.retryAfter to now plus its own
+/// delay when it asked for one ([`requested_delay`]; none for 0), else, with a backoff, the
+/// backoff's ([`retry_delay`] with `jitter` in [0, 1]).
 pub fn end_attempt_patch(
     job: &LeasedJob,
     token: &Token,
@@ -266,6 +290,7 @@ pub fn end_attempt_patch(
             reason,
             message,
             checkpoint,
+            retry_after_seconds,
             ..
         } => {
             let failure = AttemptFailure {
@@ -286,8 +311,12 @@ pub fn end_attempt_patch(
             if let Some(c) = checkpoint {
                 ops.push(json!({"op": "add", "path": "/status/checkpoint", "value": c}));
             }
-            if let (Phase::Queued, Some(backoff)) = (phase, &policy.backoff) {
-                let delay = retry_delay(backoff, failures_before + 1, jitter);
+            let delay = match (retry_after_seconds, &policy.backoff) {
+                (Some(seconds), backoff) => Some(requested_delay(backoff.as_ref(), *seconds)),
+                (None, Some(backoff)) => Some(retry_delay(backoff, failures_before + 1, jitter)),
+                (None, None) => None,
+            };
+            if let (Phase::Queued, Some(delay)) = (phase, delay.filter(|d| d.is_positive())) {
                 let at = Time(ceil_to_second(now + delay));
                 ops.push(json!({"op": "add", "path": "/status/retryAfter", "value": at}));
             }
@@ -535,6 +564,7 @@ mod tests {
             message: String::new(),
             retryable: true,
             checkpoint: None,
+            retry_after_seconds: None,
         };
         let now = Timestamp::from_second(100).unwrap();
         let p = serde_json::to_value(end_attempt_patch(&j, &t, "w", &fail, now, 1.0)).unwrap();
@@ -549,6 +579,50 @@ mod tests {
         j.spec.backoff = None;
         let p = serde_json::to_value(end_attempt_patch(&j, &t, "w", &fail, now, 1.0)).unwrap();
         assert!(!p.to_string().contains("retryAfter"));
+    }
+
+    #[test]
+    fn a_failure_may_ask_for_its_own_delay_within_the_backoff() {
+        let t = Token::issue(1);
+        let mut j = job(Phase::Leased, 1, Some(&t), 0);
+        let fail = |seconds| Outcome::Fail {
+            reason: "R".into(),
+            message: String::new(),
+            retryable: true,
+            checkpoint: None,
+            retry_after_seconds: Some(seconds),
+        };
+        let now = Timestamp::from_second(100).unwrap();
+        let retry_after = |j: &LeasedJob, seconds| {
+            let p = serde_json::to_value(end_attempt_patch(j, &t, "w", &fail(seconds), now, 1.0))
+                .unwrap();
+            p.as_array()
+                .unwrap()
+                .iter()
+                .find(|o| o["path"] == "/status/retryAfter")
+                .map(|o| o["value"].as_str().unwrap().to_string())
+        };
+        // Without a backoff: the request, up to an hour; 0 is claimable at once.
+        assert_eq!(retry_after(&j, 30).as_deref(), Some("1970-01-01T00:02:10Z"));
+        assert_eq!(retry_after(&j, 0), None);
+        assert_eq!(
+            retry_after(&j, MAX_RETRY_AFTER_SECONDS).as_deref(),
+            Some("1970-01-01T01:01:40Z")
+        );
+        // With one: the request replaces the backoff's delay (less is fine), capped at
+        // maxSeconds.
+        j.spec.backoff = Some(Backoff {
+            initial_seconds: 10,
+            max_seconds: 60,
+        });
+        assert_eq!(retry_after(&j, 2).as_deref(), Some("1970-01-01T00:01:42Z"));
+        assert_eq!(
+            retry_after(&j, 600).as_deref(),
+            Some("1970-01-01T00:02:40Z")
+        );
+        // A failure that ends the job sets none.
+        j.spec.max_attempts = Some(1);
+        assert_eq!(retry_after(&j, 30), None);
     }
 
     #[test]
@@ -569,6 +643,7 @@ mod tests {
             message: String::new(),
             retryable: true,
             checkpoint: None,
+            retry_after_seconds: None,
         };
         let now = Timestamp::from_second(100).unwrap();
         // The first of 2 failed attempts requeues, after the recorded backoff.
@@ -631,6 +706,7 @@ mod tests {
             message: "m".into(),
             retryable,
             checkpoint: None,
+            retry_after_seconds: None,
         };
         let done = Outcome::Complete { result: json!(1) };
         let release = Outcome::Release { checkpoint: None };
@@ -668,6 +744,7 @@ mod tests {
                 message: "m".into(),
                 retryable: true,
                 checkpoint: None,
+                retry_after_seconds: None,
             },
         ];
         for o in &outcomes {

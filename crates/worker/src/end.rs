@@ -169,10 +169,14 @@ impl Worker {
     /// Reports a failed attempt. `reason` is a short CamelCase word (`^[A-Za-z][A-Za-z0-9]*$`,
     /// at most 64 characters), `message` at most [`MAX_MESSAGE_BYTES`]. Requeues when
     /// `retryable` and failed attempts remain under maxAttempts (handing the last checkpoint to
-    /// the next attempt); otherwise the job ends Failed.
+    /// the next attempt); otherwise the job ends Failed. `retry_after_seconds` (0 to
+    /// [`fence::MAX_RETRY_AFTER_SECONDS`], retryable failures only) replaces the backoff's
+    /// delay before the next attempt, capped by the job's policy
+    /// ([`fence::requested_delay`]).
     ///
     /// # Errors
-    /// [`WorkerError::Invalid`] for a bad reason or message; otherwise as [`Worker::complete`].
+    /// [`WorkerError::Invalid`] for a bad reason, message or retry delay; otherwise as
+    /// [`Worker::complete`].
     pub async fn fail(
         &self,
         name: &str,
@@ -180,8 +184,26 @@ impl Worker {
         reason: &str,
         message: &str,
         retryable: bool,
+        retry_after_seconds: Option<u32>,
     ) -> Result<LeasedJob, WorkerError> {
         validate_reason(reason)?;
+        if let Some(seconds) = retry_after_seconds {
+            if !retryable {
+                return Err(WorkerError::Invalid {
+                    field: "retryAfterSeconds",
+                    problem: "is given for a failure that is not retryable: only a retryable failure is retried".into(),
+                });
+            }
+            if seconds > fence::MAX_RETRY_AFTER_SECONDS {
+                return Err(WorkerError::Invalid {
+                    field: "retryAfterSeconds",
+                    problem: format!(
+                        "{seconds} is out of range: at most {} seconds (one day)",
+                        fence::MAX_RETRY_AFTER_SECONDS
+                    ),
+                });
+            }
+        }
         if message.len() > MAX_MESSAGE_BYTES {
             return Err(WorkerError::Invalid {
                 field: "message",
@@ -197,6 +219,7 @@ impl Worker {
             message,
             retryable,
             checkpoint,
+            retry_after_seconds,
         })
         .await
     }

@@ -71,7 +71,7 @@ use tokio::time::Instant;
 
 use leasehold_core::claim;
 use leasehold_core::claim_index::ClaimIndex;
-use leasehold_core::crd::LeasedJob;
+use leasehold_core::crd::{AttemptFailure, LeasedJob};
 use leasehold_core::fence::Refusal;
 use leasehold_core::progress::Progress;
 use leasehold_core::token::{Token, TokenError};
@@ -136,6 +136,15 @@ pub struct Claimed {
     pub lease_duration_seconds: i32,
     /// The checkpoint left by an earlier attempt, or null.
     pub checkpoint: Option<Value>,
+    /// Failed attempts that end the job: maxAttempts of the policy this attempt was claimed
+    /// under ([`LeasedJob::policy`]).
+    pub max_attempts: i32,
+    /// The job's earlier failed attempts (status.failures), oldest first: expiries included
+    /// (reason `LeaseExpired`), releases not.
+    pub failures: Vec<AttemptFailure>,
+    /// Whether a failure of this attempt ends the job Failed: `failures.len() + 1 >=
+    /// max_attempts` ([`leasehold_core::fence::next_phase`]).
+    pub last_attempt: bool,
 }
 
 /// A successful renewal.

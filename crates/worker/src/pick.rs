@@ -607,7 +607,9 @@ impl Worker {
         let status = job.status.clone().unwrap_or_default();
         let mut slim = job.clone();
         slim.drop_payload_and_result();
-        let lease_duration_seconds = job.policy().lease_duration_seconds;
+        let policy = job.policy();
+        let lease_duration_seconds = policy.lease_duration_seconds;
+        let last_attempt = status.failures.len() as i64 + 1 >= i64::from(policy.max_attempts);
         self.hold(
             &job.name_any(),
             token.clone(),
@@ -623,6 +625,9 @@ impl Worker {
             payload: job.spec.payload.clone(),
             lease_duration_seconds,
             checkpoint: status.checkpoint,
+            max_attempts: policy.max_attempts,
+            failures: status.failures,
+            last_attempt,
         }))
     }
 }
