@@ -1,7 +1,8 @@
-"""The claim loop: claims jobs one at a time, runs a handler on each, ends each attempt
-exactly once, and stops gracefully on SIGTERM."""
+"""The claim loop: claims jobs (one at a time, or up to ``concurrency`` at once), runs a
+handler on each, ends each attempt exactly once, and stops gracefully on SIGTERM."""
 
 import asyncio
+import concurrent.futures
 import inspect
 import json
 import logging
@@ -10,16 +11,18 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 from .client import MAX_CLAIM_WAIT, Client, Event
-from .errors import ApiError, ConnectionFailed, JobLost, LeaseholdError, ShuttingDown
+from .errors import ApiError, ConnectionFailed, JobLost, LeaseholdError, ShutdownRequested, ShuttingDown
 from .job import Job
 
 log = logging.getLogger("leasehold")
 
 #: What a running job does when the worker is asked to stop.
 SHUTDOWN_POLICIES = ("release", "finish")
+#: Most jobs one worker runs at once (``concurrency``): each holds a lease the sidecar renews.
+MAX_CONCURRENCY = 256
 
 
 class Worker:
@@ -39,14 +42,24 @@ class Worker:
     * raises anything else: the attempt fails (reason ``WorkerError``, retryable), the
       error is logged, and the worker goes on with the next job.
 
-    An ``async def`` handler is run to its end on an event loop of its own
-    (``asyncio.run``), one job at a time, with the same heartbeats, checkpoints, lease loss
-    and cancellation: call :meth:`Job.check` between awaits, and ``await asyncio.sleep``
-    rather than :meth:`Job.sleep`. Anything else that is not callable is refused with a
-    TypeError when the worker is made.
+    An ``async def`` handler runs as a task on one event loop the worker keeps in a thread of
+    its own for as long as :meth:`run` runs (so clients and sessions made in one job can
+    serve the next), with the same heartbeats, checkpoints, lease loss and cancellation: call
+    :meth:`Job.check` between awaits, and ``await asyncio.sleep`` rather than
+    :meth:`Job.sleep`. Once the job is lost or cancelled, or to be handed back on shutdown,
+    its task is also cancelled (``asyncio.CancelledError`` at the await it is in), so a
+    handler waiting on I/O stops at once; what is sent then is what :meth:`Job.check` would
+    have raised. Anything else that is not callable is refused with a TypeError when the
+    worker is made.
+
+    Several jobs at once: with ``concurrency=N`` the worker keeps up to N jobs, each claimed
+    by a long poll of its own through the one sidecar: sync handlers run in N threads, async
+    ones as N tasks on the one loop. Each job has its own :class:`Job`, heartbeats and
+    ending, so one job lost, failed or slow leaves the others alone.
 
     When the sidecar answers a claim with ``shutting_down`` (it is draining: its pod is
-    stopping), the worker claims nothing more and returns, logging one line.
+    stopping), the worker claims nothing more, lets its running jobs end, and returns,
+    logging one line.
 
     Stopping: the first SIGTERM or SIGINT stops claiming (a claim waiting in its long poll
     returns at once) and, with ``on_shutdown="release"`` (the default), makes the running
@@ -63,7 +76,8 @@ class Worker:
         wait (int): seconds each claim long-polls, 0..300.
         on_shutdown (str): ``"release"`` or ``"finish"`` (see above).
         max_jobs (int): stop after this many jobs; 0 for no limit.
-        exit_when_idle (bool): stop when a claim finds nothing (204).
+        exit_when_idle (bool): stop when a claim finds nothing (204); running jobs end first.
+        concurrency (int): how many jobs run at once, 1..256 (see above).
         heartbeat_interval (float or None): see :class:`leasehold.Job`.
         handle_signals (bool): install the SIGTERM/SIGINT handlers during :meth:`run`
             (only possible in the main thread); otherwise call :meth:`stop`.
@@ -79,6 +93,7 @@ class Worker:
         exit_when_idle: bool = False,
         heartbeat_interval: Optional[float] = None,
         handle_signals: bool = True,
+        concurrency: int = 1,
     ):
         if not callable(handler):
             raise TypeError(
@@ -95,6 +110,8 @@ class Worker:
             raise ValueError("on_shutdown must be one of %s, not %r" % (SHUTDOWN_POLICIES, on_shutdown))
         if not 0 <= wait <= MAX_CLAIM_WAIT:
             raise ValueError("wait must be 0..%d seconds, not %r" % (MAX_CLAIM_WAIT, wait))
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= MAX_CONCURRENCY:
+            raise ValueError("concurrency must be a whole number of jobs from 1 to %d, not %r" % (MAX_CONCURRENCY, concurrency))
         self.handler = handler
         self.client = client or Client()
         self.wait = int(wait)
@@ -106,7 +123,20 @@ class Worker:
         #: Set by the first SIGTERM/SIGINT or by :meth:`stop`. A plain flag: safe to set
         #: from a signal handler.
         self.stopping = False
-        self.current: Optional[Job] = None
+        self.concurrency = concurrency
+        #: The jobs being handled now (at most ``concurrency``).
+        self.running: List[Job] = []
+        self._lock = threading.Lock()
+        self._claimed = 0
+        self._drained = False
+        self._idle = False
+        self._events: Optional["_LoopThread"] = None
+
+    @property
+    def current(self) -> Optional[Job]:
+        """A job being handled now (the one, with ``concurrency=1``), or None."""
+        with self._lock:
+            return self.running[-1] if self.running else None
 
     def stop(self) -> None:
         """Asks the worker to stop, as the first SIGTERM does. Safe from any thread."""
@@ -123,16 +153,18 @@ class Worker:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if self._events is not None:
+                self._events.close()
+                self._events = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.stopping:
             self.stopping = True
             return
-        job = self.current
-        held = "" if job is None or job.ended else "; abandoning %s attempt %s, whose lease expires" % (
-            job.label,
-            job.attempt,
-        )
+        with self._lock:
+            unended = [j for j in self.running if not j.ended]
+        abandoned = ", ".join("%s attempt %s" % (j.label, j.attempt) for j in unended)
+        held = "; abandoning %s, whose lease expires" % abandoned if abandoned else ""
         os.write(2, ("leasehold: second signal %d: exiting now%s\n" % (signum, held)).encode())
         os._exit(128 + signum)
 
@@ -140,51 +172,88 @@ class Worker:
         return self.stopping and self.on_shutdown == "release"
 
     def _loop(self) -> int:
-        log.info("Worker started for %s, long-polling %d s per claim", self.client.base_url, self.wait)
-        done = 0
-        backoff = 0.5
-        while not self.stopping:
-            if self.max_jobs and done >= self.max_jobs:
-                log.info("Handled %d job(s): stopping", done)
-                break
-            try:
-                answer = self._claim()
-            except ShuttingDown:
-                log.info("The sidecar is shutting down: claiming nothing more; handled %d job(s)", done)
-                return done
-            except (ConnectionFailed, ApiError) as err:
-                if isinstance(err, ConnectionFailed):
-                    self.client.emit(Event("error", message="claim: %s" % err))
-                log.warning("Claim failed: %s; retrying in %.1f s", err, backoff)
-                self._pause(backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
-            backoff = 0.5
-            if answer is _STOPPED:
-                break
-            if answer is None:
-                if self.exit_when_idle:
-                    log.info("Nothing to claim: stopping (exit_when_idle)")
-                    break
-                if self.wait == 0:
-                    self._pause(1.0)
-                continue
-            done += 1
-            self.handle(answer)
-        if self.stopping:
+        log.info(
+            "Worker started for %s, long-polling %d s per claim%s",
+            self.client.base_url,
+            self.wait,
+            "" if self.concurrency == 1 else ", up to %d jobs at once" % self.concurrency,
+        )
+        if self.concurrency == 1:
+            self._slot()
+        else:
+            slots = [
+                threading.Thread(target=self._slot, name="leasehold-slot-%d" % i, daemon=True)
+                for i in range(self.concurrency)
+            ]
+            for slot in slots:
+                slot.start()
+            for slot in slots:
+                while slot.is_alive():  # in steps, so that signals reach the main thread
+                    slot.join(0.1)
+        done = self._claimed
+        if self._drained:
+            log.info("The sidecar is shutting down: claiming nothing more; handled %d job(s)", done)
+        elif self.stopping:
             log.info("Stopped on request")
+        elif self._idle:
+            log.info("Nothing to claim: stopping (exit_when_idle)")
+        elif self.max_jobs and done >= self.max_jobs:
+            log.info("Handled %d job(s): stopping", done)
         return done
+
+    def _over(self) -> bool:
+        return self.stopping or self._drained or self._idle
+
+    def _slot(self) -> None:
+        """One claim-and-handle loop; ``concurrency`` of them run at once."""
+        backoff = 0.5
+        while not self._over():
+            with self._lock:
+                if self.max_jobs and self._claimed >= self.max_jobs:
+                    return
+                self._claimed += 1  # reserved, so that slots never claim past max_jobs
+            handled = False
+            try:
+                try:
+                    answer = self._claim()
+                except ShuttingDown:
+                    self._drained = True
+                    return
+                except (ConnectionFailed, ApiError) as err:
+                    if isinstance(err, ConnectionFailed):
+                        self.client.emit(Event("error", message="claim: %s" % err))
+                    log.warning("Claim failed: %s; retrying in %.1f s", err, backoff)
+                    self._pause(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                backoff = 0.5
+                if answer is _STOPPED:
+                    return
+                if answer is None:
+                    if self.exit_when_idle:
+                        self._idle = True
+                        return
+                    if self.wait == 0:
+                        self._pause(1.0)
+                    continue
+                handled = True
+                self.handle(answer)
+            finally:
+                if not handled:
+                    with self._lock:
+                        self._claimed -= 1
 
     def handle(self, answer: dict) -> None:
         """Runs the handler on one claim and ends its attempt (see the class)."""
         job = Job(self.client, answer, self.heartbeat_interval, self._should_stop)
-        self.current = job
+        with self._lock:
+            self.running.append(job)
         log.info("Claimed LeasedJob %s (attempt %s)", job.label, job.attempt)
         try:
             with job:
                 result = self.handler(job)
                 if inspect.isawaitable(result):
-                    result = _run_to_end(result)
+                    result = self._await(result, job)
                 if job.ended is None and job.lost is None:
                     unencodable = _not_json(result)
                     if unencodable:
@@ -201,9 +270,30 @@ class Worker:
             self.client.emit(Event("error", job.name, job.attempt, message="handler failed: %r" % (err,)))
             log.exception("Handler failed on %s", job.label)
         finally:
-            self.current = None
+            with self._lock:
+                self.running.remove(job)
         if job.ended:
             log.info("Ended LeasedJob %s (attempt %s): %s", job.label, job.attempt, job.ended)
+
+    def _await(self, awaitable: Any, job: Job) -> Any:
+        """Runs an async handler's awaitable as a task on the worker's loop and waits for it
+        here; cancels the task once the job is interrupted (lost, cancelled, or to be handed
+        back), then raises what :meth:`Job.check` raises."""
+        with self._lock:
+            if self._events is None:
+                self._events = _LoopThread()
+            events = self._events
+        future = events.submit(awaitable)
+        cancelled = False
+        while True:
+            try:
+                return future.result(timeout=0.1)
+            except concurrent.futures.TimeoutError:
+                if not cancelled and job.interrupted.is_set():
+                    cancelled = future.cancel()
+            except concurrent.futures.CancelledError:
+                job.check()
+                raise ShutdownRequested("the handler of %s was cancelled" % job.label)
 
     def _claim(self):
         """Long-polls in a helper thread, so that a stop request ends the wait at once.
@@ -252,29 +342,29 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
-def _run_to_end(awaitable: Any) -> Any:
-    """Runs an async handler's awaitable to its end on an event loop of its own: in this
-    thread, or, when this thread already runs a loop (a notebook, an async caller), in a
-    helper thread this one waits for. Returns its result or raises what it raised."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(_awaited(awaitable))
-    box: dict = {}
+class _LoopThread:
+    """An asyncio event loop running in a thread of its own, on which async handlers run as
+    tasks; closed (its async generators finished) by :meth:`close`."""
 
-    def run() -> None:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name="leasehold-asyncio", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
         try:
-            box["result"] = asyncio.run(_awaited(awaitable))
-        except BaseException as err:  # handed to the waiting thread
-            box["error"] = err
+            self.loop.run_forever()
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
 
-    helper = threading.Thread(target=run, name="async-handler", daemon=True)
-    helper.start()
-    while helper.is_alive():
-        helper.join(0.1)
-    if "error" in box:
-        raise box["error"]
-    return box.get("result")
+    def submit(self, awaitable: Any) -> "concurrent.futures.Future[Any]":
+        return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
 
 
 def _not_json(result: Any) -> Optional[str]:

@@ -2,9 +2,11 @@
 `payload.stepSeconds` seconds, resumed from the checkpoint {"step": n}, saving one after
 each step. Prints every client event as a JSON line on stdout.
 
-Usage: steps_worker.py SIDECAR_URL ON_SHUTDOWN [--max-jobs N]
+Usage: steps_worker.py SIDECAR_URL ON_SHUTDOWN [--max-jobs N] [--concurrency N] [--async]
 """
 
+import argparse
+import asyncio
 import json
 import os
 import sys
@@ -30,8 +32,32 @@ def handle(job):
     return {"steps": step, "attempt": job.attempt}
 
 
+async def handle_async(job):
+    step = (job.checkpoint or {}).get("step", 0)
+    emit(leasehold.Event("started", job.name, job.attempt, message="from step %d" % step))
+    while step < job.payload["steps"]:
+        await asyncio.sleep(job.payload["stepSeconds"])
+        job.check()
+        step += 1
+        job.save({"step": step})
+    return {"steps": step, "attempt": job.attempt}
+
+
 if __name__ == "__main__":
     leasehold.worker.main_logging()
-    max_jobs = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "--max-jobs" else 0
-    client = leasehold.Client(sys.argv[1], on_event=emit)
-    leasehold.run(handle, client=client, wait=5, on_shutdown=sys.argv[2], max_jobs=max_jobs)
+    args = argparse.ArgumentParser()
+    args.add_argument("sidecar")
+    args.add_argument("on_shutdown")
+    args.add_argument("--max-jobs", type=int, default=0)
+    args.add_argument("--concurrency", type=int, default=1)
+    args.add_argument("--async", dest="use_async", action="store_true")
+    opts = args.parse_args()
+    client = leasehold.Client(opts.sidecar, on_event=emit)
+    leasehold.run(
+        handle_async if opts.use_async else handle,
+        client=client,
+        wait=5,
+        on_shutdown=opts.on_shutdown,
+        max_jobs=opts.max_jobs,
+        concurrency=opts.concurrency,
+    )

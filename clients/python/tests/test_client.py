@@ -48,10 +48,11 @@ class EventsOf:
         return wait_until(what, timeout, lambda: self.find(**want))
 
 
-def steps_worker(procs, name, sidecar, on_shutdown="release", max_jobs=1):
+def steps_worker(procs, name, sidecar, on_shutdown="release", max_jobs=1, extra=()):
     proc = procs.start(
         name,
-        [sys.executable, os.path.join(HERE, "steps_worker.py"), sidecar.base, on_shutdown, "--max-jobs", str(max_jobs)],
+        [sys.executable, os.path.join(HERE, "steps_worker.py"), sidecar.base, on_shutdown, "--max-jobs", str(max_jobs)]
+        + list(extra),
         stdout=subprocess.PIPE,
     )
     return proc, EventsOf(proc)
@@ -478,3 +479,55 @@ def test_a_sidecar_shutting_down_ends_the_worker_with_one_line(caplog):
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and "shutting" in r.getMessage()]
     assert lines == ["The sidecar is shutting down: claiming nothing more; handled 0 job(s)"], caplog.records
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_four_at_once_async_worker_runs_four_jobs_and_a_frozen_one_is_taken_over(procs, queue):
+    names = ["four-%d" % i for i in range(4)]
+    for name in names:
+        create_job(name, queue, {"steps": 40, "stepSeconds": 0.2}, lease=5)
+    sidecar = procs.sidecar(queue, "four-a", ["--worker-timeout", "1"])
+    worker, events = steps_worker(procs, "four-worker", sidecar, max_jobs=4, extra=["--concurrency", "4", "--async"])
+    # All four start before any could end (each is 8 s): they run at once, through one sidecar.
+    wait_until("four jobs started", 20, lambda: len({e["name"] for e in events.find(kind="started")}) == 4)
+    for name in names:
+        events.wait("a checkpoint of %s" % name, kind="heartbeat", status=200, name=name)
+    worker.signal(signal.SIGSTOP)
+    # A sync worker, also four at once, takes every job over once the leases expire.
+    other = leasehold.Client(procs.sidecar(queue, "four-b").base)
+    lock = threading.Lock()
+    running = {"now": 0, "peak": 0}
+    resumed = {}
+
+    def handle(job):
+        with lock:
+            running["now"] += 1
+            running["peak"] = max(running["peak"], running["now"])
+        try:
+            resumed[job.name] = (job.attempt, job.checkpoint["step"], [f["reason"] for f in job.failures])
+            job.sleep(1.0)
+            return {"by": "b"}
+        finally:
+            with lock:
+                running["now"] -= 1
+
+    taker = leasehold.Worker(handle, client=other, wait=20, max_jobs=4, concurrency=4, handle_signals=False)
+    assert taker.run() == 4
+    assert sorted(resumed) == names
+    for name, (attempt, step, reasons) in resumed.items():
+        assert attempt == 2 and step >= 1 and reasons == ["LeaseExpired"], (name, attempt, step, reasons)
+    assert running["peak"] >= 2, running
+    worker.signal(signal.SIGCONT)
+    # The frozen worker wakes, learns each job is lost, sends no result and exits 0.
+    for name in names:
+        events.wait("the frozen worker's lost event for %s" % name, 15, kind="lost", name=name, attempt=1)
+    assert worker.popen.wait(15) == 0
+    assert not events.find(kind="complete"), events.lines
+    for name in names:
+        s = status(name)
+        assert (s["phase"], s["result"], s["attempt"]) == ("Succeeded", {"by": "b"}, 2), s
+
+
+def test_concurrency_is_checked_when_the_worker_is_made():
+    for bad in (0, -1, 257, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="concurrency must be"):
+            leasehold.Worker(lambda job: None, client=leasehold.Client("http://127.0.0.1:9"), concurrency=bad)
