@@ -226,3 +226,145 @@ fn completion_scripts_name_the_commands_and_parse() {
         "{err}"
     );
 }
+
+/// `submit`: the same key twice is one job; the same key with another spec is refused naming
+/// the field; `--wait` prints the worker's result, or the failures with exit 1; bad flags are
+/// refused naming them.
+#[tokio::test]
+async fn submit_is_idempotent_by_key_and_waits_for_the_outcome() {
+    let Fixture { client: _, ns } = fixture!("plugin-submit");
+    let _controller = controller(&ns.name);
+    let n = ns.name.clone();
+    let submit = |extra: &[&str]| {
+        let mut args = vec!["submit", "media", "-n", n.as_str()];
+        args.extend_from_slice(extra);
+        leasehold(&args)
+    };
+    let (ok, first) = submit(&["--key", "order-1", "--payload", r#"{"n": 1}"#, "-o", "name"]);
+    assert!(ok, "{first}");
+    let name = first.trim().to_string();
+    assert!(
+        name.starts_with("media-") && name.len() == "media-".len() + 16,
+        "{name}"
+    );
+    let (ok, again) = submit(&["--key", "order-1", "--payload", r#"{ "n":1 }"#]);
+    assert!(
+        ok && again.contains("already submitted with this key"),
+        "{again}"
+    );
+    let (ok, other) = submit(&[
+        "--key",
+        "order-1",
+        "--payload",
+        r#"{"n": 2}"#,
+        "--priority",
+        "3",
+    ]);
+    assert!(!ok, "{other}");
+    assert!(
+        other.contains("different spec (spec.payload, spec.priority)") && other.contains(&name),
+        "{other}"
+    );
+    let (ok, list) = leasehold(&["get", "-n", &n, "-o", "json"]);
+    assert!(ok, "{list}");
+    let list: Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(names_in(&list), vec![name.clone()]);
+
+    // --wait: a worker completes it; then one that fails it.
+    let sc = Sidecar::start(&n, "audio", "pod-a", &[]).await;
+    let waiter = {
+        let n = n.clone();
+        tokio::task::spawn_blocking(move || {
+            leasehold(&[
+                "submit",
+                "audio",
+                "-n",
+                &n,
+                "--key",
+                "order-2",
+                "--payload",
+                "[2]",
+                "--wait",
+                "--timeout",
+                "60",
+            ])
+        })
+    };
+    let (s, c) = sc.claim(20).await;
+    assert_eq!(s, 200, "{c}");
+    assert_eq!(c["payload"], json!([2]));
+    let (s, r) = sc
+        .post(
+            &format!("/v1/jobs/{}/complete", c["name"].as_str().unwrap()),
+            json!({"token": c["token"], "result": {"words": 612}}),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
+    let (ok, out) = waiter.await.unwrap();
+    assert!(ok, "{out}");
+    assert_eq!(out.trim(), r#"{"words":612}"#);
+
+    let waiter = {
+        let n = n.clone();
+        tokio::task::spawn_blocking(move || {
+            leasehold(&["submit", "audio", "-n", &n, "--max-attempts", "1", "--wait"])
+        })
+    };
+    let (s, c) = sc.claim(20).await;
+    assert_eq!(s, 200, "{c}");
+    let (s, r) = sc
+        .post(
+            &format!("/v1/jobs/{}/fail", c["name"].as_str().unwrap()),
+            json!({"token": c["token"], "reason": "BadAudio", "message": "no audio stream", "retryable": false}),
+        )
+        .await;
+    assert_eq!(s, 200, "{r}");
+    let (ok, out) = waiter.await.unwrap();
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("Failed") && out.contains("attempt 1 on pod-a: BadAudio: no audio stream"),
+        "{out}"
+    );
+
+    // Timeout: nothing claims it.
+    let (ok, out) = submit(&["--wait", "--timeout", "1"]);
+    assert!(!ok && out.contains("did not finish within 1s"), "{out}");
+
+    // Bad input, each refused naming what is wrong; nothing is created.
+    for (args, says) in [
+        (
+            vec!["submit", "Media"],
+            "queue \"Media\" is not a DNS label",
+        ),
+        (
+            vec!["submit", "media", "--payload", "{n: 1}"],
+            "--payload is not JSON",
+        ),
+        (
+            vec!["submit", "media", "--key", ""],
+            "idempotency key \"\" is empty",
+        ),
+        (
+            vec!["submit", "media", "--name", "Bad_Name"],
+            "--name \"Bad_Name\" is not a valid LeasedJob name",
+        ),
+        (
+            vec!["submit", "media", "--lease-duration", "1"],
+            "leaseDurationSeconds",
+        ),
+        (
+            vec!["submit", "media", "--label", "team"],
+            "--label \"team\" is not KEY=VALUE",
+        ),
+        (vec!["submit", "media", "--timeout", "5"], "--wait"),
+    ] {
+        let mut args = args.clone();
+        args.extend(["-n", n.as_str()]);
+        let (ok, out) = leasehold(&args);
+        assert!(!ok, "{args:?}: {out}");
+        assert!(out.contains(says), "{args:?}: {out}");
+    }
+    let (_, list) = leasehold(&["get", "-n", &n, "-o", "json"]);
+    let list: Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(names_in(&list).len(), 4, "{list}");
+}

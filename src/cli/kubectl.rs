@@ -1,4 +1,4 @@
-//! The kubectl plugin's subcommands (`kubectl leasehold get|retry|cancel|pause|resume`).
+//! The kubectl plugin's subcommands (`kubectl leasehold get|submit|retry|cancel|describe|pause|resume`).
 
 use leasehold_core::crd;
 
@@ -180,6 +180,175 @@ pub async fn describe(args: DescribeArgs) -> anyhow::Result<()> {
     let ns = namespace_or_default(&clients, namespace)?;
     print!("{}", plugin::describe_job(&clients, &ns, &name).await?);
     Ok(())
+}
+
+/// Submit a LeasedJob to a queue, idempotently with --key (`kubectl leasehold submit`).
+#[derive(clap::Args)]
+pub struct SubmitArgs {
+    /// The queue (spec.queue): a DNS label.
+    queue: String,
+    /// The payload, as JSON (default `{}`).
+    #[arg(long, value_name = "JSON", conflicts_with = "payload_file")]
+    payload: Option<String>,
+    /// Read the payload, as JSON, from this file (`-`: standard input).
+    #[arg(long, value_name = "PATH")]
+    payload_file: Option<std::path::PathBuf>,
+    /// Idempotency key: submitting again with the same key (and spec) returns the same job,
+    /// from any producer; with another spec it is refused. The job is named
+    /// `<queue>-<16 hex digits of the key's SHA-256>` unless --name is given.
+    #[arg(long, value_name = "KEY")]
+    key: Option<String>,
+    /// The job's name (default: from --key, else generated as `<queue>-<random>`).
+    #[arg(long)]
+    name: Option<String>,
+    /// spec.priority: higher is claimed first.
+    #[arg(long, allow_negative_numbers = true)]
+    priority: Option<i32>,
+    /// spec.leaseDurationSeconds, 5 to 86400.
+    #[arg(long, value_name = "SECONDS")]
+    lease_duration: Option<i32>,
+    /// spec.maxAttempts: failed attempts that end the job, at least 1.
+    #[arg(long, value_name = "N")]
+    max_attempts: Option<i32>,
+    /// spec.notBefore: not claimed before this time (RFC 3339, e.g. 2026-12-05T18:00:00Z).
+    #[arg(long, value_name = "TIME")]
+    not_before: Option<String>,
+    /// spec.concurrencyKey: the key its LeasedQueue's limits and fair sharing count it under.
+    #[arg(long, value_name = "KEY")]
+    concurrency_key: Option<String>,
+    /// A label of the job, `key=value` (repeat for more).
+    #[arg(short = 'l', long = "label", value_name = "KEY=VALUE")]
+    labels: Vec<String>,
+    /// Wait until the job finishes: print its result (Succeeded, exit 0), or its phase,
+    /// reason and failures (Failed or Cancelled, exit 1).
+    #[arg(long)]
+    wait: bool,
+    /// With --wait: give up after this many seconds (exit 1; the job goes on).
+    #[arg(long, value_name = "SECONDS", requires = "wait")]
+    timeout: Option<f64>,
+    /// Print the job: `name` (its name only), `json` or `yaml`; default a sentence.
+    #[arg(short = 'o', long, value_name = "FORMAT", value_parser = ["name", "json", "yaml"])]
+    output: Option<String>,
+    /// Namespace of the job (default: the kubeconfig's).
+    #[arg(short = 'n', long)]
+    namespace: Option<String>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+}
+
+/// Submits a job and says what became of it; with --wait, waits for its outcome.
+///
+/// # Errors
+/// Bad flags (naming the flag, the value and the rule), a key whose job exists with another
+/// spec, the API server's refusal of the job (naming the field), a job that failed or was
+/// cancelled (with --wait), or a timeout.
+pub async fn submit(args: SubmitArgs) -> anyhow::Result<()> {
+    let SubmitArgs {
+        queue,
+        payload,
+        payload_file,
+        key,
+        name,
+        priority,
+        lease_duration,
+        max_attempts,
+        not_before,
+        concurrency_key,
+        labels,
+        wait,
+        timeout,
+        output,
+        namespace,
+        cluster,
+    } = args;
+    check_dns_label("queue", &queue)?;
+    let payload = match (payload, payload_file) {
+        (Some(text), _) => serde_json::from_str(&text)
+            .with_context(|| format!("--payload is not JSON: {}", shown(&text)))?,
+        (None, Some(path)) => {
+            let text = if path.as_os_str() == "-" {
+                std::io::read_to_string(std::io::stdin())
+                    .context("reading the payload from standard input")?
+            } else {
+                std::fs::read_to_string(&path)
+                    .with_context(|| format!("--payload-file {}: cannot read it", path.display()))?
+            };
+            serde_json::from_str(&text)
+                .with_context(|| format!("--payload-file {}: not JSON", path.display()))?
+        }
+        (None, None) => serde_json::json!({}),
+    };
+    if let Some(k) = &key {
+        leasehold_core::submit::check_key(k)?;
+    }
+    if let Some(n) = &name {
+        if !crd::is_dns_subdomain(n) {
+            bail!("--name {n:?} is not a valid LeasedJob name (a lowercase RFC 1123 subdomain of at most 253 characters)");
+        }
+    }
+    let mut label_map = std::collections::BTreeMap::new();
+    for label in labels {
+        let Some((k, v)) = label.split_once('=') else {
+            bail!("--label {label:?} is not KEY=VALUE");
+        };
+        label_map.insert(k.to_string(), v.to_string());
+    }
+    let timeout = timeout
+        .map(|t| super::seconds("--timeout", t))
+        .transpose()?;
+    let submission = plugin::submit::Submission {
+        queue,
+        payload,
+        key,
+        name,
+        priority,
+        lease_duration_seconds: lease_duration,
+        max_attempts,
+        not_before,
+        concurrency_key,
+        labels: label_map,
+    };
+    let clients = cluster.clients().await?;
+    let ns = namespace_or_default(&clients, namespace)?;
+    let (job, created) = plugin::submit::submit(&clients, &ns, &submission).await?;
+    use kube::ResourceExt;
+    match output.as_deref() {
+        Some("name") => println!("{}", job.name_any()),
+        Some("json") => println!("{}", serde_json::to_string_pretty(&job)?),
+        Some("yaml") => print!("{}", serde_yaml::to_string(&job)?),
+        _ if wait => {}
+        _ if created => println!(
+            "LeasedJob {} submitted to queue {}",
+            job.reference(),
+            job.spec.queue
+        ),
+        _ => println!(
+            "LeasedJob {} was already submitted with this key ({}): unchanged",
+            job.reference(),
+            job.phase()
+        ),
+    }
+    if !wait {
+        return Ok(());
+    }
+    let done = plugin::submit::await_finished(&clients, &ns, &job.name_any(), timeout).await?;
+    let text = plugin::submit::outcome_text(&done);
+    if done.phase() == crd::Phase::Succeeded {
+        println!("{text}");
+        Ok(())
+    } else {
+        bail!("{text}")
+    }
+}
+
+/// `text` cut to 80 characters, for messages.
+fn shown(text: &str) -> String {
+    let cut: String = text.chars().take(80).collect();
+    if cut.len() < text.len() {
+        format!("{cut:?}...")
+    } else {
+        format!("{cut:?}")
+    }
 }
 
 /// Stop new claims of a queue: set spec.paused of its LeasedQueue, creating it if need be

@@ -51,6 +51,9 @@ enum Command {
     /// List LeasedJobs with queue, phase, attempt, holder, last heartbeat, time until the lease
     /// runs out, and the progress their worker reported (`kubectl leasehold get`).
     Get(kubectl::GetArgs),
+    /// Submit a LeasedJob to a queue, idempotently with --key; with --wait, wait for its
+    /// result (`kubectl leasehold submit`).
+    Submit(kubectl::SubmitArgs),
     /// Give a Failed or Cancelled LeasedJob a new attempt, keeping its failures, checkpoint and
     /// attempt count (`kubectl leasehold retry`).
     Retry(kubectl::RetryArgs),
@@ -161,6 +164,7 @@ impl Cli {
             Command::Controller(args) => controller::run(args).await,
             Command::Sidecar(args) => sidecar::run(args).await,
             Command::Get(args) => kubectl::get(args).await,
+            Command::Submit(args) => kubectl::submit(args).await,
             Command::Retry(args) => kubectl::retry(args).await,
             Command::Cancel(args) => kubectl::cancel(args).await,
             Command::Describe(args) => kubectl::describe(args).await,

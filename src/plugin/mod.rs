@@ -18,6 +18,7 @@ pub mod describe;
 pub mod queue;
 pub mod retry;
 pub mod select;
+pub mod submit;
 pub mod view;
 
 use std::collections::HashMap;
@@ -78,6 +79,20 @@ pub enum PluginError {
     /// Writing the table failed (a closed pipe).
     #[error("writing the output failed")]
     Output(#[from] std::io::Error),
+    /// The idempotency key breaks its rule.
+    #[error(transparent)]
+    Key(#[from] leasehold_core::submit::KeyError),
+    /// The key's job exists and is not this submission.
+    #[error(transparent)]
+    Submit(#[from] leasehold_core::submit::SubmitConflict),
+    /// The job did not finish in time (`--wait --timeout`).
+    #[error("LeasedJob {job} did not finish within {}s; it goes on (kubectl leasehold get {job_name})", waited.as_secs(), job_name = job.rsplit('/').next().unwrap_or(job))]
+    Timeout {
+        /// `namespace/name`.
+        job: String,
+        /// How long was waited.
+        waited: std::time::Duration,
+    },
 }
 
 impl Category for PluginError {
@@ -90,6 +105,9 @@ impl Category for PluginError {
             PluginError::Changed { .. } => "conflict",
             PluginError::Finished { .. } => "finished",
             PluginError::Output(_) => "output",
+            PluginError::Key(_) => "invalid_key",
+            PluginError::Submit(_) => "idempotency_conflict",
+            PluginError::Timeout { .. } => "timeout",
         }
     }
 }

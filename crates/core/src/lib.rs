@@ -20,6 +20,8 @@
 //! - [`adoption`]: the jobs Leased before a limit, counted by slots before it allows a claim.
 //! - [`share`]: which job a claimer tries, so that the claimers of a queue do not race.
 //! - [`fence`]: the conditional writes that end an attempt; where a stale token is refused.
+//! - [`submit`]: submitting with an idempotency key: the job name and the spec hash every
+//!   producer uses.
 //! - [`injection`]: sidecar injection's names; which pods escaped it.
 //! - [`job_cache`]: the controller's slim copy of every job it watches.
 //! - [`policy`]: a job's lease duration, maxAttempts and backoff: its own, else its queue's.
@@ -47,6 +49,7 @@ pub mod queue;
 pub mod queue_stats;
 pub mod share;
 pub mod slots;
+pub mod submit;
 pub mod token;
 
 pub use category::Category;
