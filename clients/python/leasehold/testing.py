@@ -288,6 +288,10 @@ def _rfc3339(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def _whole_seconds_text(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -483,7 +487,7 @@ class FakeSidecar:
                 j.checkpoint,
                 j.result,
                 [dict(f) for f in j.failures],
-                _rfc3339(j.retry_after_wall) if j.retry_after_wall else None,
+                _whole_seconds_text(j.retry_after_wall) if j.retry_after_wall else None,
                 list(j.attempts),
             )
 
@@ -513,8 +517,10 @@ class FakeSidecar:
     ) -> None:
         """Runs ``action()`` once, when an attempt of job ``name`` meets every condition
         given: its ``after_heartbeats``-th heartbeat was accepted (0: as soon as it is
-        claimed), it saved ``at_checkpoint`` (compared with ==), ``when(heartbeat)`` is
-        true for an accepted :class:`Heartbeat`. The action runs in the fake's server
+        claimed), an accepted heartbeat carried ``at_checkpoint`` (compared with ==; only
+        the latest checkpoint saved goes with each heartbeat, so one saved faster than
+        heartbeats go may never be sent: use ``when`` for a threshold), ``when(heartbeat)``
+        is true for an accepted :class:`Heartbeat`. The action runs in the fake's server
         thread after the heartbeat (or claim) was applied and before it is answered, so
         what it changes applies from the attempt's next call on: e.g.
         ``fake.at("j", lambda: fake.unavailable("heartbeat", seconds=2), after_heartbeats=1)``.
@@ -582,8 +588,12 @@ class FakeSidecar:
         ``unavailable`` (with ``expiresAt`` for a held job), as the real sidecar does when
         the API server fails: for the next ``times`` calls, or for ``seconds`` from now, or
         (neither given) until :meth:`available`. Nothing is applied. An attempt answered so
-        whose lease then passes without an accepted heartbeat is lost (409 ``lease_lost``
-        on its next call), as with the real sidecar."""
+        that then goes a whole lease without an accepted heartbeat is lost, as with the real
+        sidecar: its next call gets 409 ``lease_lost``. The fake waits one heartbeat retry's
+        pause more (min(1 s, lease / 2)) than the lease, so the client, which gives an
+        attempt up after a whole lease without a confirmed heartbeat
+        (:class:`leasehold.LeaseUnconfirmed`), always notices first, and the release it
+        then sends is accepted."""
         routes = self._routes(routes)
         until = None if seconds is None else time.monotonic() + seconds
         with self._lock:
@@ -659,7 +669,11 @@ class FakeSidecar:
         now = time.monotonic()
         for j in self._jobs.values():
             a = j.current
-            if j.phase == "Leased" and (self.expire_leases or a._outage) and now - a._renewed_at >= j.lease:
+            if j.phase != "Leased":
+                continue
+            # In an outage, one retry's pause more than the lease (see ``unavailable``).
+            grace = 0.0 if self.expire_leases else min(1.0, j.lease / 2)
+            if (self.expire_leases or a._outage) and now - a._renewed_at >= j.lease + grace:
                 why = "no renewal for %gs, a whole lease" % j.lease
                 if a._outage:
                     why += " (the sidecar could not renew it: unavailable)"
@@ -1120,7 +1134,7 @@ class FakeSidecar:
                 j.retry_after = time.monotonic() + wait
                 at = _now() + timedelta(seconds=wait)
                 j.retry_after_wall = at.replace(microsecond=0) + timedelta(seconds=1 if at.microsecond else 0)
-                answer["retryAfter"] = j.retry_after_wall.strftime("%Y-%m-%dT%H:%M:%SZ")
+                answer["retryAfter"] = _whole_seconds_text(j.retry_after_wall)
         else:
             j.phase = "Failed"
         answer["phase"] = j.phase
