@@ -1159,7 +1159,12 @@ def _handler_for(fake: FakeSidecar):
 
         def _serve(self, method: str) -> None:
             length = int(self.headers.get("Content-Length") or 0)
-            body = None if length > MAX_BODY_BYTES else self.rfile.read(length)
+            body = self.rfile.read(length)
+            if length > MAX_BODY_BYTES:
+                # Refused as too large. The real sidecar answers before reading the body; the
+                # fake reads it first, so that closing the connection never resets it under
+                # a client still sending (which could then miss the answer).
+                body = None
             status, answer, close = fake._handle(method, self.path, body)
             data = b"" if answer is None else json.dumps(answer).encode("utf-8")
             try:
