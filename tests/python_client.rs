@@ -4,6 +4,9 @@
 //! its own sidecars (this crate's `leasehold` binary) and worker processes, and freezes,
 //! stops and cancels them: lease loss under SIGSTOP of the worker and of the sidecar,
 //! cancellation, resume from a checkpoint, SIGTERM, and every documented error code.
+//!
+//! The client's tests that need no cluster (clients/python/tests_unit, on the fake sidecar of
+//! `leasehold.testing`, and clients/python/examples) run here too, without a control plane.
 
 use std::path::Path;
 use std::process::Command;
@@ -63,5 +66,43 @@ async fn python_client_pytest_suite() {
         out.status.success(),
         "the Python client's tests failed (logs of its sidecars and workers: {}):\n{text}",
         logs.display()
+    );
+}
+
+/// The Python client's tests that need no cluster pass: its unit tests and the example's, run
+/// on the in-process fake sidecar of `leasehold.testing`. They need only the venv.
+#[test]
+fn python_client_unit_tests() {
+    let Some(python) = std::env::var_os("LEASEHOLD_PYTHON") else {
+        eprintln!(
+            "SKIPPED the Python client's unit tests: LEASEHOLD_PYTHON is unset; the venv with \
+             pytest comes from tests/tools/python/venv.sh (`scripts/test` sets it)"
+        );
+        return;
+    };
+    let client = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
+    let out = Command::new(&python)
+        .args([
+            "-m",
+            "pytest",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            "--durations=5",
+        ])
+        .args(["tests_unit", "examples"])
+        .current_dir(&client)
+        .env_remove("LEASEHOLD_SIDECAR")
+        .output()
+        .expect("run pytest");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(
+        out.status.success(),
+        "the Python client's unit tests failed:\n{text}"
     );
 }
