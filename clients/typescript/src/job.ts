@@ -29,7 +29,7 @@ import {
   TooLarge,
   Unavailable,
 } from "./errors.js";
-import { whyNotJson } from "./json.js";
+import { typeName, whyNotJson } from "./json.js";
 import { type Logger, stderrLogger } from "./log.js";
 
 /** The sidecar refuses a checkpoint over this many bytes of JSON (docs/protocol.md). */
@@ -664,5 +664,11 @@ export function isAbortError(err: unknown): boolean {
 /** `Name: message` of a thrown value, as a failure's message says it. @internal */
 export function describeError(err: unknown): string {
   if (err instanceof Error) return `${err.name}: ${err.message}`;
-  return `a thrown ${typeof err === "object" ? "value" : typeof err}: ${String(err)}`;
+  let text: string;
+  try {
+    text = JSON.stringify(err) ?? String(err);
+  } catch {
+    text = typeName(err);
+  }
+  return `a thrown ${typeName(err)}: ${text}`;
 }

@@ -33,6 +33,7 @@ export function whyNotJson(value: unknown): string | undefined {
       case "number":
         return Number.isFinite(v) ? undefined : `${where(at)}${String(v)} is not a JSON number`;
       case "undefined":
+        return `${where(at)}undefined is not JSON`;
       case "bigint":
       case "symbol":
       case "function":

@@ -7,7 +7,7 @@
 
 import { type ClaimAnswer, Client, type Event, MAX_CLAIM_WAIT } from "./client.js";
 import { ApiError, ConnectionFailed, Fail, JobLost, ShutdownRequested, ShuttingDown } from "./errors.js";
-import { Job, isAbortError } from "./job.js";
+import { Job, describeError, isAbortError } from "./job.js";
 import { typeName, whyNotJson } from "./json.js";
 import { type Logger, stderrLogger } from "./log.js";
 
@@ -107,7 +107,7 @@ export class Worker {
   constructor(handler: Handler, options: WorkerOptions = {}) {
     if (typeof handler !== "function") {
       throw new TypeError(
-        `handler must be a function (or an async function) taking a leasehold Job, not ${typeName(handler)} ${String(handler)}`,
+        `handler must be a function (or an async function) taking a leasehold Job, not ${typeName(handler)} ${JSON.stringify(handler) ?? typeof handler}`,
       );
     }
     const kind = (handler as { constructor?: { name?: string } }).constructor?.name;
@@ -299,8 +299,8 @@ export class Worker {
         err instanceof ShutdownRequested ||
         (job.signal.aborted && isAbortError(err));
       if (!expected) {
-        this.client.emit({ kind: "error", name: job.name, attempt: job.attempt, message: `handler failed: ${String(err)}` });
-        this.log.error(`Handler failed on ${job.label}: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}`);
+        this.client.emit({ kind: "error", name: job.name, attempt: job.attempt, message: `handler failed: ${describeError(err)}` });
+        this.log.error(`Handler failed on ${job.label}: ${err instanceof Error ? (err.stack ?? err.message) : describeError(err)}`);
       }
     }
     try {
