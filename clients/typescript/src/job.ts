@@ -141,6 +141,7 @@ export class Job {
   private running = false;
   private timer: NodeJS.Timeout | undefined = undefined;
   private inFlight: Promise<void> | undefined = undefined;
+  private detach: (() => void) | undefined = undefined;
 
   /**
    * Wraps a claim answer ({@link Client.claim}).
@@ -168,10 +169,15 @@ export class Job {
     this.shutdownSignal = options.shutdown;
     this.isStopping = options.stopping ?? (() => this.shutdownSignal?.aborted ?? false);
     this.log = options.logger ?? stderrLogger;
-    if (this.shutdownSignal !== undefined) {
+    const shutdown = this.shutdownSignal;
+    if (shutdown !== undefined) {
       const onShutdown = () => this.abort(new ShutdownRequested(`the worker is stopping: ${this.label} is handed back`));
-      if (this.shutdownSignal.aborted) onShutdown();
-      else this.shutdownSignal.addEventListener("abort", onShutdown, { once: true });
+      if (shutdown.aborted) onShutdown();
+      else {
+        shutdown.addEventListener("abort", onShutdown, { once: true });
+        // The worker's signal outlives its jobs: each job takes its listener away when done.
+        this.detach = () => shutdown.removeEventListener("abort", onShutdown);
+      }
     }
   }
 
@@ -485,6 +491,7 @@ export class Job {
       }
     }
     if (this.lost instanceof LeaseUnconfirmed && this.ended === undefined) await this.releaseUnconfirmed();
+    this.detach?.();
     if (this.ended === undefined) {
       const why = this.lost !== undefined ? this.lost.message : "no ending was accepted";
       this.client.emit({ kind: "lost", name: this.name, attempt: this.attempt, message: why });

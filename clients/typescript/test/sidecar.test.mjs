@@ -1,4 +1,4 @@
-// The TypeScript client against the real sidecar and control plane (see helpers.mjs for how it
+// The TypeScript client against the real sidecar and control plane (see fixtures.mjs for how it
 // is run). Each test has a queue of its own and starts its own sidecars and worker processes.
 
 import assert from "node:assert/strict";
@@ -10,7 +10,7 @@ import { fileURLToPath } from "node:url";
 import * as leasehold from "../dist/index.js";
 import {
   Events, NAMESPACE, Recorder, SKIP, createJob, kubectl, procsFor, queueFor, status, waitUntil,
-} from "./helpers.mjs";
+} from "./fixtures.mjs";
 
 const { Client, Job, Worker, silentLogger } = leasehold;
 const HERE = dirname(fileURLToPath(import.meta.url));

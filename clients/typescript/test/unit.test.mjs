@@ -4,6 +4,7 @@
 // retryAfterSeconds, which the sidecar of this tree does not send or take yet.
 
 import assert from "node:assert/strict";
+import { getEventListeners } from "node:events";
 import { createServer } from "node:http";
 import { readFileSync } from "node:fs";
 import { dirname, join } from "node:path";
@@ -275,6 +276,18 @@ test("no heartbeat confirmed for a whole lease: LeaseUnconfirmed, no result, a r
   assert.equal(job.ended, "release");
 });
 
+test("a finished job leaves no listener on the worker's long-lived shutdown signal", async (t) => {
+  const sidecar = await stub(t, () => ended());
+  const shutdown = new AbortController();
+  for (let i = 0; i < 3; i++) {
+    const job = new Job(new Client(sidecar.base), claim(), { shutdown: shutdown.signal, logger: silentLogger });
+    job.start();
+    await job.complete(i);
+    await job.finish();
+  }
+  assert.equal(getEventListeners(shutdown.signal, "abort").length, 0);
+});
+
 test("a release sends the checkpoint saved since the last heartbeat first", async (t) => {
   const sidecar = await stub(t, (path) => (path.endsWith("/heartbeat") ? beat() : ended("Queued")));
   const job = new Job(new Client(sidecar.base), claim(), { logger: silentLogger });
@@ -354,7 +367,7 @@ test("the worker ends each attempt as its handler's outcome says", async (t) => 
 });
 
 test("a worker with concurrency 4 runs four jobs at once through one sidecar, never more", async (t) => {
-  const jobs = Array.from({ length: 10 }, (_, i) => claim({ name: `c${i}`, token: `1.c${i}` }));
+  const jobs = Array.from({ length: 12 }, (_, i) => claim({ name: `c${i}`, token: `1.c${i}` }));
   const { sidecar, endings } = await queueStub(t, jobs);
   let now = 0;
   let most = 0;
@@ -368,7 +381,7 @@ test("a worker with concurrency 4 runs four jobs at once through one sidecar, ne
     },
     { client: new Client(sidecar.base), wait: 1, concurrency: 4, exitWhenIdle: true, handleSignals: false, logger: silentLogger },
   );
-  assert.equal(await worker.run(), 10);
+  assert.equal(await worker.run(), 12);
   assert.equal(most, 4);
   assert.deepEqual(endings.map((e) => e.result).sort(), jobs.map((j) => j.name).sort());
 });

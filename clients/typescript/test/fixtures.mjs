@@ -1,4 +1,4 @@
-// Helpers of the integration tests: the real leasehold sidecar as a process, jobs created and
+// Fixtures of the integration tests: the real leasehold sidecar as a process, jobs created and
 // read with the test control plane's kubectl, worker processes whose events are JSON lines.
 //
 // Run from tests/typescript_client.rs (`scripts/test --test typescript_client`), which starts a
