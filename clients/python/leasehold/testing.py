@@ -1064,6 +1064,8 @@ class FakeSidecar:
                 400, "invalid_request", "message is %d bytes; at most %d are accepted" % (size, MAX_FAIL_MESSAGE_BYTES)
             )
         after = body.get("retryAfterSeconds")
+        if isinstance(after, float) and after.is_integer():  # 30.0 is a whole number, as JSON Schema counts
+            after = body["retryAfterSeconds"] = int(after)
         if after is not None:
             if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= MAX_RETRY_AFTER_SECONDS:
                 raise _error(
