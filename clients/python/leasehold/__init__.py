@@ -17,6 +17,10 @@ A worker in a few lines::
 See :class:`Worker` for how a handler's outcome ends the attempt, :class:`Job` for the
 claimed job, :class:`Client` for the raw HTTP calls, and :mod:`leasehold.errors` for the
 exception of every error code. Standard library only; Python 3.9 or later.
+
+Submitting jobs and awaiting their results from code is :class:`Producer`
+(:mod:`leasehold.producer`), which needs the ``kubernetes`` package: ``pip install
+'leasehold[producer]'``. Testing a handler without a cluster is :mod:`leasehold.testing`.
 """
 
 from .client import DEFAULT_SIDECAR, Client, Event
@@ -48,6 +52,7 @@ from .errors import (
     UnexpectedResponse,
 )
 from .job import Job
+from .producer import ClusterError, IdempotencyConflict, JobCancelled, JobFailed, JobInfo, Producer, WaitTimeout
 from .worker import Worker, run
 
 __version__ = "0.1.0"
@@ -59,15 +64,20 @@ __all__ = [
     "BodyTimeout",
     "Cancelled",
     "Client",
+    "ClusterError",
     "ConnectionFailed",
     "Event",
     "Fail",
+    "IdempotencyConflict",
     "InvalidJson",
     "InvalidName",
     "InvalidRequest",
     "InvalidToken",
     "Job",
+    "JobCancelled",
     "JobEnded",
+    "JobFailed",
+    "JobInfo",
     "JobFinished",
     "JobLost",
     "JobNotFound",
@@ -76,12 +86,14 @@ __all__ = [
     "LeaseholdError",
     "MethodNotAllowed",
     "NotFound",
+    "Producer",
     "RequestRejected",
     "ShutdownRequested",
     "ShuttingDown",
     "TooLarge",
     "Unavailable",
     "UnexpectedResponse",
+    "WaitTimeout",
     "Worker",
     "run",
 ]
