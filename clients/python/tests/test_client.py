@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import logging
 import os
 import re
 import shutil
@@ -434,51 +433,6 @@ def test_a_result_that_is_not_json_fails_the_attempt_once_naming_its_type(procs,
     assert s["phase"] == "Failed", s
     assert [(f["attempt"], f["reason"]) for f in s["failures"]] == [(1, "ResultNotJSON")]
     assert "result of type Transcript is not JSON" in s["failures"][0]["message"]
-
-
-def test_a_handler_that_cannot_be_run_is_refused_when_the_worker_is_made():
-    def steps(job):
-        yield job
-
-    async def agen(job):
-        yield job
-
-    class Steps:
-        def __call__(self, job):
-            yield job
-
-    for handler, says in [
-        (Steps(), "is a generator function"),
-        (42, "handler must be a function"),
-        ("handle", "handler must be a function"),
-        (steps, "is a generator function"),
-        (agen, "is a generator function"),
-    ]:
-        with pytest.raises(TypeError) as refused:
-            leasehold.Worker(handler, client=leasehold.Client("http://127.0.0.1:9"))
-        assert says in str(refused.value)
-
-
-def test_a_sidecar_shutting_down_ends_the_worker_with_one_line(caplog):
-    class Draining(leasehold.Client):
-        def claim(self, wait=0):
-            raise leasehold.ShuttingDown(503, "shutting_down", "the sidecar is shutting down")
-
-    worker = leasehold.Worker(
-        lambda job: None, client=Draining("http://127.0.0.1:9"), wait=1, handle_signals=False
-    )
-    guard = threading.Timer(5, worker.stop)  # a regression would retry forever: end it
-    guard.start()
-    try:
-        with caplog.at_level(logging.INFO, logger="leasehold"):
-            started = time.monotonic()
-            assert worker.run() == 0
-    finally:
-        guard.cancel()
-    assert time.monotonic() - started < 1.0
-    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and "shutting" in r.getMessage()]
-    assert lines == ["The sidecar is shutting down: claiming nothing more; handled 0 job(s)"], caplog.records
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_a_four_at_once_async_worker_runs_four_jobs_and_a_frozen_one_is_taken_over(procs, queue):
