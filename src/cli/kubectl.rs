@@ -278,6 +278,15 @@ pub async fn submit(args: SubmitArgs) -> anyhow::Result<()> {
         }
         (None, None) => serde_json::json!({}),
     };
+    // As the Python producer takes None: no payload. (A null would not be stored.)
+    let payload = if payload.is_null() {
+        serde_json::json!({})
+    } else {
+        payload
+    };
+    if let Some(number) = leasehold_core::submit::out_of_range_number(&payload) {
+        bail!("the payload's number {number} is beyond the 64-bit integer range: the API server would store it as a rounded float; send it as a string");
+    }
     if let Some(k) = &key {
         leasehold_core::submit::check_key(k)?;
     }

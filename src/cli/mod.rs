@@ -191,7 +191,13 @@ fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
     Duration::try_from_secs_f64(value)
         .ok()
         .filter(|d| !d.is_zero())
-        .with_context(|| format!("{flag} {value} is not a positive number of seconds"))
+        .with_context(|| {
+            if value.is_finite() && value > 0.0 {
+                format!("{flag} {value} is too large a number of seconds")
+            } else {
+                format!("{flag} {value} is not a positive number of seconds")
+            }
+        })
 }
 
 /// `--namespace`, else the kubeconfig's namespace, checked.

@@ -85,8 +85,14 @@ pub enum PluginError {
     /// The key's job exists and is not this submission.
     #[error(transparent)]
     Submit(#[from] leasehold_core::submit::SubmitConflict),
+    /// The job was deleted while it was awaited.
+    #[error("LeasedJob {0} was deleted while it was awaited")]
+    Deleted(String),
     /// The job did not finish in time (`--wait --timeout`).
-    #[error("LeasedJob {job} did not finish within {}s; it goes on (kubectl leasehold get {job_name})", waited.as_secs(), job_name = job.rsplit('/').next().unwrap_or(job))]
+    #[error("LeasedJob {job} did not finish within {}s; it goes on (kubectl leasehold get {name} -n {namespace})",
+        waited.as_secs_f64(),
+        name = job.rsplit('/').next().unwrap_or(job),
+        namespace = job.split('/').next().unwrap_or(job))]
     Timeout {
         /// `namespace/name`.
         job: String,
@@ -108,6 +114,7 @@ impl Category for PluginError {
             PluginError::Key(_) => "invalid_key",
             PluginError::Submit(_) => "idempotency_conflict",
             PluginError::Timeout { .. } => "timeout",
+            PluginError::Deleted(_) => "not_found",
         }
     }
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use futures::StreamExt;
-use kube::api::{PostParams, WatchParams};
+use kube::api::{ApiResource, DynamicObject, PostParams, WatchParams};
 use kube::core::WatchEvent;
 use kube::{Api, ResourceExt};
 use serde_json::{json, Map, Value};
@@ -107,7 +107,10 @@ pub async fn submit(
         Some(name) => metadata["name"] = json!(name),
         None => metadata["generateName"] = json!(format!("{}-", submission.queue)),
     }
-    let job: LeasedJob = serde_json::from_value(json!({
+    // Sent as built, never through the typed LeasedJob, whose lenient readers would drop or
+    // rewrite a value the API server must judge (a notBefore that is not RFC 3339 would
+    // vanish, and the job would run at once).
+    let job: DynamicObject = serde_json::from_value(json!({
         "apiVersion": "leasehold.dev/v1alpha1",
         "kind": "LeasedJob",
         "metadata": metadata,
@@ -117,13 +120,26 @@ pub async fn submit(
         what: "building the LeasedJob".into(),
         detail: e.to_string(),
     })?;
+    let raw: Api<DynamicObject> = Api::namespaced_with(
+        clients.requests.clone(),
+        namespace,
+        &ApiResource::erase::<LeasedJob>(&()),
+    );
     let shown = format!(
         "{namespace}/{}",
         name.as_deref()
             .unwrap_or(&format!("{}-…", submission.queue))
     );
-    match api.create(&PostParams::default(), &job).await {
-        Ok(created) => Ok((created, true)),
+    match raw.create(&PostParams::default(), &job).await {
+        Ok(created) => {
+            let created = serde_json::to_value(created)
+                .and_then(serde_json::from_value)
+                .map_err(|e| PluginError::Api {
+                    what: format!("reading the created LeasedJob {shown}"),
+                    detail: e.to_string(),
+                })?;
+            Ok((created, true))
+        }
         Err(e) if is_status(&e, 409) && submission.key.is_some() => {
             let name = name.expect("a key names the job");
             let existing = api
@@ -169,6 +185,10 @@ pub async fn await_finished(
             let version = job.resource_version().unwrap_or_default();
             let mut events = match api.watch(&params, &version).await {
                 Ok(events) => events.boxed(),
+                // Refusals that waiting does not change: say so, rather than wait for ever.
+                Err(e) if [401, 403, 404].iter().any(|s| is_status(&e, *s)) => {
+                    return Err(api_error(format!("watching LeasedJob {job_ref}"), &e));
+                }
                 Err(_) => {
                     tokio::time::sleep(Duration::from_secs(1)).await;
                     continue;
@@ -182,7 +202,7 @@ pub async fn await_finished(
                         return Ok(job);
                     }
                     Ok(WatchEvent::Deleted(_)) => {
-                        return Err(PluginError::NotFound(job_ref.clone()))
+                        return Err(PluginError::Deleted(job_ref.clone()))
                     }
                     Ok(WatchEvent::Error(_)) | Err(_) => break,
                     Ok(_) => {}

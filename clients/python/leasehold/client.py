@@ -92,12 +92,18 @@ class Client:
 
     # ---- the calls
 
-    def claim(self, wait: float = 20) -> Optional[Dict[str, Any]]:
+    def claim(
+        self, wait: float = 20, on_connection: Optional[Callable[[http.client.HTTPConnection], None]] = None
+    ) -> Optional[Dict[str, Any]]:
         """Claims a job of the sidecar's queue, long-polling up to ``wait`` seconds.
 
         Args:
             wait (float): seconds to wait for a claimable job, 0..300 (whole seconds are
                 sent; fractions are rounded down).
+            on_connection (callable or None): called with the HTTP connection before the
+                request is sent, so that another thread can abort the long poll (shut its
+                socket down): the sidecar then stops the claim, and gives back a job it
+                claimed meanwhile. The call raises :class:`ConnectionFailed`.
 
         Returns:
             dict or None: the claim ``{namespace, name, attempt, token, payload,
@@ -109,7 +115,7 @@ class Client:
             or the API server failed. InvalidRequest: ``wait`` out of range.
         """
         seconds = int(wait)
-        status, body = self._post("/v1/claim?wait=%d" % seconds, None, seconds + CLAIM_SLACK)
+        status, body = self._post("/v1/claim?wait=%d" % seconds, None, seconds + CLAIM_SLACK, on_connection)
         if status == 204:
             self._emit(Event("idle", status=204))
             return None
@@ -250,11 +256,19 @@ class Client:
         self._emit(Event(verb, name, attempt, status, error.code or None, checkpoint, error.message))
         raise error
 
-    def _post(self, path: str, body: Any, timeout: float) -> Tuple[int, Any]:
+    def _post(
+        self,
+        path: str,
+        body: Any,
+        timeout: float,
+        on_connection: Optional[Callable[[http.client.HTTPConnection], None]] = None,
+    ) -> Tuple[int, Any]:
         data = b"" if body is None else json.dumps(body, separators=(",", ":")).encode("utf-8")
         headers = {"Content-Type": "application/json", "Accept": "application/json", "Content-Length": str(len(data))}
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         conn = cls(self._host, self._port, timeout=timeout)
+        if on_connection is not None:
+            on_connection(conn)
         url = self._prefix + path
         if len(data) > MAX_BODY_BYTES:
             raise TooLarge(

@@ -25,6 +25,7 @@ exists (``ttlSecondsAfterFinished`` or a deletion frees it).
 import asyncio
 import hashlib
 import json
+import math
 import os
 import re
 import threading
@@ -209,6 +210,8 @@ def check_key(key: Any) -> None:
     control characters."""
     if not isinstance(key, str):
         problem = "is not a string"
+    elif not _utf8(key):
+        problem = "is not valid Unicode (it holds a lone surrogate)"
     elif not key:
         problem = "is empty: give a key that names the submission (an order ID, a file's hash)"
     elif len(key.encode("utf-8")) > MAX_KEY_BYTES:
@@ -343,6 +346,14 @@ class Producer:
         ):
             if value is not None:
                 spec[field_name] = value
+        too_big = _out_of_range_number(spec["payload"])
+        if too_big is not None:
+            raise InvalidRequest(
+                400,
+                "invalid_request",
+                "the payload's number %d is beyond the 64-bit integer range: the API server would store it as a rounded "
+                "float; send it as a string" % too_big,
+            )
         try:
             digest = spec_hash(spec)
         except (TypeError, ValueError) as err:
@@ -380,8 +391,15 @@ class Producer:
             raise IdempotencyConflict(label, key, [])
         if notes.get(SPEC_HASH_ANNOTATION) != digest:
             stored = existing.get("spec") or {}
-            differs = sorted("spec.%s" % f for f, v in spec.items() if stored.get(f) != v)
-            raise IdempotencyConflict(label, key, differs or ["the spec"])
+            differs = ["spec.%s" % f for f, v in spec.items() if stored.get(f) != v]
+            # Fields the job sets that this submission leaves out (the API server's defaults
+            # aside), as kubectl leasehold submit names them.
+            differs += [
+                "spec.%s (not given now)" % f
+                for f, v in stored.items()
+                if f not in spec and v is not None and (f, v) not in (("cancel", False), ("priority", 0))
+            ]
+            raise IdempotencyConflict(label, key, sorted(differs) or ["the spec"])
         return JobInfo.of(existing, created=False)
 
     # ---- read
@@ -524,14 +542,40 @@ class Producer:
             WaitTimeout: not finished within ``timeout`` (the job goes on). JobNotFound: it is
             or got deleted. ClusterError.
         """
+        _check_timeout(timeout)
         return self._wait(name, timeout, None)
 
     async def wait_async(self, name: str, timeout: Optional[float] = None) -> Any:
-        """As :meth:`wait`, awaitable: the watch runs in a worker thread. Cancelling the
-        awaiting task stops that thread within :data:`WATCH_SECONDS`."""
+        """As :meth:`wait`, awaitable: the watch runs in a daemon thread of its own (never the
+        loop's default executor, so a cancelled wait does not hold up the loop's shutdown).
+        Cancelling the awaiting task stops that thread within :data:`WATCH_SECONDS`."""
+        _check_timeout(timeout)
+        loop = asyncio.get_running_loop()
+        done: "asyncio.Future[Any]" = loop.create_future()
         stop = threading.Event()
+
+        def settle(outcome: Any, error: Optional[BaseException]) -> None:
+            if done.cancelled():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(outcome)
+
+        def run() -> None:
+            try:
+                outcome, error = self._wait(name, timeout, stop), None
+            except BaseException as err:  # handed to the awaiting task
+                outcome, error = None, err
+            if not stop.is_set():
+                try:
+                    loop.call_soon_threadsafe(settle, outcome, error)
+                except RuntimeError:
+                    pass  # the loop closed meanwhile
+
+        threading.Thread(target=run, name="leasehold-wait %s" % name, daemon=True).start()
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, self._wait, name, timeout, stop)
+            return await done
         finally:
             stop.set()
 
@@ -546,7 +590,9 @@ class Producer:
             version = job.raw["metadata"].get("resourceVersion")
             left = WATCH_SECONDS if deadline is None else min(WATCH_SECONDS, deadline - time.monotonic())
             if left <= 0:
-                raise WaitTimeout("LeasedJob %s did not finish within %gs; it goes on (%s)" % (job.label, timeout, job.phase))
+                raise WaitTimeout(
+                    "LeasedJob %s did not finish within %gs; it goes on (it is %s)" % (job.label, timeout, job.phase or "new")
+                )
             if stop is not None and stop.is_set():
                 raise asyncio.CancelledError()
             w = watch.Watch()
@@ -559,7 +605,7 @@ class Producer:
                     PLURAL,
                     field_selector="metadata.name=%s" % name,
                     resource_version=version,
-                    timeout_seconds=max(1, int(left)),
+                    timeout_seconds=max(1, int(math.ceil(left))),
                 ):
                     kind, obj = event.get("type"), event.get("object")
                     if kind == "DELETED":
@@ -612,6 +658,38 @@ def _outcome(job: JobInfo) -> Any:
     if job.phase == "Cancelled":
         raise JobCancelled(job)
     raise JobFailed(job)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _out_of_range_number(value: Any) -> Optional[int]:
+    """The first integer in ``value`` beyond the 64-bit range, which the API server would
+    store as a rounded float (and other producers would hash differently), or None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if not -(2**63) <= value < 2**64 else None
+    if isinstance(value, (list, tuple)):
+        return next((n for n in map(_out_of_range_number, value) if n is not None), None)
+    if isinstance(value, dict):
+        return next((n for n in map(_out_of_range_number, value.values()) if n is not None), None)
+    return None
+
+
+def _check_timeout(timeout: Any) -> None:
+    ok = timeout is None or (
+        not isinstance(timeout, bool) and isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0
+    )
+    if not ok:
+        raise InvalidRequest(
+            400, "invalid_request", "timeout %r is not a positive, finite number of seconds (None waits for ever)" % (timeout,)
+        )
 
 
 def _version_test(job: Dict[str, Any]) -> Dict[str, Any]:

@@ -8,10 +8,11 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .client import MAX_CLAIM_WAIT, Client, Event
 from .errors import ApiError, ConnectionFailed, JobLost, LeaseholdError, ShutdownRequested, ShuttingDown
@@ -131,6 +132,10 @@ class Worker:
         self._drained = False
         self._idle = False
         self._events: Optional["_LoopThread"] = None
+        try:
+            self._claim_takes_connection = "on_connection" in inspect.signature(self.client.claim).parameters
+        except (TypeError, ValueError):
+            self._claim_takes_connection = False
 
     @property
     def current(self) -> Optional[Job]:
@@ -182,7 +187,7 @@ class Worker:
             self._slot()
         else:
             slots = [
-                threading.Thread(target=self._slot, name="leasehold-slot-%d" % i, daemon=True)
+                threading.Thread(target=self._guarded_slot, name="leasehold-slot-%d" % i, daemon=True)
                 for i in range(self.concurrency)
             ]
             for slot in slots:
@@ -200,6 +205,16 @@ class Worker:
         elif self.max_jobs and done >= self.max_jobs:
             log.info("Handled %d job(s): stopping", done)
         return done
+
+    def _guarded_slot(self) -> None:
+        """A slot in a thread of its own: a handler that raises SystemExit or
+        KeyboardInterrupt there (which would end the process in the main thread) stops the
+        whole worker, as a SIGTERM does, instead of silently ending one slot."""
+        try:
+            self._slot()
+        except BaseException as err:  # noqa: B036: the worker must hear of it
+            log.error("A job slot ended on %r: stopping the worker", err)
+            self.stopping = True
 
     def _over(self) -> bool:
         return self.stopping or self._drained or self._idle
@@ -283,28 +298,44 @@ class Worker:
             if self._events is None:
                 self._events = _LoopThread()
             events = self._events
-        future = events.submit(awaitable)
-        cancelled = False
+        future, cancel = events.submit(awaitable)
+        cancelled_at = None
+        warned = False
         while True:
             try:
                 return future.result(timeout=0.1)
             except concurrent.futures.TimeoutError:
-                if not cancelled and job.interrupted.is_set():
-                    cancelled = future.cancel()
+                if cancelled_at is None and job.interrupted.is_set():
+                    cancel()
+                    cancelled_at = time.monotonic()
+                elif cancelled_at is not None and not warned and time.monotonic() - cancelled_at > 5:
+                    # Its slot stays taken until it ends: never more than `concurrency` run.
+                    warned = True
+                    log.warning(
+                        "The handler of %s goes on 5 s after its task was cancelled (it catches CancelledError?): "
+                        "waiting for it to end",
+                        job.label,
+                    )
             except concurrent.futures.CancelledError:
                 job.check()
                 raise ShutdownRequested("the handler of %s was cancelled" % job.label)
 
     def _claim(self):
         """Long-polls in a helper thread, so that a stop request ends the wait at once.
-        A job claimed after the wait was abandoned is released by the helper."""
+        On a stop request the long poll's connection is shut down, so the sidecar stops the
+        claim (and gives back a job it claimed meanwhile); a job that still reaches the
+        helper after the wait was abandoned is released by it."""
         box = {}
         lock = threading.Lock()
         finished = threading.Event()
+        connections: List[Any] = []
 
         def call():
             try:
-                result = self.client.claim(self.wait)
+                if self._claim_takes_connection:
+                    result = self.client.claim(self.wait, on_connection=connections.append)
+                else:
+                    result = self.client.claim(self.wait)
             except BaseException as err:  # handed to the waiting thread
                 result = err
             with lock:
@@ -322,6 +353,8 @@ class Worker:
                 with lock:
                     if "result" not in box:
                         box["abandoned"] = True
+                        for conn in connections:
+                            _abort(conn)
                         return _STOPPED
                 break
         result = box["result"]
@@ -338,8 +371,14 @@ class Worker:
 _STOPPED = object()
 
 
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
+def _abort(conn: Any) -> None:
+    """Shuts down a connection's socket from another thread: its pending read fails at once."""
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 class _LoopThread:
@@ -356,11 +395,38 @@ class _LoopThread:
         try:
             self.loop.run_forever()
         finally:
+            # As asyncio.run ends: tasks still pending (a handler that outlived its worker)
+            # are cancelled and given the chance to run their finally blocks.
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
 
-    def submit(self, awaitable: Any) -> "concurrent.futures.Future[Any]":
-        return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self.loop)
+    def submit(self, awaitable: Any) -> Tuple["concurrent.futures.Future[Any]", Callable[[], None]]:
+        """Runs ``awaitable`` as a task; returns a future of its outcome, and a function that
+        cancels the task. The future is settled only once the task has ended: a handler
+        that catches the cancellation keeps its slot until it returns."""
+        started: Dict[str, Any] = {}
+
+        async def run() -> Any:
+            task = asyncio.ensure_future(awaitable)
+            started["task"] = task
+            return await task
+
+        future = asyncio.run_coroutine_threadsafe(run(), self.loop)
+
+        def cancel() -> None:
+            def cancel_task() -> None:
+                task = started.get("task")
+                if task is not None:
+                    task.cancel()
+
+            self.loop.call_soon_threadsafe(cancel_task)
+
+        return future, cancel
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

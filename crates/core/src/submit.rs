@@ -80,8 +80,10 @@ pub fn name_for_key(queue: &str, key: &str) -> String {
 /// `value` as canonical JSON: object keys sorted (by code point, which is UTF-8 byte order),
 /// no whitespace, strings as serde_json escapes them (non-ASCII characters as they are), numbers
 /// as serde_json writes them. Python's `json.dumps(value, sort_keys=True, separators=(",",
-/// ":"), ensure_ascii=False)` writes the same for every integer, string, bool, null, array and
-/// object; floats agree for the usual ones (`0.5`, `1.25`), not necessarily for exponents.
+/// ":"), ensure_ascii=False)` writes the same for every 64-bit integer, string, bool, null,
+/// array and object; floats agree for the usual ones (`0.5`, `1.25`), not necessarily for
+/// exponents (`1e-7`) or `-0`: a keyed payload should carry such numbers as strings. Integers
+/// beyond 64 bits are refused by every producer ([`out_of_range_number`]).
 pub fn canonical_json(value: &Value) -> String {
     let mut out = String::new();
     write_canonical(value, &mut out);
@@ -115,6 +117,25 @@ fn write_canonical(value: &Value, out: &mut String) {
             out.push(']');
         }
         scalar => out.push_str(&scalar.to_string()),
+    }
+}
+
+/// The first number in `value` that a JSON parser without arbitrary precision (serde_json's, the
+/// API server's) cannot keep as written: an integral value of magnitude at least 2^63 parsed
+/// as a float (`18446744073709551616` becomes `1.8446744073709552e19`). None when every number
+/// is kept. Producers refuse such payloads, naming the number: it would be stored other than
+/// as sent, and hashed differently by each producer.
+pub fn out_of_range_number(value: &Value) -> Option<String> {
+    match value {
+        Value::Number(n) => {
+            let lossy = n.is_f64()
+                && n.as_f64()
+                    .is_some_and(|f| f.fract() == 0.0 && f.abs() >= 9.223_372_036_854_776e18);
+            lossy.then(|| n.to_string())
+        }
+        Value::Array(items) => items.iter().find_map(out_of_range_number),
+        Value::Object(map) => map.values().find_map(out_of_range_number),
+        _ => None,
     }
 }
 
@@ -172,13 +193,21 @@ pub fn judge_existing(existing: &LeasedJob, key: &str, spec: &Value) -> Result<(
         return Ok(());
     }
     let stored = serde_json::to_value(&existing.spec).unwrap_or(Value::Null);
-    let mut differs: Vec<String> = spec
-        .as_object()
-        .into_iter()
-        .flatten()
+    let given = spec.as_object().cloned().unwrap_or_default();
+    let mut differs: Vec<String> = given
+        .iter()
         .filter(|(field, value)| stored.get(field.as_str()) != Some(*value))
         .map(|(field, _)| format!("spec.{field}"))
         .collect();
+    // Fields the job sets that this submission leaves out (the API server's defaults aside:
+    // cancel, and a priority of 0).
+    for (field, value) in stored.as_object().into_iter().flatten() {
+        let defaulted = matches!((field.as_str(), value), ("cancel", Value::Bool(false)))
+            || (field == "priority" && value == &serde_json::json!(0));
+        if !given.contains_key(field) && !defaulted && !value.is_null() {
+            differs.push(format!("spec.{field} (not given now)"));
+        }
+    }
     differs.sort();
     Err(SubmitConflict::OtherSpec {
         job,
@@ -211,6 +240,24 @@ mod tests {
             spec_hash(&spec),
             "a622cc5917f5481ef313a06639739304144aee563e607bcb93eb01f11e9f4970"
         );
+    }
+
+    #[test]
+    fn integers_beyond_64_bits_are_found() {
+        let parsed: Value =
+            serde_json::from_str(r#"{"a": [1, -9223372036854775808, 18446744073709551615]}"#)
+                .unwrap();
+        assert_eq!(out_of_range_number(&parsed), None);
+        for text in [
+            "18446744073709551616",
+            "-9223372036854775809",
+            "1e19",
+            r#"{"x": [2e30]}"#,
+        ] {
+            let parsed: Value = serde_json::from_str(text).unwrap();
+            assert!(out_of_range_number(&parsed).is_some(), "{text}");
+        }
+        assert_eq!(out_of_range_number(&json!(0.5)), None);
     }
 
     #[test]
@@ -248,7 +295,15 @@ mod tests {
         assert_eq!(judge_existing(&job, "k", &spec), Ok(()));
         let other = json!({"queue": "q", "payload": {"n": 2}});
         let e = judge_existing(&job, "k", &other).unwrap_err();
-        assert!(e.to_string().contains("spec.payload"), "{e}");
+        assert!(e.to_string().contains("(spec.payload)"), "{e}");
+        job.spec.max_attempts = Some(3);
+        let e = judge_existing(&job, "k", &other).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("(spec.maxAttempts (not given now), spec.payload)"),
+            "{e}"
+        );
+        job.spec.max_attempts = None;
         assert!(e.to_string().contains("ns/q-1"), "{e}");
         assert!(matches!(
             judge_existing(&job, "j", &spec),
