@@ -34,6 +34,7 @@ use leasehold_core::crd::LeasedJob;
 use leasehold_core::fence::Outcome;
 use leasehold_core::share;
 use leasehold_core::token::Token;
+use leasehold_core::trace;
 use leasehold_kube::api::error_chain;
 use leasehold_kube::claim::{claim_with, ClaimError};
 use leasehold_kube::queue_watch;
@@ -617,9 +618,11 @@ impl Worker {
             Some(slim),
             started,
         );
+        let trace = trace_context(&job);
         Ok(Tried::Claimed(Claimed {
             namespace: self.inner.config.namespace.clone(),
             name: job.name_any(),
+            queue: job.spec.queue.clone(),
             attempt: token.attempt(),
             token,
             payload: job.spec.payload.clone(),
@@ -628,7 +631,27 @@ impl Worker {
             max_attempts: policy.max_attempts,
             failures: status.failures,
             last_attempt,
+            traceparent: trace.as_ref().map(|t| t.traceparent.clone()),
+            tracestate: trace.and_then(|t| t.tracestate),
         }))
+    }
+}
+
+/// The trace context the claim of `job` carries ([`leasehold_core::trace::carried`]). A
+/// malformed annotation is skipped with one log line (info: the producer's trace is cut here,
+/// which someone reading traces may want to know), never an error of the claim.
+fn trace_context(job: &LeasedJob) -> Option<trace::Carried> {
+    let job_ref = job.reference();
+    match trace::carried(job.annotations()) {
+        Ok((carried, None)) => carried,
+        Ok((carried, Some(skipped))) => {
+            info!(job = %job_ref, "LeasedJob {job_ref}: annotation {}: {skipped}; the claim carries no tracestate", trace::TRACESTATE_ANNOTATION);
+            carried
+        }
+        Err(e) => {
+            info!(job = %job_ref, "LeasedJob {job_ref}: annotation {}: {e}; the claim carries no trace context", trace::TRACEPARENT_ANNOTATION);
+            None
+        }
     }
 }
 
