@@ -114,9 +114,7 @@ pub fn parse_traceparent(value: &str) -> Result<TraceParent, TraceParentError> {
     match fields[0] {
         "00" => {}
         "ff" => return Err(bad("version ff is forbidden")),
-        v if v.len() == 2 && lower_hex(v) => {
-            return Err(bad("only version 00 is accepted"))
-        }
+        v if v.len() == 2 && lower_hex(v) => return Err(bad("only version 00 is accepted")),
         _ => return Err(bad("the version must be 2 lowercase hex digits, 00")),
     }
     let (trace, parent, flags) = (fields[1], fields[2], fields[3]);
@@ -124,7 +122,9 @@ pub fn parse_traceparent(value: &str) -> Result<TraceParent, TraceParentError> {
         return Err(bad("the rule is 00-<32 hex trace-id>-<16 hex parent-id>-<2 hex trace-flags>, 55 characters"));
     }
     if !(lower_hex(trace) && lower_hex(parent) && lower_hex(flags)) {
-        return Err(bad("the ids and flags must be lowercase hex digits (0-9, a-f)"));
+        return Err(bad(
+            "the ids and flags must be lowercase hex digits (0-9, a-f)",
+        ));
     }
     let mut parsed = TraceParent {
         trace_id: [0; 16],
@@ -216,7 +216,8 @@ fn valid_key(key: &str) -> bool {
     };
     match key.split_once('@') {
         None => {
-            key.len() <= 256 && key.as_bytes().first().is_some_and(u8::is_ascii_lowercase)
+            key.len() <= 256
+                && key.as_bytes().first().is_some_and(u8::is_ascii_lowercase)
                 && rest_ok(key)
         }
         Some((tenant, system)) => {
@@ -227,7 +228,10 @@ fn valid_key(key: &str) -> bool {
                     .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
                 && rest_ok(tenant)
                 && (1..=14).contains(&system.len())
-                && system.as_bytes().first().is_some_and(u8::is_ascii_lowercase)
+                && system
+                    .as_bytes()
+                    .first()
+                    .is_some_and(u8::is_ascii_lowercase)
                 && rest_ok(system)
         }
     }
