@@ -45,7 +45,7 @@ pub struct Submission {
     pub labels: BTreeMap<String, String>,
     /// The producer's W3C traceparent, set as the annotation [`TRACEPARENT_ANNOTATION`] (not
     /// part of the spec, so not of the spec hash: [`leasehold_core::trace`]). Checked by
-    /// [`submit`].
+    /// [`submit()`].
     pub traceparent: Option<String>,
 }
 
