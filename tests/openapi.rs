@@ -47,12 +47,22 @@ async fn run_tool(program: PathBuf, args: Vec<String>, dir: PathBuf) -> (bool, S
 
 /// Creates `n` jobs in `queue` that come back soon when a claimer goes silent (lease 5 s, many
 /// attempts), so that the fuzzer's claims always find one and never wait out their `wait`.
+/// Every other job carries a producer's trace context, so that claims with and without
+/// `traceparent` and `tracestate` are validated.
 async fn fill_queue(client: &kube::Client, ns: &str, queue: &str, n: usize) {
     let creates = (0..n).map(|i| {
+        let annotations = if i % 2 == 0 {
+            json!({
+                "leasehold.dev/traceparent": format!("00-4bf92f3577b34da6a3ce929d0e0e4736-{:016x}-01", i + 1),
+                "leasehold.dev/tracestate": "rojo=00f067aa0ba902b7",
+            })
+        } else {
+            json!({})
+        };
         create_job(
             client,
             ns,
-            json!({"metadata": {"name": format!("j{i}")},
+            json!({"metadata": {"name": format!("j{i}"), "annotations": annotations},
                    "spec": {"queue": queue, "leaseDurationSeconds": 5, "maxAttempts": 1000000,
                             "payload": {"i": i}}}),
         )

@@ -240,7 +240,19 @@ async fn submit_is_idempotent_by_key_and_waits_for_the_outcome() {
         args.extend_from_slice(extra);
         leasehold(&args)
     };
-    let (ok, first) = submit(&["--key", "order-1", "--payload", r#"{"n": 1}"#, "-o", "name"]);
+    // The producer's trace context rides on an annotation, outside the spec's hash: the
+    // resubmissions below, without it, are the same submission.
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let (ok, first) = submit(&[
+        "--key",
+        "order-1",
+        "--payload",
+        r#"{"n": 1}"#,
+        "--traceparent",
+        traceparent,
+        "-o",
+        "name",
+    ]);
     assert!(ok, "{first}");
     let name = first.trim().to_string();
     assert!(
@@ -269,30 +281,43 @@ async fn submit_is_idempotent_by_key_and_waits_for_the_outcome() {
     assert!(ok, "{list}");
     let list: Value = serde_json::from_str(&list).unwrap();
     assert_eq!(names_in(&list), vec![name.clone()]);
+    assert_eq!(
+        list["items"][0]["metadata"]["annotations"]["leasehold.dev/traceparent"], traceparent,
+        "{list}"
+    );
 
     // --wait: a worker completes it; then one that fails it.
     let sc = Sidecar::start(&n, "audio", "pod-a", &[]).await;
+    // Its trace context comes from the environment (TRACEPARENT, as OpenTelemetry passes it
+    // to a command) and reaches the worker with the claim.
+    let from_env = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
     let waiter = {
         let n = n.clone();
         tokio::task::spawn_blocking(move || {
-            leasehold(&[
-                "submit",
-                "audio",
-                "-n",
-                &n,
-                "--key",
-                "order-2",
-                "--payload",
-                "[2]",
-                "--wait",
-                "--timeout",
-                "60",
-            ])
+            run(
+                &leasehold_bin(),
+                &[
+                    "submit",
+                    "audio",
+                    "-n",
+                    &n,
+                    "--key",
+                    "order-2",
+                    "--payload",
+                    "[2]",
+                    "--wait",
+                    "--timeout",
+                    "60",
+                ],
+                "",
+                &[("TRACEPARENT", std::path::Path::new(from_env))],
+            )
         })
     };
     let (s, c) = sc.claim(20).await;
     assert_eq!(s, 200, "{c}");
     assert_eq!(c["payload"], json!([2]));
+    assert_eq!(c["traceparent"], from_env, "{c}");
     let (s, r) = sc
         .post(
             &format!("/v1/jobs/{}/complete", c["name"].as_str().unwrap()),
@@ -357,6 +382,19 @@ async fn submit_is_idempotent_by_key_and_waits_for_the_outcome() {
             "--label \"team\" is not KEY=VALUE",
         ),
         (vec!["submit", "media", "--timeout", "5"], "--wait"),
+        (
+            vec!["submit", "media", "--traceparent", "00-xyz"],
+            "--traceparent: \"00-xyz\" is not a valid W3C traceparent",
+        ),
+        (
+            vec![
+                "submit",
+                "media",
+                "--traceparent",
+                "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            ],
+            "the trace-id is all zeros",
+        ),
     ] {
         let mut args = args.clone();
         args.extend(["-n", n.as_str()]);

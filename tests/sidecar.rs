@@ -20,22 +20,43 @@ async fn refuses_bad_requests_and_keeps_serving() {
     let Fixture { client, ns } = fixture!("refusals");
     let _controller = controller(&ns.name);
     let sc = Sidecar::start(&ns.name, "q", "pod-a", &[]).await;
+    // x carries its producer's trace context; y's traceparent is malformed (uppercase hex),
+    // which must not break its claim: the claim carries no trace context then.
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     create_job(
         &client,
         &ns.name,
-        json!({"metadata": {"name": "x"}, "spec": {"queue": "q"}}),
+        json!({"metadata": {"name": "x", "annotations": {
+            "leasehold.dev/traceparent": traceparent,
+            "leasehold.dev/tracestate": "rojo=00f067aa0ba902b7",
+        }}, "spec": {"queue": "q"}}),
     )
     .await;
     create_job(
         &client,
         &ns.name,
-        json!({"metadata": {"name": "y"}, "spec": {"queue": "q"}}),
+        json!({"metadata": {"name": "y", "annotations": {
+            "leasehold.dev/traceparent": "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "leasehold.dev/tracestate": "rojo=00f067aa0ba902b7",
+        }}, "spec": {"queue": "q"}}),
     )
     .await;
     let (s, cx) = sc.claim(10).await;
     assert_eq!(s, 200, "{cx}");
     let (s, cy) = sc.claim(10).await;
     assert_eq!(s, 200, "{cy}");
+    let traced = |c: &Value| {
+        if c["name"] == "x" {
+            assert_eq!(c["traceparent"], traceparent, "{c}");
+            assert_eq!(c["tracestate"], "rojo=00f067aa0ba902b7", "{c}");
+        } else {
+            let claimed = c.as_object().unwrap();
+            assert!(!claimed.contains_key("traceparent"), "{c}");
+            assert!(!claimed.contains_key("tracestate"), "{c}");
+        }
+    };
+    traced(&cx);
+    traced(&cy);
     let (x, y) = (
         cx["name"].as_str().unwrap().to_string(),
         cy["name"].as_str().unwrap().to_string(),
@@ -53,6 +74,7 @@ async fn refuses_bad_requests_and_keeps_serving() {
     let (s, cx2) = sc.claim(10).await;
     assert_eq!((s, cx2["name"].as_str().unwrap()), (200, x.as_str()));
     assert_eq!(cx2["attempt"], 2);
+    traced(&cx2);
     let tx2 = token_of(&cx2);
 
     let hb = |name: &str| format!("/v1/jobs/{name}/heartbeat");

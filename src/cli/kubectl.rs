@@ -219,6 +219,13 @@ pub struct SubmitArgs {
     /// A label of the job, `key=value` (repeat for more).
     #[arg(short = 'l', long = "label", value_name = "KEY=VALUE")]
     labels: Vec<String>,
+    /// The producer's W3C trace context, `00-<32 hex trace-id>-<16 hex parent-id>-<2 hex
+    /// flags>`, set as the job's annotation leasehold.dev/traceparent: the worker's span is
+    /// made its child. Default: the environment variable TRACEPARENT (OpenTelemetry's
+    /// convention for passing a trace context to a command), when set and not empty (a
+    /// malformed one is ignored with a warning).
+    #[arg(long, value_name = "TRACEPARENT")]
+    traceparent: Option<String>,
     /// Wait until the job finishes: print its result (Succeeded, exit 0), or its phase,
     /// reason and failures (Failed or Cancelled, exit 1).
     #[arg(long)]
@@ -255,6 +262,7 @@ pub async fn submit(args: SubmitArgs) -> anyhow::Result<()> {
         not_before,
         concurrency_key,
         labels,
+        traceparent,
         wait,
         timeout,
         output,
@@ -305,6 +313,10 @@ pub async fn submit(args: SubmitArgs) -> anyhow::Result<()> {
     let timeout = timeout
         .map(|t| super::seconds("--timeout", t))
         .transpose()?;
+    let (traceparent, ignored) = traceparent_given(traceparent, std::env::var("TRACEPARENT").ok())?;
+    if let Some(warning) = ignored {
+        eprintln!("{warning}");
+    }
     let submission = plugin::submit::Submission {
         queue,
         payload,
@@ -316,6 +328,7 @@ pub async fn submit(args: SubmitArgs) -> anyhow::Result<()> {
         not_before,
         concurrency_key,
         labels: label_map,
+        traceparent,
     };
     let clients = cluster.clients().await?;
     let ns = namespace_or_default(&clients, namespace)?;
@@ -347,6 +360,38 @@ pub async fn submit(args: SubmitArgs) -> anyhow::Result<()> {
         Ok(())
     } else {
         bail!("{text}")
+    }
+}
+
+/// The traceparent to submit with: `--traceparent`, else the environment's `TRACEPARENT` when
+/// not empty, checked by the W3C Trace Context rules ([`leasehold_core::trace`]). A malformed
+/// flag is an error; a malformed `TRACEPARENT` is ignored with a warning (the second item), as
+/// OpenTelemetry's propagators ignore a malformed incoming context and start a new trace: a
+/// context inherited from the environment must not stop a submit.
+///
+/// # Errors
+/// A malformed `--traceparent`, naming the flag, the value and the rule.
+fn traceparent_given(
+    flag: Option<String>,
+    env: Option<String>,
+) -> anyhow::Result<(Option<String>, Option<String>)> {
+    match (flag, env) {
+        (Some(flag), _) => match leasehold_core::trace::parse_traceparent(&flag) {
+            Ok(_) => Ok((Some(flag), None)),
+            Err(e) => bail!("--traceparent: {e}"),
+        },
+        (None, Some(env)) if !env.is_empty() => {
+            match leasehold_core::trace::parse_traceparent(&env) {
+                Ok(_) => Ok((Some(env), None)),
+                Err(e) => Ok((
+                    None,
+                    Some(format!(
+                        "warning: the environment variable TRACEPARENT is ignored: {e}"
+                    )),
+                )),
+            }
+        }
+        (None, _) => Ok((None, None)),
     }
 }
 
@@ -611,4 +656,34 @@ pub async fn set_paused(args: QueueArgs, paused: bool) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_traceparent_comes_from_the_flag_else_the_environment() {
+        let valid = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let other = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+        let given = |flag: Option<&str>, env: Option<&str>| {
+            traceparent_given(flag.map(Into::into), env.map(Into::into))
+        };
+        assert_eq!(given(None, None).unwrap(), (None, None));
+        assert_eq!(given(None, Some("")).unwrap(), (None, None));
+        assert_eq!(
+            given(Some(valid), Some(other)).unwrap().0.as_deref(),
+            Some(valid)
+        );
+        assert_eq!(given(None, Some(other)).unwrap().0.as_deref(), Some(other));
+        // A malformed flag is refused naming it; a malformed environment is ignored, said.
+        let refused = given(Some("00-xyz"), Some(other)).unwrap_err().to_string();
+        assert!(
+            refused.starts_with("--traceparent: \"00-xyz\" is not a valid W3C traceparent"),
+            "{refused}"
+        );
+        let (none, warning) = given(None, Some("00-xyz")).unwrap();
+        assert_eq!(none, None);
+        assert!(warning.unwrap().contains("TRACEPARENT is ignored"));
+    }
 }

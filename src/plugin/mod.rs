@@ -82,6 +82,9 @@ pub enum PluginError {
     /// The idempotency key breaks its rule.
     #[error(transparent)]
     Key(#[from] leasehold_core::submit::KeyError),
+    /// The traceparent breaks the W3C Trace Context rules.
+    #[error(transparent)]
+    TraceParent(#[from] leasehold_core::trace::TraceParentError),
     /// The key's job exists and is not this submission.
     #[error(transparent)]
     Submit(#[from] leasehold_core::submit::SubmitConflict),
@@ -112,6 +115,7 @@ impl Category for PluginError {
             PluginError::Finished { .. } => "finished",
             PluginError::Output(_) => "output",
             PluginError::Key(_) => "invalid_key",
+            PluginError::TraceParent(_) => "invalid_traceparent",
             PluginError::Submit(_) => "idempotency_conflict",
             PluginError::Timeout { .. } => "timeout",
             PluginError::Deleted(_) => "not_found",

@@ -13,6 +13,7 @@ use serde_json::{json, Map, Value};
 
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::submit::{self, KEY_ANNOTATION, SPEC_HASH_ANNOTATION};
+use leasehold_core::trace::{self, TRACEPARENT_ANNOTATION};
 use leasehold_kube::api::{is_status, Clients};
 
 use super::{api_error, PluginError};
@@ -42,6 +43,10 @@ pub struct Submission {
     pub concurrency_key: Option<String>,
     /// metadata.labels.
     pub labels: BTreeMap<String, String>,
+    /// The producer's W3C traceparent, set as the annotation [`TRACEPARENT_ANNOTATION`] (not
+    /// part of the spec, so not of the spec hash: [`leasehold_core::trace`]). Checked by
+    /// [`submit()`].
+    pub traceparent: Option<String>,
 }
 
 impl Submission {
@@ -77,7 +82,8 @@ impl Submission {
 /// submission (same key and spec, by any producer) is returned instead, with `false`.
 ///
 /// # Errors
-/// [`PluginError::Key`] for a bad key; [`PluginError::Submit`] when the key's job exists with
+/// [`PluginError::Key`] for a bad key; [`PluginError::TraceParent`] for a malformed
+/// traceparent; [`PluginError::Submit`] when the key's job exists with
 /// another spec or was not submitted with the key; [`PluginError::Api`] when the API server
 /// refuses the job (its message names the field and the rule) or cannot be reached.
 pub async fn submit(
@@ -87,14 +93,16 @@ pub async fn submit(
 ) -> Result<(LeasedJob, bool), PluginError> {
     let api: Api<LeasedJob> = Api::namespaced(clients.requests.clone(), namespace);
     let spec = submission.spec();
-    let mut metadata = json!({"labels": submission.labels});
+    let mut annotations = Map::new();
+    if let Some(traceparent) = &submission.traceparent {
+        trace::parse_traceparent(traceparent)?;
+        annotations.insert(TRACEPARENT_ANNOTATION.into(), json!(traceparent));
+    }
     let name = match (&submission.key, &submission.name) {
         (Some(key), name) => {
             submit::check_key(key)?;
-            metadata["annotations"] = json!({
-                KEY_ANNOTATION: key,
-                SPEC_HASH_ANNOTATION: submit::spec_hash(&spec),
-            });
+            annotations.insert(KEY_ANNOTATION.into(), json!(key));
+            annotations.insert(SPEC_HASH_ANNOTATION.into(), json!(submit::spec_hash(&spec)));
             Some(
                 name.clone()
                     .unwrap_or_else(|| submit::name_for_key(&submission.queue, key)),
@@ -103,6 +111,10 @@ pub async fn submit(
         (None, Some(name)) => Some(name.clone()),
         (None, None) => None,
     };
+    let mut metadata = json!({"labels": submission.labels});
+    if !annotations.is_empty() {
+        metadata["annotations"] = Value::Object(annotations);
+    }
     match &name {
         Some(name) => metadata["name"] = json!(name),
         None => metadata["generateName"] = json!(format!("{}-", submission.queue)),

@@ -72,6 +72,11 @@ class Job:
             ``LeaseExpired``).
         last_attempt (bool): whether a failure of this attempt ends the job Failed (no
             attempt is left after it); False from a sidecar too old to say.
+        queue (str or None): the job's queue; None from a sidecar too old to say.
+        traceparent (str or None): the producer's W3C traceparent (the job's annotation
+            ``leasehold.dev/traceparent``), when it set a valid one: the parent of the
+            handler's span (:mod:`leasehold.tracing`). tracestate (str or None): its
+            W3C tracestate, only beside a traceparent.
         claim_answer (dict): the sidecar's whole claim answer.
         interrupted (threading.Event): set once the job is lost (or cancelled) or the worker
             was asked to stop; wait on it, or pass it to code that can be interrupted.
@@ -117,6 +122,14 @@ class Job:
         failures = claim.get("failures")
         self.failures: List[Dict[str, Any]] = [f for f in failures if isinstance(f, dict)] if isinstance(failures, list) else []
         self.last_attempt: bool = claim.get("lastAttempt") is True
+        queue = claim.get("queue")
+        self.queue: Optional[str] = queue if isinstance(queue, str) and queue else None
+        traceparent = claim.get("traceparent")
+        self.traceparent: Optional[str] = traceparent if isinstance(traceparent, str) and traceparent else None
+        tracestate = claim.get("tracestate")
+        self.tracestate: Optional[str] = (
+            tracestate if self.traceparent is not None and isinstance(tracestate, str) and tracestate else None
+        )
         self._interval_wanted = heartbeat_interval
         self._should_stop = should_stop or (lambda: False)
         self.interrupted = threading.Event()

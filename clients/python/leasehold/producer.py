@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Dict, List, Optional
 
+from . import tracing
 from .errors import InvalidRequest, JobFinished, JobNotFound, LeaseholdError
 
 GROUP = "leasehold.dev"
@@ -43,6 +44,9 @@ PLURAL = "leasedjobs"
 KEY_ANNOTATION = "leasehold.dev/idempotency-key"
 #: Annotation with the SHA-256 (hex) of the spec as submitted, in canonical JSON.
 SPEC_HASH_ANNOTATION = "leasehold.dev/spec-sha256"
+#: Annotation with the W3C traceparent of the producer's span (docs/protocol.md, "Traces
+#: across the queue").
+TRACEPARENT_ANNOTATION = "leasehold.dev/traceparent"
 #: Longest idempotency key, in bytes of UTF-8.
 MAX_KEY_BYTES = 512
 #: Hex digits of the key's SHA-256 in a job's name.
@@ -303,6 +307,7 @@ class Producer:
         ttl_after_finished: Optional[int] = None,
         labels: Optional[Dict[str, str]] = None,
         annotations: Optional[Dict[str, str]] = None,
+        traceparent: Optional[str] = None,
     ) -> JobInfo:
         """Submits a job to ``queue`` with ``payload`` (any JSON; default ``{}``).
 
@@ -316,6 +321,10 @@ class Producer:
                 datetime, or an RFC 3339 string), concurrency_key, ttl_after_finished
                 (seconds): the spec's fields; None leaves them to the queue's defaults.
             labels, annotations (dict or None): metadata (not part of the idempotency spec).
+            traceparent (str or None): the W3C traceparent the worker's span is made a child
+                of (the annotation ``leasehold.dev/traceparent``); default: the current
+                OpenTelemetry span's, when the package is installed and a span is current.
+                Not part of the idempotency spec.
 
         Returns:
             JobInfo: the job, with ``created`` True when this call made it.
@@ -359,6 +368,18 @@ class Producer:
         except (TypeError, ValueError) as err:
             raise InvalidRequest(400, "invalid_request", "the payload is not JSON: %s" % err) from err
         metadata: Dict[str, Any] = {"labels": dict(labels or {}), "annotations": dict(annotations or {})}
+        if traceparent is not None:
+            if tracing.parse_traceparent(traceparent) is None:
+                raise InvalidRequest(
+                    400,
+                    "invalid_request",
+                    "traceparent %r is not a valid W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>, lowercase, "
+                    "neither id all zeros)" % (traceparent,),
+                )
+        else:
+            traceparent = tracing.current_traceparent()
+        if traceparent is not None:
+            metadata["annotations"][TRACEPARENT_ANNOTATION] = traceparent
         if key is not None:
             check_key(key)
             metadata["annotations"][KEY_ANNOTATION] = key

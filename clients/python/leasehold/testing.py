@@ -48,6 +48,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from .client import Client, Event
+from .tracing import parse_traceparent
 from .worker import Worker
 
 __all__ = ["Call", "FakeJob", "FakeSidecar", "Heartbeat", "Outcome", "Request", "run"]
@@ -223,8 +224,9 @@ class FakeJob:
 
 
 class _Job:
-    def __init__(self, name, namespace, payload, checkpoint, attempt, max_attempts, failures, lease, cap):
+    def __init__(self, name, namespace, payload, checkpoint, attempt, max_attempts, failures, lease, cap, trace):
         self.name = name
+        self.trace = trace  # what the claim carries: {"traceparent", "tracestate"?}
         self.namespace = namespace
         self.payload = payload
         self.checkpoint = checkpoint
@@ -330,6 +332,7 @@ class FakeSidecar:
 
     Args:
         namespace (str): the namespace the claims name.
+        queue (str): the queue the claims name (the real sidecar serves one).
         identity (str): the worker identity recorded as ``holder`` of failures.
         expire_leases (bool): when True, an attempt whose lease is not renewed by an
             accepted heartbeat (or its claim) for ``lease_duration`` seconds is expired, as
@@ -346,8 +349,11 @@ class FakeSidecar:
         requests (list of :class:`Request`): every request received, in order.
     """
 
-    def __init__(self, namespace: str = "default", identity: str = "fake-worker", expire_leases: bool = False):
+    def __init__(
+        self, namespace: str = "default", identity: str = "fake-worker", expire_leases: bool = False, queue: str = "jobs"
+    ):
         self.namespace = namespace
+        self.queue = queue
         self.identity = identity
         self.expire_leases = expire_leases
         self.requests: List[Request] = []
@@ -404,6 +410,8 @@ class FakeSidecar:
         failures: Any = (),
         lease_duration: float = 60,
         backoff_max_seconds: Optional[int] = None,
+        traceparent: Optional[str] = None,
+        tracestate: Optional[str] = None,
     ) -> str:
         """Queues a job, claimable at once; returns its name.
 
@@ -426,6 +434,11 @@ class FakeSidecar:
             backoff_max_seconds (int or None): the job's ``backoff.maxSeconds``, which caps
                 a failure's ``retryAfterSeconds`` (3600 without a backoff). The fake applies
                 no backoff delay of its own.
+            traceparent (str or None): the job's annotation ``leasehold.dev/traceparent``,
+                the producer's W3C traceparent: every claim of the job carries it, as the
+                sidecar does, unless it is malformed (then the claim carries none).
+            tracestate (str or None): the annotation ``leasehold.dev/tracestate``, carried
+                beside a valid traceparent.
 
         Raises:
             ValueError: a bad name, a name already taken, or a bad number.
@@ -456,6 +469,11 @@ class FakeSidecar:
             if not isinstance(lease_duration, (int, float)) or lease_duration <= 0:
                 raise ValueError("lease_duration must be a number of seconds above 0, not %r" % (lease_duration,))
             cap = DEFAULT_RETRY_AFTER_CAP if backoff_max_seconds is None else backoff_max_seconds
+            trace = {}
+            if parse_traceparent(traceparent) is not None:
+                trace["traceparent"] = traceparent
+                if isinstance(tracestate, str) and tracestate:
+                    trace["tracestate"] = tracestate
             self._jobs[name] = _Job(
                 name,
                 self.namespace,
@@ -466,6 +484,7 @@ class FakeSidecar:
                 records,
                 float(lease_duration),
                 cap,
+                trace,
             )
             self._order.append(name)
             self._lock.notify_all()
@@ -853,6 +872,7 @@ class FakeSidecar:
             answer = {
                 "namespace": job.namespace,
                 "name": job.name,
+                "queue": self.queue,
                 "attempt": job.attempt,
                 "token": token,
                 "payload": job.payload,
@@ -862,6 +882,7 @@ class FakeSidecar:
                 "failures": [dict(f) for f in job.failures],
                 "lastAttempt": len(job.failures) + 1 >= job.max_attempts,
             }
+            answer.update(job.trace)
             return answer, self._fire(job, None)
 
     def _claimable(self) -> Optional[_Job]:
@@ -1209,13 +1230,16 @@ def run(
     on_shutdown: str = "release",
     setup: Optional[Callable[[FakeSidecar], Any]] = None,
     name: str = "job",
+    traceparent: Optional[str] = None,
+    tracestate: Optional[str] = None,
 ) -> Outcome:
     """Runs ``handler`` (sync or ``async def``) on one job through a real
     :class:`leasehold.Worker` against a fresh :class:`FakeSidecar`, and returns the
     attempt's :class:`Outcome`.
 
     The job is added with ``payload``, ``checkpoint``, ``attempt``, ``max_attempts``,
-    ``failures`` and ``lease_duration`` (seconds; see :meth:`FakeSidecar.add_job`), then
+    ``failures``, ``lease_duration`` (seconds), ``traceparent`` and ``tracestate`` (see
+    :meth:`FakeSidecar.add_job`), then
     ``setup(fake)`` is called, if given, to arm triggers (e.g.
     ``setup=lambda fake: fake.lose_lease("job", after_heartbeats=1)``), then the worker
     handles exactly one job (``max_jobs=1``, ``exit_when_idle=True``,
@@ -1231,6 +1255,8 @@ def run(
             max_attempts=max_attempts,
             failures=failures,
             lease_duration=lease_duration,
+            traceparent=traceparent,
+            tracestate=tracestate,
         )
         if setup is not None:
             setup(fake)

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from . import tracing
 from .client import MAX_CLAIM_WAIT, Client, Event
 from .errors import ApiError, ConnectionFailed, JobLost, LeaseholdError, ShutdownRequested, ShuttingDown
 from .job import Job
@@ -52,6 +53,11 @@ class Worker:
     handler waiting on I/O stops at once; what is sent then is what :meth:`Job.check` would
     have raised. Anything else that is not callable is refused with a TypeError when the
     worker is made.
+
+    Tracing: with OpenTelemetry installed (``pip install 'leasehold[otel]'``), each job's
+    handler runs inside a span ``leasehold.job <queue>`` whose parent is the producer's span
+    (the claim's ``traceparent``), current in the thread or task that runs the handler; see
+    :mod:`leasehold.tracing`. Without it, nothing of it is imported.
 
     Several jobs at once: with ``concurrency=N`` the worker keeps up to N jobs, each claimed
     by a long poll of its own through the one sidecar: sync handlers run in N threads, async
@@ -264,11 +270,14 @@ class Worker:
         with self._lock:
             self.running.append(job)
         log.info("Claimed LeasedJob %s (attempt %s)", job.label, job.attempt)
+        # The span is current while the handler runs, sees what it raises, and ends once the
+        # attempt has (Job's exit sends a Fail), saying how.
+        traced = tracing.job_span(job, end_on_exit=False)
         try:
-            with job:
+            with job, traced:
                 result = self.handler(job)
                 if inspect.isawaitable(result):
-                    result = self._await(result, job)
+                    result = self._await(traced.carry(result), job)
                 if job.ended is None and job.lost is None:
                     unencodable = _not_json(result)
                     if unencodable:
@@ -285,6 +294,7 @@ class Worker:
             self.client.emit(Event("error", job.name, job.attempt, message="handler failed: %r" % (err,)))
             log.exception("Handler failed on %s", job.label)
         finally:
+            traced.end()
             with self._lock:
                 self.running.remove(job)
         if job.ended:

@@ -52,11 +52,11 @@ def kubectl(*args, stdin=None):
     return done.stdout
 
 
-def create_job(name, queue, payload=None, lease=5, **spec):
+def create_job(name, queue, payload=None, lease=5, annotations=None, **spec):
     manifest = {
         "apiVersion": "leasehold.dev/v1alpha1",
         "kind": "LeasedJob",
-        "metadata": {"name": name},
+        "metadata": dict({"name": name}, **({"annotations": annotations} if annotations else {})),
         "spec": dict({"queue": queue, "leaseDurationSeconds": lease, "payload": payload or {}}, **spec),
     }
     kubectl("create", "-f", "-", stdin=json.dumps(manifest))

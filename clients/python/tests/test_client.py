@@ -485,3 +485,37 @@ def test_concurrency_is_checked_when_the_worker_is_made():
     for bad in (0, -1, 257, 1.5, True, "4"):
         with pytest.raises(ValueError, match="concurrency must be"):
             leasehold.Worker(lambda job: None, client=leasehold.Client("http://127.0.0.1:9"), concurrency=bad)
+
+
+def test_the_producers_traceparent_reaches_the_handler_and_parents_its_span(procs, queue):
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    create_job("traced", queue, annotations={"leasehold.dev/traceparent": traceparent})
+    # A malformed one does not keep its job from being claimed: it carries no traceparent.
+    create_job("untraced", queue, annotations={"leasehold.dev/traceparent": "00-not-a-traceparent"})
+    sidecar = procs.sidecar(queue, "traced-a")
+    seen = {}
+
+    def handle(job):
+        seen[job.name] = (job.traceparent, job.queue, trace.get_current_span().get_span_context())
+
+    leasehold.Worker(handle, client=leasehold.Client(sidecar.base), wait=5, max_jobs=2, handle_signals=False).run()
+    assert seen["traced"][:2] == (traceparent, queue)
+    assert seen["untraced"][:2] == (None, queue)
+    spans = {s.attributes["messaging.message.id"]: s for s in exporter.get_finished_spans() if s.name.startswith("leasehold.job")}
+    traced = spans["traced"]
+    assert traced.name == "leasehold.job " + queue
+    assert "00-%032x-%016x-01" % (traced.context.trace_id, traced.parent.span_id) == traceparent
+    assert seen["traced"][2].span_id == traced.context.span_id
+    assert spans["untraced"].parent is None
+    assert (status("traced")["phase"], status("untraced")["phase"]) == ("Succeeded", "Succeeded")

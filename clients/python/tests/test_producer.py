@@ -57,12 +57,20 @@ def test_the_same_key_is_one_job_from_any_producer_and_another_spec_is_refused(p
 
 
 def test_wait_returns_the_workers_result_sync_and_async(producer, procs, queue):
-    job = producer.submit(queue, {"words": ["a", "b", "c"]}, key="count-1", lease_duration=10)
-    work(procs, queue, "counter", lambda j: {"count": len(j.payload["words"])}, jobs=2)
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    job = producer.submit(queue, {"words": ["a", "b", "c"]}, key="count-1", lease_duration=10, traceparent=parent)
+    seen = []
+
+    def count(j):
+        seen.append(j.traceparent)
+        return {"count": len(j.payload["words"])}
+
+    work(procs, queue, "counter", count, jobs=2)
     assert producer.wait(job.name, timeout=30) == {"count": 3}
     second = producer.submit(queue, {"words": ["x"]}, lease_duration=10)
     assert second.name.startswith(queue + "-") and second.created
     assert asyncio.run(producer.wait_async(second.name, timeout=30)) == {"count": 1}
+    assert seen[0] == parent  # the worker was handed the producer's trace context
     assert producer.get(second.name).phase == "Succeeded"
     assert [j.name for j in producer.list(queue=queue, phase="Succeeded")] == sorted([job.name, second.name])
 
@@ -124,5 +132,7 @@ def test_cancel_ends_the_wait_and_timeouts_and_bad_input_are_clear(producer, que
         with pytest.raises(leasehold.InvalidRequest) as refused:
             call()
         assert says in str(refused.value), refused.value
+    with pytest.raises(leasehold.InvalidRequest, match="traceparent"):
+        producer.submit(queue, traceparent="00-XYZ")
     assert [j.name for j in producer.list(queue=queue)] == [job.name]
     wait_until("the job Cancelled", 10, lambda: status(job.name).get("phase") == "Cancelled")

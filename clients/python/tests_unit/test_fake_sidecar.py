@@ -48,12 +48,22 @@ def refused(answer, status, code):
 
 def test_a_claim_answers_the_documented_shape(fake):
     answer = claimed(fake, "j", checkpoint={"at": 3}, max_attempts=4, failures=["Timeout"], lease_duration=7)
-    fields = "namespace name attempt token payload leaseDurationSeconds checkpoint maxAttempts failures lastAttempt"
+    fields = "namespace name queue attempt token payload leaseDurationSeconds checkpoint maxAttempts failures lastAttempt"
     assert set(answer) == set(fields.split())
     assert (answer["namespace"], answer["name"], answer["attempt"], answer["payload"]) == ("default", "j", 2, {"n": 1})
+    assert answer["queue"] == "jobs"
     assert TOKEN.match(answer["token"]) and answer["token"].startswith("2.")
     assert (answer["leaseDurationSeconds"], answer["checkpoint"], answer["maxAttempts"]) == (7, {"at": 3}, 4)
     assert [f["reason"] for f in answer["failures"]] == ["Timeout"] and answer["lastAttempt"] is False
+
+
+def test_a_claim_carries_a_valid_traceparent_only(fake):
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    answer = claimed(fake, "a", traceparent=traceparent, tracestate="rojo=1")
+    assert (answer["traceparent"], answer["tracestate"]) == (traceparent, "rojo=1")
+    # Malformed (uppercase hex), as the sidecar does: the claim carries neither field.
+    answer = claimed(fake, "b", traceparent=traceparent.upper(), tracestate="rojo=1")
+    assert "traceparent" not in answer and "tracestate" not in answer
 
 
 def test_a_claim_with_nothing_claimable_answers_204(fake):

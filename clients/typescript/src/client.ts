@@ -81,6 +81,12 @@ export interface ClaimAnswer {
   failures?: Failure[];
   /** Whether a failure of this attempt ends the job (newer sidecars). */
   lastAttempt?: boolean;
+  /** The job's queue (newer sidecars). */
+  queue?: string;
+  /** The producer's W3C traceparent, when the job carries a valid one (newer sidecars). */
+  traceparent?: string;
+  /** The producer's W3C tracestate, only beside a traceparent. */
+  tracestate?: string;
   /** Fields this client does not know. */
   [field: string]: unknown;
 }

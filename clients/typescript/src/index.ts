@@ -83,6 +83,8 @@ export type { ApiErrorClass, ErrorBody, FailOptions } from "./errors.js";
 export { HEARTBEAT_FRACTION, Job, MAX_CHECKPOINT_BYTES, MAX_PROGRESS_MESSAGE_BYTES, RETRY_PAUSE } from "./job.js";
 export type { Ending, JobOptions } from "./job.js";
 export { typeName, whyNotJson } from "./json.js";
+export { TRACER_NAME, parseTraceparent, startJobSpan } from "./tracing.js";
+export type { JobSpan } from "./tracing.js";
 export { silentLogger, stderrLogger } from "./log.js";
 export type { Logger } from "./log.js";
 export { Worker, run } from "./worker.js";

@@ -119,6 +119,15 @@ export class Job {
   readonly failures: readonly Failure[] | undefined;
   /** Whether a failure of this attempt ends the job; `undefined` from sidecars that do not say. */
   readonly lastAttempt: boolean | undefined;
+  /** The job's queue; `undefined` from sidecars that do not say. */
+  readonly queue: string | undefined;
+  /**
+   * The producer's W3C traceparent (the job's annotation `leasehold.dev/traceparent`), when it
+   * set a valid one: the parent of the handler's span (tracing.ts).
+   */
+  readonly traceparent: string | undefined;
+  /** The producer's W3C tracestate, only beside a traceparent. */
+  readonly tracestate: string | undefined;
   /** leaseDurationSeconds (updated by heartbeat answers). */
   leaseDurationSeconds: number;
   /** Why the job is no longer this worker's, once it is not. */
@@ -165,6 +174,12 @@ export class Job {
     this.maxAttempts = typeof claim.maxAttempts === "number" ? claim.maxAttempts : undefined;
     this.failures = Array.isArray(claim.failures) ? claim.failures : undefined;
     this.lastAttempt = typeof claim.lastAttempt === "boolean" ? claim.lastAttempt : undefined;
+    this.queue = typeof claim.queue === "string" && claim.queue ? claim.queue : undefined;
+    this.traceparent = typeof claim.traceparent === "string" && claim.traceparent ? claim.traceparent : undefined;
+    this.tracestate =
+      this.traceparent !== undefined && typeof claim.tracestate === "string" && claim.tracestate
+        ? claim.tracestate
+        : undefined;
     this.intervalWanted = options.heartbeatInterval;
     this.shutdownSignal = options.shutdown;
     this.isStopping = options.stopping ?? (() => this.shutdownSignal?.aborted ?? false);

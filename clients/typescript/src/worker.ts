@@ -6,10 +6,11 @@
  */
 
 import { type ClaimAnswer, Client, type Event, MAX_CLAIM_WAIT } from "./client.js";
-import { ApiError, ConnectionFailed, Fail, JobLost, ShutdownRequested, ShuttingDown } from "./errors.js";
+import { ApiError, Cancelled, ConnectionFailed, Fail, JobLost, ShutdownRequested, ShuttingDown } from "./errors.js";
 import { Job, describeError, isAbortError } from "./job.js";
 import { typeName, whyNotJson } from "./json.js";
 import { type Logger, stderrLogger } from "./log.js";
+import { startJobSpan } from "./tracing.js";
 
 /** A handler: gets the job, returns (or resolves to) its result. */
 export type Handler = (job: Job) => unknown;
@@ -69,6 +70,10 @@ const SIGNAL_NUMBERS: Record<string, number> = { SIGINT: 2, SIGTERM: 15 };
  *   job is released with its latest checkpoint;
  * - throws anything else: the attempt fails (reason `WorkerError`, retryable), the error is
  *   logged, and the worker goes on.
+ *
+ * Tracing: with `@opentelemetry/api` installed (an optional peer dependency), each handler runs
+ * inside a span `leasehold.job <queue>` whose parent is the producer's span (the claim's
+ * `traceparent`); see tracing.ts. Without it, nothing of it is imported.
  *
  * When the sidecar answers a claim with `shutting_down` (it is draining: its pod is stopping),
  * the worker claims nothing more, lets the running jobs finish, and resolves, logging one line.
@@ -276,10 +281,13 @@ export class Worker {
       await job.finish({ error: new ShutdownRequested("the worker is stopping") });
       return;
     }
+    // The attempt's span (with OpenTelemetry only): current while the handler runs, ended
+    // once the attempt has, saying how.
+    const traced = await startJobSpan(job);
     job.start();
     let outcome: { error: unknown } | undefined;
     try {
-      const result = await this.handler(job);
+      const result = await (traced ? traced.run(() => this.handler(job)) : this.handler(job));
       if (job.ended === undefined && job.lost === undefined) {
         const value = result === undefined ? null : result;
         const why = whyNotJson(value);
@@ -298,6 +306,11 @@ export class Worker {
         err instanceof JobLost ||
         err instanceof ShutdownRequested ||
         (job.signal.aborted && isAbortError(err));
+      const handedBack =
+        err instanceof ShutdownRequested ||
+        err instanceof Cancelled ||
+        (job.signal.aborted && isAbortError(err) && (job.lost === undefined || job.lost instanceof Cancelled));
+      if (!handedBack) traced?.error(err);
       if (!expected) {
         this.client.emit({ kind: "error", name: job.name, attempt: job.attempt, message: `handler failed: ${describeError(err)}` });
         this.log.error(`Handler failed on ${job.label}: ${err instanceof Error ? (err.stack ?? err.message) : describeError(err)}`);
@@ -307,6 +320,8 @@ export class Worker {
       await job.finish(outcome);
     } catch (err) {
       this.log.error(`Ending ${job.label} failed: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}`);
+    } finally {
+      traced?.end();
     }
     if (job.ended !== undefined) {
       this.log.info(`Ended LeasedJob ${job.label} (attempt ${job.attempt}): ${job.ended}`);

@@ -450,3 +450,169 @@ test("a body over 1 MiB is refused before it is sent", async (t) => {
   await assert.rejects(new Client(sidecar.base).complete("job-1", TOKEN, "x".repeat(1024 * 1024)), leasehold.TooLarge);
   assert.equal(sidecar.requests.length, 0);
 });
+
+// ---- traces across the queue (tracing.ts), with OpenTelemetry's API and SDK from the dev
+// dependencies; and without them, in a process that cannot import them.
+
+const TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736";
+const PARENT_ID = "00f067aa0ba902b7";
+const TRACEPARENT = `00-${TRACE_ID}-${PARENT_ID}-01`;
+
+let otelSetUp;
+/** The SDK, set up once for this process: an in-memory exporter, an AsyncLocalStorage context manager. */
+async function otel() {
+  otelSetUp ??= (async () => {
+    const api = await import("@opentelemetry/api");
+    const sdk = await import("@opentelemetry/sdk-trace-base");
+    const { AsyncLocalStorageContextManager } = await import("@opentelemetry/context-async-hooks");
+    const exporter = new sdk.InMemorySpanExporter();
+    const provider = new sdk.BasicTracerProvider({ spanProcessors: [new sdk.SimpleSpanProcessor(exporter)] });
+    assert.ok(api.trace.setGlobalTracerProvider(provider));
+    api.context.setGlobalContextManager(new AsyncLocalStorageContextManager().enable());
+    return { api, exporter };
+  })();
+  const setUp = await otelSetUp;
+  setUp.exporter.reset();
+  return setUp;
+}
+
+/** Runs `handler` on the stub's jobs; returns the endings and the job spans by job name. */
+async function traced(t, jobs, handler) {
+  const { exporter } = await otel();
+  const { sidecar, endings } = await queueStub(t, jobs);
+  const worker = new Worker(handler, {
+    client: new Client(sidecar.base), wait: 0, exitWhenIdle: true, handleSignals: false, logger: silentLogger,
+  });
+  await worker.run();
+  const spans = Object.fromEntries(
+    exporter.getFinishedSpans().filter((s) => s.name.startsWith("leasehold.job")).map((s) => [s.attributes["messaging.message.id"], s]),
+  );
+  return { endings, spans };
+}
+
+test("the handler runs in a span parented on the producer's traceparent", async (t) => {
+  const { api } = await otel();
+  const seen = {};
+  const { endings, spans } = await traced(
+    t,
+    [claim({ name: "a", queue: "media", attempt: 2, traceparent: TRACEPARENT, tracestate: "rojo=00f067aa0ba902b7" })],
+    async (job) => {
+      await new Promise((resolve) => setTimeout(resolve, 5));
+      seen.traceparent = job.traceparent;
+      seen.active = api.trace.getActiveSpan()?.spanContext();
+      return "ok";
+    },
+  );
+  assert.deepEqual(endings.map((e) => e.verb), ["complete"]);
+  assert.equal(seen.traceparent, TRACEPARENT);
+  const span = spans.a;
+  assert.equal(span.name, "leasehold.job media");
+  assert.equal(span.kind, api.SpanKind.CONSUMER);
+  assert.equal(span.spanContext().traceId, TRACE_ID);
+  assert.equal(span.parentSpanContext.spanId, PARENT_ID);
+  assert.equal(span.parentSpanContext.isRemote, true);
+  // No propagator is registered: the client parsed the traceparent itself, tracestate too.
+  assert.equal(span.spanContext().traceState?.get("rojo"), "00f067aa0ba902b7");
+  assert.equal(seen.active.spanId, span.spanContext().spanId, "the span is current in the handler");
+  assert.deepEqual({ ...span.attributes }, {
+    "messaging.system": "leasehold",
+    "messaging.operation.type": "process",
+    "messaging.destination.name": "media",
+    "messaging.message.id": "a",
+    "leasehold.namespace": "ns",
+    "leasehold.attempt": 2,
+    "leasehold.outcome": "complete",
+  });
+  assert.equal(span.status.code, api.SpanStatusCode.UNSET);
+});
+
+test("a registered W3C propagator extracts the parent", async (t) => {
+  const { api } = await otel();
+  const { W3CTraceContextPropagator } = await import("@opentelemetry/core");
+  const w3c = new W3CTraceContextPropagator();
+  const carriers = [];
+  api.propagation.setGlobalPropagator({
+    inject: (...args) => w3c.inject(...args),
+    extract: (context, carrier, getter) => {
+      carriers.push({ ...carrier });
+      return w3c.extract(context, carrier, getter);
+    },
+    fields: () => w3c.fields(),
+  });
+  t.after(() => api.propagation.disable());
+  const { spans } = await traced(t, [claim({ name: "a", traceparent: TRACEPARENT, tracestate: "congo=t61" })], () => null);
+  assert.deepEqual(carriers, [{ traceparent: TRACEPARENT, tracestate: "congo=t61" }]);
+  assert.equal(spans.a.name, "leasehold.job a", "named after the job when the sidecar does not say its queue");
+  assert.equal(spans.a.spanContext().traceId, TRACE_ID);
+  assert.equal(spans.a.parentSpanContext.spanId, PARENT_ID);
+  assert.equal(spans.a.spanContext().traceState?.get("congo"), "t61");
+});
+
+test("a failed attempt records the exception and an error status; a handed-back one does not", async (t) => {
+  const { api } = await otel();
+  const { endings, spans } = await traced(
+    t,
+    [claim({ name: "fails", traceparent: TRACEPARENT }), claim({ name: "map", token: `1.${"b".repeat(32)}` }),
+      claim({ name: "back", token: `1.${"c".repeat(32)}` })],
+    (job) => {
+      if (job.name === "fails") throw new Fail("BadInput", "no such file");
+      if (job.name === "back") throw new leasehold.ShutdownRequested("stopping");
+      return new Map();
+    },
+  );
+  assert.deepEqual(endings.map((e) => [e.name, e.verb]), [["fails", "fail"], ["map", "fail"], ["back", "release"]]);
+  assert.equal(spans.fails.status.code, api.SpanStatusCode.ERROR);
+  assert.match(spans.fails.status.message, /no such file/);
+  assert.equal(spans.fails.events.filter((e) => e.name === "exception").length, 1);
+  assert.equal(spans.fails.attributes["leasehold.outcome"], "fail");
+  assert.equal(spans.map.status.code, api.SpanStatusCode.ERROR, "a result that is not JSON fails the attempt");
+  assert.equal(spans.back.status.code, api.SpanStatusCode.UNSET);
+  assert.equal(spans.back.attributes["leasehold.outcome"], "release");
+});
+
+test("without a valid traceparent the span is a root", async (t) => {
+  const { api } = await otel();
+  const bad = [undefined, `00-${TRACE_ID.toUpperCase()}-${PARENT_ID}-01`, `00-${"0".repeat(32)}-${PARENT_ID}-01`, "01-x"];
+  const jobs = bad.map((traceparent, i) => claim({ name: `j${i}`, token: `1.${String(i).repeat(32)}`, traceparent }));
+  const outer = api.trace.getTracer("test").startSpan("outer");
+  const { spans } = await api.context.with(api.trace.setSpan(api.context.active(), outer), () => traced(t, jobs, () => null));
+  outer.end();
+  assert.equal(Object.keys(spans).length, bad.length);
+  for (const span of Object.values(spans)) {
+    assert.equal(span.parentSpanContext, undefined, span.name);
+    assert.notEqual(span.spanContext().traceId, TRACE_ID);
+  }
+  assert.equal(leasehold.parseTraceparent(TRACEPARENT).traceId, TRACE_ID);
+  for (const value of bad) assert.equal(leasehold.parseTraceparent(value), undefined, value);
+});
+
+test("without @opentelemetry/api the worker runs its handlers unchanged", async (t) => {
+  const { sidecar, endings } = await queueStub(t, [claim({ name: "a", traceparent: TRACEPARENT })]);
+  // A process in which importing any @opentelemetry package fails, as when none is installed.
+  const hooks = `export async function resolve(specifier, context, next) {
+    if (specifier.startsWith("@opentelemetry/")) {
+      throw Object.assign(new Error("Cannot find package " + specifier), { code: "ERR_MODULE_NOT_FOUND" });
+    }
+    return next(specifier, context);
+  }`;
+  const register = `import { register } from "node:module"; register(${JSON.stringify(`data:text/javascript,${encodeURIComponent(hooks)}`)});`;
+  const index = new URL("../dist/index.js", import.meta.url).href;
+  const script = `
+    const leasehold = await import(${JSON.stringify(index)});
+    await assert.rejects(import("@opentelemetry/api"));
+    await new leasehold.Worker((job) => ({ traceparent: job.traceparent }), {
+      client: new leasehold.Client(${JSON.stringify(sidecar.base)}), wait: 0, exitWhenIdle: true,
+      handleSignals: false, logger: leasehold.silentLogger,
+    }).run();`;
+  const { execFile } = await import("node:child_process");
+  const out = await new Promise((resolve) => {
+    execFile(
+      process.execPath,
+      ["--import", `data:text/javascript,${encodeURIComponent(register)}`, "--input-type=module", "-e",
+        `import assert from "node:assert/strict"; ${script}`],
+      (error, stdout, stderr) => resolve({ error, stdout, stderr }),
+    );
+  });
+  assert.equal(out.error, null, out.stderr);
+  assert.deepEqual(endings.map((e) => [e.verb, e.result]), [["complete", { traceparent: TRACEPARENT }]]);
+});

@@ -29,6 +29,7 @@
 //! - [`expiry`]: how the controller judges a lease expired (on its own clock).
 //! - [`progress`]: how far a job is (fraction and message), carried by heartbeats.
 //! - [`queue_stats`]: what the controller reports per queue, computed from its caches.
+//! - [`trace`]: the producer's W3C trace context, carried from the submit to the claim.
 //! - [`category`]: the stable, short label every error of leasehold carries.
 
 pub mod adoption;
@@ -51,5 +52,6 @@ pub mod share;
 pub mod slots;
 pub mod submit;
 pub mod token;
+pub mod trace;
 
 pub use category::Category;

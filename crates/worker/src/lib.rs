@@ -126,6 +126,8 @@ pub struct Claimed {
     pub namespace: String,
     /// The job's name.
     pub name: String,
+    /// The job's queue (spec.queue): the one this sidecar claims from.
+    pub queue: String,
     /// This attempt's number (status.attempt).
     pub attempt: i32,
     /// The fencing token, to present on every later call.
@@ -145,6 +147,15 @@ pub struct Claimed {
     /// Whether a failure of this attempt ends the job Failed: `failures.len() + 1 >=
     /// max_attempts` ([`leasehold_core::fence::next_phase`]).
     pub last_attempt: bool,
+    /// The producer's W3C traceparent, from the job's annotation
+    /// [`leasehold_core::trace::TRACEPARENT_ANNOTATION`]: absent when the job has none or its
+    /// value is malformed ([`leasehold_core::trace::carried`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+    /// The producer's W3C tracestate ([`leasehold_core::trace::TRACESTATE_ANNOTATION`]): only
+    /// beside a traceparent, and only when valid.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tracestate: Option<String>,
 }
 
 /// A successful renewal.

@@ -86,7 +86,7 @@ impl Worker {
                 }
                 let marks = self.inner.full_keys.marks();
                 match self.try_claim(job, false).await? {
-                    crate::pick::Tried::Claimed(claimed) => return Ok(Some(claimed)),
+                    crate::pick::Tried::Claimed(claimed) => return Ok(Some(*claimed)),
                     // A key found full is passed over from now on: list again at once.
                     crate::pick::Tried::HeldBack => {
                         held_back = self.inner.full_keys.marks() == marks;

@@ -34,6 +34,7 @@ use leasehold_core::crd::LeasedJob;
 use leasehold_core::fence::Outcome;
 use leasehold_core::share;
 use leasehold_core::token::Token;
+use leasehold_core::trace;
 use leasehold_kube::api::error_chain;
 use leasehold_kube::claim::{claim_with, ClaimError};
 use leasehold_kube::queue_watch;
@@ -58,8 +59,8 @@ enum Pick {
 
 /// How a claim through the dispatcher ended.
 enum Dispatch {
-    /// A job was claimed.
-    Claimed(Claimed),
+    /// A job was claimed (boxed: the other variants are empty).
+    Claimed(Box<Claimed>),
     /// None in time, or the caller went away.
     Nothing,
     /// The dispatcher is not usable: choose on our own.
@@ -72,8 +73,8 @@ const MAX_DECLINED: u32 = 5;
 
 /// What [`Worker::try_claim`] did.
 pub(crate) enum Tried {
-    /// The job is this worker's.
-    Claimed(Claimed),
+    /// The job is this worker's (boxed: the other variants are empty).
+    Claimed(Box<Claimed>),
     /// The copy was stale (409), or the job is no longer claimable: it is marked tried.
     Lost,
     /// Not attempted, nothing written or marked: the queue is paused, or a limit is reached.
@@ -164,7 +165,7 @@ impl Worker {
                 }
                 let marks = self.inner.full_keys.marks();
                 match self.try_claim(&snapshot, false).await? {
-                    Tried::Claimed(claimed) => return Ok(Some(claimed)),
+                    Tried::Claimed(claimed) => return Ok(Some(*claimed)),
                     // Paused, or a limit reached: the job is not stale; look again a little
                     // later (a limit's slot comes back with no change of this queue's jobs
                     // that the cache would see first). A key found full is passed over from
@@ -236,7 +237,7 @@ impl Worker {
     ) -> Result<Option<Claimed>, WorkerError> {
         loop {
             match self.claim_dispatched(deadline, gone, draining).await? {
-                Dispatch::Claimed(claimed) => return Ok(Some(claimed)),
+                Dispatch::Claimed(claimed) => return Ok(Some(*claimed)),
                 Dispatch::Nothing => return Ok(None),
                 Dispatch::FallBack => {}
             }
@@ -305,7 +306,7 @@ impl Worker {
             if !draining_now {
                 if let Some(claimed) = self.claim_hint(&hint).await? {
                     dispatched.answered(&address);
-                    return Ok(Dispatch::Claimed(claimed));
+                    return Ok(Dispatch::Claimed(Box::new(claimed)));
                 }
             }
             dispatched.declined(&address, &hint.name).await;
@@ -337,7 +338,7 @@ impl Worker {
             .await
         {
             Some(snapshot) => match self.try_claim(&snapshot, true).await? {
-                Tried::Claimed(claimed) => Ok(Some(claimed)),
+                Tried::Claimed(claimed) => Ok(Some(*claimed)),
                 // An offer of a scope at its limit counts against the dispatcher, which knows
                 // the limits: one that keeps making such offers is set aside.
                 Tried::Lost | Tried::HeldBack => Ok(None),
@@ -617,9 +618,11 @@ impl Worker {
             Some(slim),
             started,
         );
-        Ok(Tried::Claimed(Claimed {
+        let trace = trace_context(&job);
+        Ok(Tried::Claimed(Box::new(Claimed {
             namespace: self.inner.config.namespace.clone(),
             name: job.name_any(),
+            queue: job.spec.queue.clone(),
             attempt: token.attempt(),
             token,
             payload: job.spec.payload.clone(),
@@ -628,7 +631,27 @@ impl Worker {
             max_attempts: policy.max_attempts,
             failures: status.failures,
             last_attempt,
-        }))
+            traceparent: trace.as_ref().map(|t| t.traceparent.clone()),
+            tracestate: trace.and_then(|t| t.tracestate),
+        })))
+    }
+}
+
+/// The trace context the claim of `job` carries ([`leasehold_core::trace::carried`]). A
+/// malformed annotation is skipped with one log line (info: the producer's trace is cut here,
+/// which someone reading traces may want to know), never an error of the claim.
+fn trace_context(job: &LeasedJob) -> Option<trace::Carried> {
+    let job_ref = job.reference();
+    match trace::carried(job.annotations()) {
+        Ok((carried, None)) => carried,
+        Ok((carried, Some(skipped))) => {
+            info!(job = %job_ref, "LeasedJob {job_ref}: annotation {}: {skipped}; the claim carries no tracestate", trace::TRACESTATE_ANNOTATION);
+            carried
+        }
+        Err(e) => {
+            info!(job = %job_ref, "LeasedJob {job_ref}: annotation {}: {e}; the claim carries no trace context", trace::TRACEPARENT_ANNOTATION);
+            None
+        }
     }
 }
 
