@@ -34,8 +34,8 @@ def test_the_same_key_is_one_job_from_any_producer_and_another_spec_is_refused(p
     assert (again.name, again.created) == (first.name, False)
     with pytest.raises(leasehold.IdempotencyConflict) as refused:
         producer.submit(queue, {"url": "s3://media/b.wav", "n": 3}, key="upload-1")
-    # The fields given whose values differ (priority, left out, is not named).
-    assert refused.value.differs == ["spec.payload"], refused.value
+    # The fields given whose values differ, and those the job sets that were left out.
+    assert refused.value.differs == ["spec.payload", "spec.priority (not given now)"], refused.value
     assert first.name in str(refused.value)
     # kubectl leasehold submit follows the same rule: the same job, found by its key and spec.
     cli = subprocess.run(
