@@ -1070,20 +1070,8 @@ class FakeSidecar:
             return answer, self._fire(j, beat)
 
     def _fail(self, name, token, body):
-        reason = body["reason"]
-        if not (1 <= len(reason) <= 64 and _REASON.match(reason) and reason.isascii()):
-            raise _error(
-                400,
-                "invalid_request",
-                "reason %s is not a CamelCase word: expected 1 to 64 ASCII letters and digits, starting with a letter"
-                % json.dumps(reason[:80]),
-            )
-        message = body.get("message") or ""
-        size = len(message.encode("utf-8"))
-        if size > MAX_FAIL_MESSAGE_BYTES:
-            raise _error(
-                400, "invalid_request", "message is %d bytes; at most %d are accepted" % (size, MAX_FAIL_MESSAGE_BYTES)
-            )
+        # In the real sidecar's order: the delay's range, the reason, the delay's
+        # retryable, the message.
         after = body.get("retryAfterSeconds")
         if isinstance(after, float) and after.is_integer():  # 30.0 is a whole number, as JSON Schema counts
             after = body["retryAfterSeconds"] = int(after)
@@ -1095,12 +1083,26 @@ class FakeSidecar:
                     "retryAfterSeconds %s is not a whole number of seconds from 0 to %d"
                     % (json.dumps(after), MAX_RETRY_AFTER_SECONDS),
                 )
-            if body.get("retryable") is not True:
-                raise _error(
-                    400,
-                    "invalid_request",
-                    "retryAfterSeconds is given for a failure that is not retryable: only a retryable failure is retried",
-                )
+        reason = body["reason"]
+        if not (1 <= len(reason) <= 64 and _REASON.match(reason) and reason.isascii()):
+            raise _error(
+                400,
+                "invalid_request",
+                "reason %s is not a CamelCase word: expected 1 to 64 ASCII letters and digits, starting with a letter"
+                % json.dumps(reason[:80]),
+            )
+        if after is not None and body.get("retryable") is not True:
+            raise _error(
+                400,
+                "invalid_request",
+                "retryAfterSeconds is given for a failure that is not retryable: only a retryable failure is retried",
+            )
+        message = body.get("message") or ""
+        size = len(message.encode("utf-8"))
+        if size > MAX_FAIL_MESSAGE_BYTES:
+            raise _error(
+                400, "invalid_request", "message is %d bytes; at most %d are accepted" % (size, MAX_FAIL_MESSAGE_BYTES)
+            )
         return self._end(name, token, "fail", body)
 
     def _end(self, name, token, verb, body):
