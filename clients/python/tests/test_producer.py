@@ -4,13 +4,15 @@ results and failures (sync and async), cancel, retry, list, bad input."""
 
 import asyncio
 import json
+import os
 import subprocess
+import sys
 import threading
 
 import pytest
 
 import leasehold
-from conftest import NAMESPACE, env, status, wait_until
+from conftest import HERE, NAMESPACE, env, status, wait_until
 
 
 @pytest.fixture
@@ -136,3 +138,30 @@ def test_cancel_ends_the_wait_and_timeouts_and_bad_input_are_clear(producer, que
         producer.submit(queue, traceparent="00-XYZ")
     assert [j.name for j in producer.list(queue=queue)] == [job.name]
     wait_until("the job Cancelled", 10, lambda: status(job.name).get("phase") == "Cancelled")
+
+
+def test_the_readme_submit_example_runs_and_is_idempotent(procs, queue):
+    example = os.path.join(HERE, "..", "examples", "submit.py")
+    env_vars = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+
+    def submit(order):
+        return subprocess.run(
+            [sys.executable, example, queue, "s3://media/talk.wav", order, NAMESPACE],
+            capture_output=True, text=True, timeout=60, env=env_vars,
+        )
+
+    seen = []
+
+    def transcribe(job):
+        seen.append(job.payload)
+        return {"words": 5644, "audio": job.payload["audio"]}
+
+    work(procs, queue, "transcriber", transcribe, jobs=1)
+    first = submit("8812")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert json.loads(first.stdout) == {"words": 5644, "audio": "s3://media/talk.wav"}
+    assert "submitted " in first.stderr
+    again = submit("8812")  # the same key: the same job, its result, no new work
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stdout + again.stderr
+    assert "already submitted" in again.stderr
+    assert len(seen) == 1
