@@ -668,8 +668,8 @@ async fn install_and_upgrade_from_a_registry() {
         !held.contains(&image_v1) && !held.contains(&worker_v1),
         "the node holds the registry's images before the install: {held:?}"
     );
-    // Only the repositories: the tags are the chart's appVersion, so that the upgrade's
-    // --reuse-values takes the newer chart's.
+    // Only the repositories: the tags are the chart's appVersion, so that the upgrade (with
+    // --reset-then-reuse-values, as docs/install.md says) takes the newer chart's.
     let sets = vec![
         format!("image.repository={}/leasehold", registry.host),
         "image.pullPolicy=IfNotPresent".into(),
@@ -714,7 +714,7 @@ async fn install_and_upgrade_from_a_registry() {
     args.extend([
         "--namespace".to_string(),
         ns.clone(),
-        "--reuse-values".into(),
+        "--reset-then-reuse-values".into(),
     ]);
     let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
     helm_ok(&args_ref);
