@@ -96,22 +96,22 @@ impl Node {
     }
 }
 
-/// The images under test, from scripts/test.
+/// The images under test, as scripts/test pushed them to the node's registry (the kubelet
+/// pulls them from there).
 pub fn image_sets() -> Vec<String> {
-    let image = std::env::var("LEASEHOLD_IMAGE").expect("LEASEHOLD_IMAGE (scripts/test)");
-    let worker =
-        std::env::var("LEASEHOLD_WORKER_IMAGE").expect("LEASEHOLD_WORKER_IMAGE (scripts/test)");
+    let image = std::env::var("LEASEHOLD_NODE_IMAGE").expect("LEASEHOLD_NODE_IMAGE (scripts/test)");
+    let worker = std::env::var("LEASEHOLD_NODE_WORKER_IMAGE")
+        .expect("LEASEHOLD_NODE_WORKER_IMAGE (scripts/test)");
     let (repo, tag) = image.rsplit_once(':').unwrap();
     let (worker_repo, worker_tag) = worker.rsplit_once(':').unwrap();
     vec![
         format!("image.repository={repo}"),
         format!("image.tag={tag}"),
-        // Imported into containerd: never pulled (no registry is reachable).
-        "image.pullPolicy=Never".into(),
+        "image.pullPolicy=IfNotPresent".into(),
         "exampleWorker.enabled=true".into(),
         format!("exampleWorker.image.repository={worker_repo}"),
         format!("exampleWorker.image.tag={worker_tag}"),
-        "exampleWorker.image.pullPolicy=Never".into(),
+        "exampleWorker.image.pullPolicy=IfNotPresent".into(),
     ]
 }
 
