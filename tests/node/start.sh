@@ -316,7 +316,8 @@ authentication:
 authorization:
   mode: Webhook
 # The disk this runs on is shared and at times nearly full: never evict pods for disk space,
-# nor collect the imported images (they cannot be pulled again). "0%" turns a signal off.
+# nor collect images (the imported sandbox image cannot be pulled again). "0%" turns a signal
+# off.
 evictionHard:
   memory.available: 100Mi
   nodefs.available: "0%"
