@@ -637,3 +637,152 @@ async fn helm_upgrade_and_uninstall_on_a_node() {
         .iter()
         .all(|j| j.status.as_ref().and_then(|s| s.phase) == Some(Phase::Succeeded)));
 }
+
+/// The chart and the images from an OCI registry, as a cluster installs a release: the node's
+/// registry (plain HTTP on loopback) gets the images and `helm push` of the packaged chart;
+/// `helm install oci://…` installs it with the images referenced there, which the kubelet
+/// pulls (none of them was imported). A newer release pushed there the same way (chart,
+/// appVersion and image tags all bumped) is then `helm upgrade`d to with nothing else done:
+/// the CRD hook Job and every pod run the new images, and jobs still complete.
+#[tokio::test]
+#[ignore = "needs the test node: run by `scripts/test --test node` (root)"]
+async fn install_and_upgrade_from_a_registry() {
+    let _lock = NODE_LOCK.lock().await;
+    let node = Node::get();
+    let registry = node.registry();
+    let image = std::env::var("LEASEHOLD_IMAGE").expect("LEASEHOLD_IMAGE (scripts/test)");
+    let worker =
+        std::env::var("LEASEHOLD_WORKER_IMAGE").expect("LEASEHOLD_WORKER_IMAGE (scripts/test)");
+    let v1 = chart_version();
+    let v2 = bump_patch(&v1);
+
+    // Release v1: the images, tagged with the chart's version, then the chart.
+    let release = |v: &str| {
+        let image = registry.push_image(&image, "leasehold", v);
+        let worker = registry.push_image(&worker, "leasehold-example-worker", v);
+        (image, worker, registry.push_chart(v))
+    };
+    let (image_v1, worker_v1, chart_v1) = release(&v1);
+    let held = node.images();
+    assert!(
+        !held.contains(&image_v1) && !held.contains(&worker_v1),
+        "the node holds the registry's images before the install: {held:?}"
+    );
+    // Only the repositories: the tags are the chart's appVersion, so that the upgrade (with
+    // --reset-then-reuse-values, as docs/install.md says) takes the newer chart's.
+    let sets = vec![
+        format!("image.repository={}/leasehold", registry.host),
+        "image.pullPolicy=IfNotPresent".into(),
+        "exampleWorker.enabled=true".into(),
+        format!(
+            "exampleWorker.image.repository={}/leasehold-example-worker",
+            registry.host
+        ),
+        "exampleWorker.image.pullPolicy=IfNotPresent".into(),
+    ];
+    let chart: Vec<&str> = chart_v1.iter().map(String::as_str).collect();
+    let inst = Install::from_chart("node-registry", 2, &chart, sets, &[]).await;
+    let ns = inst.release.namespace.clone();
+    let wns = inst.workers.name.clone();
+
+    // The kubelet pulled both images from the registry.
+    let held = node.images();
+    assert!(
+        held.contains(&image_v1) && held.contains(&worker_v1),
+        "{image_v1} and {worker_v1} are not both on the node: {held:?}"
+    );
+    assert_pulled(&ns, &image_v1);
+    assert_pulled(&wns, &worker_v1);
+    assert_runs(&inst, &ns, "controller", &image_v1).await;
+    assert_runs(&inst, &wns, "example-worker", &worker_v1).await;
+    let first: Vec<String> = (0..3).map(|i| format!("before-{i}")).collect();
+    for n in &first {
+        inst.slow_job(n, 0.0).await;
+    }
+    let refs: Vec<&str> = first.iter().map(String::as_str).collect();
+    inst.wait_succeeded(&refs, Duration::from_secs(120)).await;
+
+    // Release v2, pushed the same way; `helm upgrade` from the registry alone, with jobs in
+    // flight.
+    let (image_v2, worker_v2, chart_v2) = release(&v2);
+    let during: Vec<String> = (0..3).map(|i| format!("during-{i}")).collect();
+    for n in &during {
+        inst.slow_job(n, 0.3).await;
+    }
+    let mut args = vec!["upgrade".to_string(), inst.release.name.clone()];
+    args.extend(chart_v2.iter().cloned());
+    args.extend([
+        "--namespace".to_string(),
+        ns.clone(),
+        "--reset-then-reuse-values".into(),
+    ]);
+    let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
+    helm_ok(&args_ref);
+    let (_, history) = helm(&["history", &inst.release.name, "--namespace", &ns]);
+    assert!(
+        history.contains(&format!("leasehold-{v2}")),
+        "the release is not on chart {v2}:\n{history}"
+    );
+    inst.wait_ready(&inst.controller_deployment(), &ns, 2).await;
+    inst.wait_ready(&inst.worker_deployment(), &wns, 2).await;
+    let held = node.images();
+    assert!(
+        held.contains(&image_v2) && held.contains(&worker_v2),
+        "{image_v2} and {worker_v2} are not both on the node: {held:?}"
+    );
+    assert_pulled(&ns, &image_v2);
+    assert_runs(&inst, &ns, "controller", &image_v2).await;
+    assert_runs(&inst, &wns, "example-worker", &worker_v2).await;
+    let after: Vec<String> = (0..3).map(|i| format!("after-{i}")).collect();
+    for n in &after {
+        inst.slow_job(n, 0.0).await;
+    }
+    let refs: Vec<&str> = during.iter().chain(&after).map(String::as_str).collect();
+    inst.wait_succeeded(&refs, Duration::from_secs(300)).await;
+}
+
+/// `version` with its patch number one higher (and no pre-release part).
+fn bump_patch(version: &str) -> String {
+    let core = version.split(['-', '+']).next().unwrap();
+    let parts: Vec<u64> = core.split('.').map(|p| p.parse().unwrap()).collect();
+    format!("{}.{}.{}", parts[0], parts[1], parts[2] + 1)
+}
+
+/// An Event in `ns` says the kubelet pulled `image` (reason `Pulled`, "Successfully pulled
+/// image …"): not found on the node, fetched from the registry.
+fn assert_pulled(ns: &str, image: &str) {
+    let (ok, out) = kubectl(
+        &[
+            "get",
+            "events",
+            "-n",
+            ns,
+            "--field-selector",
+            "reason=Pulled",
+            "-o",
+            "jsonpath={range .items[*]}{.message}{\"\\n\"}{end}",
+        ],
+        "",
+    );
+    assert!(ok, "{out}");
+    let pulled = format!("Successfully pulled image \"{image}\"");
+    assert!(
+        out.lines().any(|l| l.starts_with(&pulled)),
+        "no event in {ns} says {pulled}:\n{out}"
+    );
+}
+
+/// Every running pod of `component` runs `image` in its first container.
+async fn assert_runs(inst: &Install, ns: &str, component: &str, image: &str) {
+    let pods = inst.pods(ns, component).await;
+    assert!(!pods.is_empty(), "no {component} pod in {ns}");
+    for p in &pods {
+        let spec = p.spec.as_ref().unwrap();
+        assert_eq!(
+            spec.containers[0].image.as_deref(),
+            Some(image),
+            "{:?}",
+            p.metadata.name
+        );
+    }
+}

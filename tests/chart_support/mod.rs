@@ -69,10 +69,15 @@ impl Release {
     /// which it serves, is off with it.
     pub fn install(name: &str, namespace: &str, sets: &[&str]) -> Release {
         let chart = chart_dir();
-        let mut args = vec![
-            "install",
-            name,
-            chart.to_str().unwrap(),
+        Release::install_from(name, namespace, &[chart.to_str().unwrap()], sets)
+    }
+
+    /// [`Release::install`] of the chart that `chart` names: helm's arguments for it, e.g.
+    /// `["oci://HOST/charts/leasehold", "--version", "0.1.0", "--plain-http"]`.
+    pub fn install_from(name: &str, namespace: &str, chart: &[&str], sets: &[&str]) -> Release {
+        let mut args = vec!["install", name];
+        args.extend_from_slice(chart);
+        args.extend_from_slice(&[
             "--namespace",
             namespace,
             "--skip-crds",
@@ -83,7 +88,7 @@ impl Release {
             // No kubelet runs here to run the pre-upgrade hook Job: `helm upgrade` would wait.
             "--set",
             "crds.upgradeJob.enabled=false",
-        ];
+        ]);
         for s in sets {
             args.extend_from_slice(&["--set", s]);
         }

@@ -5,21 +5,28 @@
 # write under STATE_DIR. Pods get their own network namespace on a bridge this script
 # creates (10.89.N.0/24, N picked at random among the free ones); the one Service pods need,
 # `kubernetes` (10.0.0.1:443), is carried to the API server on loopback by an iptables DNAT
-# rule in a chain of this node's own (what kube-proxy would do for it). Images come from
-# archives, never from a registry: the sandbox ("pause") image is built here FROM scratch
-# and pinned, and each IMAGE_ARCHIVE (docker-archive or oci-archive) is imported into
-# containerd's k8s.io namespace.
+# rule in a chain of this node's own (what kube-proxy would do for it). The sandbox
+# ("pause") image is built here FROM scratch and pinned, and each IMAGE_ARCHIVE
+# (docker-archive or oci-archive) is imported into containerd's k8s.io namespace. Beside
+# them the node has a registry of its own: an OCI registry (distribution's `registry serve`,
+# tests/tools/registry) on 127.0.0.1 at a free port, plain HTTP, storing under
+# STATE_DIR/registry, which containerd pulls from (its CRI registry hosts directory,
+# STATE_DIR/containerd/certs.d, names it as a plain-HTTP mirror of itself). It starts
+# empty: tests push images and charts to it and install from it.
 #
 # Usage: start.sh STATE_DIR CONTROLPLANE_STATE [IMAGE_ARCHIVE...]
 #
 # Needs root, Debian's runc (seccomp-enabled), podman (for the sandbox image), iptables and
 # iproute2. Writes STATE_DIR/env (KEY=VALUE: LEASEHOLD_NODE_NAME, LEASEHOLD_NODE_BIN,
-# LEASEHOLD_NODE_CTR (a ctr command line), the pod subnet, pids). Waits until the Node is
-# Ready and the scheduler is healthy. On failure prints the tail of the failing log, stops
-# what it started and exits non-zero. Stop it with stop.sh STATE_DIR.
+# LEASEHOLD_NODE_SOCKET (containerd's, for ctr), LEASEHOLD_NODE_REGISTRY (host:port of the
+# registry), the pod subnet, pids). Waits until the registry answers, the Node is Ready and
+# the scheduler is healthy. On failure prints the tail of the failing log, stops what it
+# started and exits non-zero. Stop it with stop.sh STATE_DIR.
 #
 # Environment: LEASEHOLD_NODE_BIN (bin dir; default: built by build.sh),
-# LEASEHOLD_NODE_TIMEOUT (seconds to wait for readiness, default 120).
+# LEASEHOLD_REGISTRY_BIN (the registry binary; default: built by
+# tests/tools/registry/build.sh), LEASEHOLD_NODE_TIMEOUT (seconds to wait for readiness,
+# default 120).
 set -euo pipefail
 
 if [ $# -lt 2 ] || [ -z "$1" ] || [ -z "$2" ]; then
@@ -57,6 +64,8 @@ bin=${LEASEHOLD_NODE_BIN:-$("$here/build.sh" | tail -n 1)}
 for c in kubelet kube-scheduler containerd containerd-shim-runc-v2 ctr loopback bridge host-local pause; do
   [ -x "$bin/$c" ] || { echo "start.sh: $bin/$c is missing" >&2; exit 1; }
 done
+registry_bin=${LEASEHOLD_REGISTRY_BIN:-$("$here/../tools/registry/build.sh" | tail -n 1)}
+[ -x "$registry_bin" ] || { echo "start.sh: $registry_bin is missing" >&2; exit 1; }
 
 # A short id for names this node creates on the host (bridge, iptables chain).
 id=$(od -An -N2 -tx2 /dev/urandom | tr -d ' \n')
@@ -151,8 +160,39 @@ iptables -w -t nat -A "$chain" -d 10.0.0.1/32 -p tcp --dport 443 \
   -j DNAT --to-destination "127.0.0.1:$api_port"
 iptables -w -t nat -I PREROUTING -i "$bridge" -j "$chain"
 
+# ---- the registry -----------------------------------------------------------------------
+pick_port
+registry=127.0.0.1:$REPLY
+mkdir -p "$state/registry/data"
+cat >"$state/registry/config.yml" <<EOF
+version: 0.1
+log:
+  level: info
+storage:
+  filesystem:
+    rootdirectory: $state/registry/data
+  delete:
+    enabled: true
+http:
+  addr: $registry
+  secret: $(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+EOF
+# No tracing exporter (distribution would send spans to an OTLP collector on localhost).
+launch registry env OTEL_TRACES_EXPORTER=none "$registry_bin" serve \
+  "$state/registry/config.yml"
+echo "LEASEHOLD_NODE_REGISTRY=$registry" >>"$state/env"
+wait_until registry "the registry at $registry" curl -sf "http://$registry/v2/"
+
 # ---- containerd ------------------------------------------------------------------------
 mkdir -p "$state/cni/conf" "$state/cni/bin" "$state/containerd"
+# Pulls from the node's registry go over plain HTTP (the hosts directory is read at each pull).
+mkdir -p "$state/containerd/certs.d/$registry"
+cat >"$state/containerd/certs.d/$registry/hosts.toml" <<EOF
+server = "http://$registry"
+
+[host."http://$registry"]
+  capabilities = ["pull", "resolve"]
+EOF
 cp "$bin/loopback" "$bin/bridge" "$bin/host-local" "$state/cni/bin/"
 cat >"$state/cni/conf/10-leasehold.conflist" <<EOF
 {
@@ -189,6 +229,8 @@ state = "$state/containerd/state"
 
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = 'overlayfs'
+  [plugins.'io.containerd.cri.v1.images'.registry]
+    config_path = '$state/containerd/certs.d'
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
     sandbox = '$sandbox'
 
@@ -274,7 +316,8 @@ authentication:
 authorization:
   mode: Webhook
 # The disk this runs on is shared and at times nearly full: never evict pods for disk space,
-# nor collect the imported images (they cannot be pulled again). "0%" turns a signal off.
+# nor collect images (the imported sandbox image cannot be pulled again). "0%" turns a signal
+# off.
 evictionHard:
   memory.available: 100Mi
   nodefs.available: "0%"
@@ -323,7 +366,8 @@ LEASEHOLD_NODE_LOGS=$(printf %q "$state/pod-logs")
 CONTAINERD_PID=$(cat "$state/containerd.pid")
 KUBELET_PID=$(cat "$state/kubelet.pid")
 KUBE_SCHEDULER_PID=$(cat "$state/kube-scheduler.pid")
+REGISTRY_PID=$(cat "$state/registry.pid")
 EOF
 finished=1
 echo "node $node ready in ${SECONDS}s: kubelet $gateway:$kubelet_port, containerd $state/containerd.sock," \
-  "pods on $bridge $subnet, kube-scheduler 127.0.0.1:$sched_port"
+  "pods on $bridge $subnet, kube-scheduler 127.0.0.1:$sched_port, registry http://$registry"

@@ -3,11 +3,12 @@
 # host, so that nothing is left running or mounted: the kube-scheduler and the kubelet (and
 # its Node object, when the API server still answers); every
 # container and pod sandbox (their tasks killed and deleted through containerd, which ends
-# their shims); containerd; then any process still running one of the node's binaries or a
-# runc container under STATE_DIR (SIGKILL); every mount under STATE_DIR (network namespaces,
-# overlay snapshots, the kubelet's volumes), innermost first; the bridge and the iptables
-# chain; then containerd's images and snapshots. Idempotent: what is already gone is
-# skipped. Logs stay in STATE_DIR.
+# their shims); containerd and the node's registry; then any process still running one of
+# the node's binaries or a runc container under STATE_DIR (SIGKILL); every mount under
+# STATE_DIR (network namespaces, overlay snapshots, the kubelet's volumes), innermost
+# first; the bridge and the iptables chain; then containerd's images and snapshots.
+# Idempotent: what is already gone is skipped. Logs (and the registry's storage) stay in
+# STATE_DIR.
 #
 # Usage: stop.sh STATE_DIR
 set -uo pipefail
@@ -73,6 +74,7 @@ if [ -S "$state/containerd.sock" ] && "${ctr[@]}" version >/dev/null 2>&1; then
   done
 fi
 stop containerd
+stop registry
 
 # Whatever survived: shims of this node (they name its socket) and processes in its
 # containers (their cwd or root lies under STATE_DIR's rootfs mounts).

@@ -15,7 +15,7 @@ use kube::{Api, Client};
 use leasehold_core::crd::{LeasedJob, Phase};
 use serde_json::json;
 
-use crate::chart_support::Release;
+use crate::chart_support::{chart_dir, helm_ok, Release};
 use leasehold_testkit::*;
 
 /// The node `tests/node/start.sh` started (its state directory, from scripts/test).
@@ -34,6 +34,43 @@ impl Node {
         Node {
             state: PathBuf::from(state),
         }
+    }
+
+    /// A value of the node's env file (written by start.sh), e.g. `LEASEHOLD_NODE_REGISTRY`.
+    pub fn env(&self, key: &str) -> String {
+        let file = self.state.join("env");
+        let text =
+            std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let prefix = format!("{key}=");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .unwrap_or_else(|| panic!("no {key} in {}", file.display()))
+            .to_string()
+    }
+
+    /// The node's registry: `host:port` on loopback, plain HTTP, which containerd pulls from.
+    pub fn registry(&self) -> Registry {
+        Registry {
+            host: self.env("LEASEHOLD_NODE_REGISTRY"),
+        }
+    }
+
+    /// The names of the images containerd holds for the kubelet (`ctr -n k8s.io images ls`),
+    /// digests aside.
+    pub fn images(&self) -> Vec<String> {
+        let ctr = PathBuf::from(self.env("LEASEHOLD_NODE_BIN")).join("ctr");
+        let socket = self.env("LEASEHOLD_NODE_SOCKET");
+        let (ok, out) = run(
+            &ctr,
+            &["--address", &socket, "-n", "k8s.io", "images", "ls", "-q"],
+            "",
+            &[],
+        );
+        assert!(ok, "ctr images ls: {out}");
+        out.lines()
+            .filter(|l| !l.starts_with("sha256:"))
+            .map(str::to_string)
+            .collect()
     }
 
     /// The projected service-account token the kubelet mounted into `pod` (its
@@ -59,23 +96,117 @@ impl Node {
     }
 }
 
-/// The images under test, from scripts/test.
+/// The images under test, as scripts/test pushed them to the node's registry (the kubelet
+/// pulls them from there).
 pub fn image_sets() -> Vec<String> {
-    let image = std::env::var("LEASEHOLD_IMAGE").expect("LEASEHOLD_IMAGE (scripts/test)");
-    let worker =
-        std::env::var("LEASEHOLD_WORKER_IMAGE").expect("LEASEHOLD_WORKER_IMAGE (scripts/test)");
+    let image = std::env::var("LEASEHOLD_NODE_IMAGE").expect("LEASEHOLD_NODE_IMAGE (scripts/test)");
+    let worker = std::env::var("LEASEHOLD_NODE_WORKER_IMAGE")
+        .expect("LEASEHOLD_NODE_WORKER_IMAGE (scripts/test)");
     let (repo, tag) = image.rsplit_once(':').unwrap();
     let (worker_repo, worker_tag) = worker.rsplit_once(':').unwrap();
     vec![
         format!("image.repository={repo}"),
         format!("image.tag={tag}"),
-        // Imported into containerd: never pulled (no registry is reachable).
-        "image.pullPolicy=Never".into(),
+        "image.pullPolicy=IfNotPresent".into(),
         "exampleWorker.enabled=true".into(),
         format!("exampleWorker.image.repository={worker_repo}"),
         format!("exampleWorker.image.tag={worker_tag}"),
-        "exampleWorker.image.pullPolicy=Never".into(),
+        "exampleWorker.image.pullPolicy=IfNotPresent".into(),
     ]
+}
+
+/// The node's OCI registry (start.sh): pushed to as a release pushes its image and chart.
+pub struct Registry {
+    /// `127.0.0.1:PORT`.
+    pub host: String,
+}
+
+impl Registry {
+    /// Pushes the local image `local` (in podman's storage) as `HOST/repository:tag`; returns
+    /// that reference.
+    pub fn push_image(&self, local: &str, repository: &str, tag: &str) -> String {
+        let reference = format!("{}/{repository}:{tag}", self.host);
+        let conf = repo_path("scripts/containers.conf");
+        let (ok, out) = run(
+            Path::new("podman"),
+            &[
+                "push",
+                "--quiet",
+                "--tls-verify=false",
+                local,
+                &format!("docker://{reference}"),
+            ],
+            "",
+            &[("CONTAINERS_CONF", &conf)],
+        );
+        assert!(ok, "podman push {local} {reference}: {out}");
+        reference
+    }
+
+    /// Packages the chart with its `version` and `appVersion` set to `version` (the chart
+    /// as it is when that is its own version) and pushes it with `helm push` to
+    /// `oci://HOST/charts`; returns helm's arguments for installing it from there.
+    pub fn push_chart(&self, version: &str) -> Vec<String> {
+        let work = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+            "registry-chart-{}-{version}",
+            self.host.replace(':', "-")
+        ));
+        let _ = std::fs::remove_dir_all(&work);
+        std::fs::create_dir_all(&work).unwrap();
+        let chart = if chart_version() == version {
+            chart_dir()
+        } else {
+            let copy = work.join("leasehold");
+            copy_dir(&chart_dir(), &copy);
+            let meta = std::fs::read_to_string(copy.join("Chart.yaml")).unwrap();
+            let meta: Vec<String> = meta
+                .lines()
+                .map(|l| {
+                    if l.starts_with("version:") {
+                        format!("version: {version}")
+                    } else if l.starts_with("appVersion:") {
+                        format!("appVersion: \"{version}\"")
+                    } else {
+                        l.to_string()
+                    }
+                })
+                .collect();
+            std::fs::write(copy.join("Chart.yaml"), meta.join("\n") + "\n").unwrap();
+            copy
+        };
+        let out = work.to_str().unwrap();
+        helm_ok(&["package", chart.to_str().unwrap(), "-d", out]);
+        let package = work.join(format!("leasehold-{version}.tgz"));
+        let target = format!("oci://{}/charts", self.host);
+        helm_ok(&["push", package.to_str().unwrap(), &target, "--plain-http"]);
+        vec![
+            format!("{target}/leasehold"),
+            "--version".into(),
+            version.into(),
+            "--plain-http".into(),
+        ]
+    }
+}
+
+/// The chart's own version (Chart.yaml).
+pub fn chart_version() -> String {
+    let meta: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(chart_dir().join("Chart.yaml")).unwrap())
+            .unwrap();
+    meta["version"].as_str().unwrap().to_string()
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dest = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dest);
+        } else {
+            std::fs::copy(e.path(), &dest).unwrap();
+        }
+    }
 }
 
 /// A release of the chart on the node: its namespace, a worker namespace, both controller
@@ -90,10 +221,30 @@ pub struct Install {
 
 impl Install {
     pub async fn new(test: &str, workers: u32, extra: &[&str]) -> Install {
+        let chart = chart_dir();
+        Install::from_chart(
+            test,
+            workers,
+            &[chart.to_str().unwrap()],
+            image_sets(),
+            extra,
+        )
+        .await
+    }
+
+    /// [`Install::new`] of the chart that `chart` names (helm's arguments for it, as
+    /// [`Registry::push_chart`] returns them), with `images` (`--set`s) for its images.
+    pub async fn from_chart(
+        test: &str,
+        workers: u32,
+        chart: &[&str],
+        images: Vec<String>,
+        extra: &[&str],
+    ) -> Install {
         let client = client().await;
         let ns = TestNamespace::new(&client, test).await;
         let w = TestNamespace::new(&client, &format!("{test}-w")).await;
-        let mut sets = image_sets();
+        let mut sets = images;
         sets.push(format!("workers.namespaces={{{}}}", w.name));
         sets.push(format!("exampleWorker.replicas={workers}"));
         // The controller pods serve the size webhook; the API server reaches them by their
@@ -110,7 +261,7 @@ impl Install {
         ));
         sets.extend(extra.iter().map(|s| s.to_string()));
         let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
-        let release = Release::install(test, &ns.name, &sets);
+        let release = Release::install_from(test, &ns.name, chart, &sets);
         let install = Install {
             client,
             release,
