@@ -104,3 +104,15 @@ fn the_version_is_the_same_everywhere_and_a_place_that_differs_is_named() {
     let (ok, out) = version(tree.path(), &["--set", "1.2"]);
     assert!(!ok && out.contains("not X.Y.Z"), "{out}");
 }
+
+/// The Python package carries the repository's license text (its `license-files`), the same.
+#[test]
+fn the_python_package_carries_the_repositorys_license() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let ours = std::fs::read(root.join("LICENSE")).unwrap();
+    let packaged = std::fs::read(root.join("clients/python/LICENSE")).unwrap();
+    assert!(
+        ours == packaged,
+        "clients/python/LICENSE differs from LICENSE: copy it again (cp LICENSE clients/python/LICENSE)"
+    );
+}
