@@ -531,27 +531,7 @@ async fn helm_upgrade_and_uninstall_on_a_node() {
     // The cluster has the previous release's CRD (v1alpha1 only); `helm upgrade` alone
     // brings the new one: its pre-upgrade hook Job applies it from the new image before the
     // controllers (which refuse to start on an older CRD) roll. Every pod rolls too.
-    let mut crd: Value = serde_yaml::from_str(
-        &std::fs::read_to_string(repo_path("charts/leasehold/crds/leasedjob.yaml")).unwrap(),
-    )
-    .unwrap();
-    crd["spec"]["versions"].as_array_mut().unwrap().truncate(1);
-    let (ok, out) = kubectl(
-        &["apply", "--server-side", "--force-conflicts", "-f", "-"],
-        &serde_yaml::to_string(&crd).unwrap(),
-    );
-    assert!(ok, "{out}");
-    struct RestoreCrd;
-    impl Drop for RestoreCrd {
-        fn drop(&mut self) {
-            let _ = kubectl(
-                &["apply", "--server-side", "--force-conflicts", "-f", "-"],
-                &std::fs::read_to_string(repo_path("charts/leasehold/crds/leasedjob.yaml"))
-                    .unwrap(),
-            );
-        }
-    }
-    let _restore = RestoreCrd;
+    let _restore = put_previous_crd();
     let args = vec![
         "upgrade".to_string(),
         inst.release.name.clone(),
@@ -566,16 +546,7 @@ async fn helm_upgrade_and_uninstall_on_a_node() {
     ];
     let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
     helm_ok(&args_ref);
-    let crds: Api<CustomResourceDefinition> = Api::all(inst.client.clone());
-    let upgraded = crds.get("leasedjobs.leasehold.dev").await.unwrap();
-    assert_eq!(
-        crd_versions(&upgraded),
-        [
-            ("v1alpha1".to_string(), true),
-            ("v1beta1".to_string(), false)
-        ],
-        "the upgrade did not bring the new CRD"
-    );
+    assert_new_crd(&inst).await;
     inst.wait_ready(&inst.controller_deployment(), &inst.release.namespace, 2)
         .await;
     inst.wait_ready(&inst.worker_deployment(), &inst.workers.name, 2)
@@ -703,12 +674,14 @@ async fn install_and_upgrade_from_a_registry() {
     inst.wait_succeeded(&refs, Duration::from_secs(120)).await;
 
     // Release v2, pushed the same way; `helm upgrade` from the registry alone, with jobs in
-    // flight.
+    // flight and a CRD change: the cluster has the previous release's CRD (v1alpha1 only),
+    // which the new chart's hook Job replaces before its controllers roll.
     let (image_v2, worker_v2, chart_v2) = release(&v2);
     let during: Vec<String> = (0..3).map(|i| format!("during-{i}")).collect();
     for n in &during {
         inst.slow_job(n, 0.3).await;
     }
+    let _restore = put_previous_crd();
     let mut args = vec!["upgrade".to_string(), inst.release.name.clone()];
     args.extend(chart_v2.iter().cloned());
     args.extend([
@@ -723,6 +696,7 @@ async fn install_and_upgrade_from_a_registry() {
         history.contains(&format!("leasehold-{v2}")),
         "the release is not on chart {v2}:\n{history}"
     );
+    assert_new_crd(&inst).await;
     inst.wait_ready(&inst.controller_deployment(), &ns, 2).await;
     inst.wait_ready(&inst.worker_deployment(), &wns, 2).await;
     let held = node.images();
@@ -739,6 +713,46 @@ async fn install_and_upgrade_from_a_registry() {
     }
     let refs: Vec<&str> = during.iter().chain(&after).map(String::as_str).collect();
     inst.wait_succeeded(&refs, Duration::from_secs(300)).await;
+}
+
+/// Puts the previous release's LeasedJob CRD (v1alpha1 only) in place of the chart's, as a
+/// cluster on that release has it; the guard puts the chart's back when dropped.
+fn put_previous_crd() -> impl Drop {
+    let mut crd: Value = serde_yaml::from_str(
+        &std::fs::read_to_string(repo_path("charts/leasehold/crds/leasedjob.yaml")).unwrap(),
+    )
+    .unwrap();
+    crd["spec"]["versions"].as_array_mut().unwrap().truncate(1);
+    let (ok, out) = kubectl(
+        &["apply", "--server-side", "--force-conflicts", "-f", "-"],
+        &serde_yaml::to_string(&crd).unwrap(),
+    );
+    assert!(ok, "{out}");
+    struct RestoreCrd;
+    impl Drop for RestoreCrd {
+        fn drop(&mut self) {
+            let _ = kubectl(
+                &["apply", "--server-side", "--force-conflicts", "-f", "-"],
+                &std::fs::read_to_string(repo_path("charts/leasehold/crds/leasedjob.yaml"))
+                    .unwrap(),
+            );
+        }
+    }
+    RestoreCrd
+}
+
+/// The cluster's LeasedJob CRD is the chart's again: v1alpha1 stored, v1beta1 served.
+async fn assert_new_crd(inst: &Install) {
+    let crds: Api<CustomResourceDefinition> = Api::all(inst.client.clone());
+    let upgraded = crds.get("leasedjobs.leasehold.dev").await.unwrap();
+    assert_eq!(
+        crd_versions(&upgraded),
+        [
+            ("v1alpha1".to_string(), true),
+            ("v1beta1".to_string(), false)
+        ],
+        "the upgrade did not bring the new CRD"
+    );
 }
 
 /// `version` with its patch number one higher (and no pre-release part).
