@@ -382,6 +382,12 @@ async fn submit_is_idempotent_by_key_and_waits_for_the_outcome() {
             "--label \"team\" is not KEY=VALUE",
         ),
         (vec!["submit", "media", "--timeout", "5"], "--wait"),
+        // Not RFC 3339: refused by the API server, naming the field (never dropped, which
+        // would make the job claimable at once).
+        (
+            vec!["submit", "media", "--not-before", "tomorrow"],
+            "notBefore",
+        ),
         (
             vec!["submit", "media", "--traceparent", "00-xyz"],
             "--traceparent: \"00-xyz\" is not a valid W3C traceparent",

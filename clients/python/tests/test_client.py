@@ -519,3 +519,22 @@ def test_the_producers_traceparent_reaches_the_handler_and_parents_its_span(proc
     assert seen["traced"][2].span_id == traced.context.span_id
     assert spans["untraced"].parent is None
     assert (status("traced")["phase"], status("untraced")["phase"]) == ("Succeeded", "Succeeded")
+
+
+def test_a_stop_ends_every_long_poll_and_a_job_arriving_after_it_is_not_claimed(procs, queue):
+    sidecar = procs.sidecar(queue, "stopping")
+    worker = leasehold.Worker(
+        lambda job: {"ok": True}, client=leasehold.Client(sidecar.base), wait=20, concurrency=3, handle_signals=False
+    )
+    runner = threading.Thread(target=worker.run)
+    runner.start()
+    time.sleep(1.0)  # three claims now long-poll the sidecar
+    worker.stop()
+    runner.join(5)
+    assert not runner.is_alive()
+    create_job("late", queue, lease=5)
+    time.sleep(2.0)
+    # The stop shut the polls' connections, so the sidecar stopped those claims: the job
+    # waits for a worker, unclaimed (before: claimed and released once per poll).
+    s = status("late")
+    assert (s.get("phase"), s.get("attempt", 0)) == ("Queued", 0), s

@@ -493,3 +493,38 @@ def test_a_checkpoint_over_64_kib_is_refused_before_it_is_sent():
 
     outcome = testing.run(handle)
     assert outcome.status == "succeeded"
+
+
+def test_an_async_handler_that_swallows_its_cancellation_keeps_its_slot_until_it_ends(fake):
+    # Two jobs, one slot: the first is cancelled, its handler catches the CancelledError and
+    # goes on for a while. The second must not start before the first handler has ended.
+    fake.add_job("stubborn", lease_duration=0.6)
+    fake.add_job("next", lease_duration=0.6)
+    fake.cancel("stubborn", after_heartbeats=1)
+    timeline = []
+
+    async def handle(job):
+        timeline.append(("start", job.name, time.monotonic()))
+        if job.name == "stubborn":
+            for _ in range(40):
+                try:
+                    await asyncio.sleep(0.05)
+                except asyncio.CancelledError:
+                    timeline.append(("swallowed", job.name, time.monotonic()))
+                    await asyncio.sleep(0.5)  # keeps running after its cancellation
+                    break
+        timeline.append(("end", job.name, time.monotonic()))
+        return {"done": job.name}
+
+    worker = worker_for(fake, handle, max_jobs=2, concurrency=1, heartbeat_interval=0.1)
+    assert worker.run() == 2
+    events = [(kind, name) for kind, name, _ in timeline]
+    assert events == [
+        ("start", "stubborn"),
+        ("swallowed", "stubborn"),
+        ("end", "stubborn"),
+        ("start", "next"),
+        ("end", "next"),
+    ], events
+    assert fake.outcome("stubborn").status == "cancelled"  # nothing sent after the loss
+    assert fake.outcome("next").status == "succeeded"
