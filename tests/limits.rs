@@ -5,7 +5,8 @@
 //! the jobs above it have ended; a deleted LeasedQueue takes its limits with it; a full key at
 //! the head of the queue does not hold back the other keys; a claim that lost to a claim of a
 //! newer copy of its job leaves no slot busy; jobs Leased before a limit existed count against
-//! it from its first claim.
+//! it from its first claim; a slot left pending by a claimer that died before its claim write
+//! is freed by the controller.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -490,4 +491,71 @@ async fn a_claim_lost_to_a_newer_copy_frees_its_slot_and_a_shared_slot_counts_th
         None,
         "j and m are Leased: key a is full"
     );
+}
+
+/// A claimer that took a slot and died before its claim write leaves the slot pending on a job
+/// that no claimer will pick soon (its notBefore is an hour away), holding the key's only unit.
+/// The controller frees it once it has seen it pending for the grace, by a write to the job
+/// guarded by the version the slot names (so no claim from that version can land), and the
+/// key's other job is claimed.
+#[tokio::test]
+async fn a_slot_left_pending_by_a_dead_claimer_is_freed_by_the_controller() {
+    let Fixture { client, ns } = fixture!("limits-pending");
+    let _controller = controller(&ns.name);
+    apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 1})).await;
+    let queues: Api<LeasedQueue> = Api::namespaced(client.clone(), &ns.name);
+    wait_for("the limit confirmed", Duration::from_secs(30), || async {
+        let q = queues.get("q").await.ok()?;
+        leasehold_core::adoption::adopted(&q).then_some(())
+    })
+    .await;
+    let now = k8s_openapi::jiff::Timestamp::now().as_second();
+    let not_before = k8s_openapi::jiff::Timestamp::from_second(now + 3600).unwrap();
+    create_job(
+        &client,
+        &ns.name,
+        json!({"metadata": {"name": "later"},
+               "spec": {"queue": "q", "concurrencyKey": "a", "notBefore": not_before.to_string()}}),
+    )
+    .await;
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let copy = wait_for("later Queued", Duration::from_secs(10), || async {
+        let j = jobs.get("later").await.ok()?;
+        (j.phase() == Phase::Queued && j.status.is_some()).then_some(j)
+    })
+    .await;
+    // The dead claimer's slot: taken as a sidecar takes it, its claim write never sent.
+    let taken_at = std::time::Instant::now();
+    let dead = take(&client, &ns.name, &copy, "dead-pod").await;
+    let slot = dead.slots.expect("key a had a free slot").pop().unwrap();
+    create_keyed(&client, &ns.name, "now", "a").await;
+    let sidecar = Sidecar::start(&ns.name, "q", "worker", &[]).await;
+    let (status, answer) = sidecar.claim(2).await;
+    assert_eq!(
+        status, 204,
+        "claimed while the pending slot held key a's only unit: {answer}"
+    );
+    let (claim, _) = sidecar.claim_ok(30).await;
+    assert_eq!(claim["name"], "now", "{claim}");
+    let waited = taken_at.elapsed();
+    assert!(
+        waited >= leasehold_core::adoption::PENDING_GRACE,
+        "the slot was freed {waited:?} after it was taken, before the grace"
+    );
+    let later = jobs.get("later").await.unwrap();
+    assert_ne!(
+        later.resource_version(),
+        copy.resource_version(),
+        "moved past the version the slot names"
+    );
+    let status = later.status.unwrap();
+    assert_eq!(
+        status.pending_slot_freed,
+        Some(format!(
+            "{slot} later@{}#1",
+            copy.resource_version().unwrap()
+        ))
+    );
+    assert_eq!((status.phase, status.attempt), (Some(Phase::Queued), 0));
+    assert_eq!(status.token, None, "nothing else of the job changed");
 }

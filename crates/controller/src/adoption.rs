@@ -20,11 +20,13 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt};
 use serde_json::json;
+use std::time::Instant;
 use tracing::{info, warn};
 
 use super::Context;
 use leasehold_core::adoption;
 use leasehold_core::crd::LeasedJob;
+use leasehold_core::job_cache::JobKey;
 use leasehold_core::queue::LeasedQueue;
 use leasehold_kube::api::{error_chain, is_status};
 
@@ -61,6 +63,7 @@ pub(super) async fn pass(ctx: &Context, q: &LeasedQueue) {
             return;
         }
     };
+    free_stalled(ctx, q, &jobs, &done.named).await;
     if done.adopted > 0 || done.moved > 0 {
         info!(queue = %queue, adopted = done.adopted, moved = done.moved, "Queue {queue}: gave slots to {} Leased jobs that held none (Leased before its limit, or by a sidecar that had not seen it), moved {} below the limit", done.adopted, done.moved);
     }
@@ -80,6 +83,59 @@ pub(super) async fn pass(ctx: &Context, q: &LeasedQueue) {
         Err(e) if is_status(&e, 409) || is_status(&e, 404) => {}
         Err(e) => {
             warn!(queue = %queue, error = %error_chain(&e), "Confirming the limits of queue {queue} failed; retrying")
+        }
+    }
+}
+
+/// Frees the slots of `q` (`named`: each slot naming a claim, as the pass left them) that have
+/// waited [`adoption::PENDING_GRACE`] for a claim write never made, judged from the
+/// controller's job cache ([`adoption::pending_claim`]): each by a write to its job guarded by
+/// the version the slot names ([`leasehold_kube::adopt::free_pending`]), which the API server
+/// refuses if the claim landed, or anything else moved the job, meanwhile. So a claimer that
+/// died between its slot and its claim holds a unit of the limit for one grace and a pass at
+/// most, not until its job is claimed again (docs/protocol.md, "Limits").
+async fn free_stalled(
+    ctx: &Context,
+    q: &LeasedQueue,
+    jobs: &Api<LeasedJob>,
+    named: &[(String, leasehold_core::slots::Named)],
+) {
+    let ns = q.namespace().unwrap_or_default();
+    let queue = format!("{ns}/{}", q.name_any());
+    let pending: Vec<(String, String)> = {
+        let cache = ctx.jobs.lock().unwrap();
+        named
+            .iter()
+            .filter(|(_, n)| {
+                let key = JobKey {
+                    namespace: ns.as_str().into(),
+                    name: n.holder.job.as_str().into(),
+                };
+                cache
+                    .job(&key)
+                    .is_some_and(|job| adoption::pending_claim(n, &job))
+            })
+            .map(|(slot, n)| (slot.clone(), n.holder.render()))
+            .collect()
+    };
+    let due = ctx
+        .stalled
+        .lock()
+        .unwrap()
+        .observe(&queue, &pending, Instant::now());
+    for (slot, n) in named.iter().filter(|(slot, _)| due.contains(slot)) {
+        if !ctx.leadership.is_leader() {
+            return;
+        }
+        let job = &n.holder.job;
+        match leasehold_kube::adopt::free_pending(jobs, slot, n, &ctx.field_manager).await {
+            Ok(true) => {
+                info!(queue = %queue, slot = %slot, job = %job, "Queue {queue}: freed slot {slot}, left pending on LeasedJob {ns}/{job} by a claimer that never made its claim; no claim from that copy of the job can land now")
+            }
+            Ok(false) => {}
+            Err(e) => {
+                warn!(queue = %queue, slot = %slot, error = %error_chain(&e), "Freeing slot {slot} of queue {queue} failed; the next pass retries")
+            }
         }
     }
 }

@@ -199,6 +199,9 @@ pub struct Context {
     /// expiry is judged on fresh reads until the cache agrees again, so that the two sources
     /// can never take turns restarting the expiry clock.
     fresh_reads: Mutex<std::collections::HashSet<ObjectRef<LeasedJob>>>,
+    /// The slots of limited queues seen pending, and since when: a slot pending for
+    /// [`leasehold_core::adoption::PENDING_GRACE`] is freed (`adoption`).
+    stalled: Mutex<leasehold_core::adoption::Stalled>,
 }
 
 /// Reconciles run at once, at most: the workers taking jobs from the queue. With no limit, a
@@ -299,6 +302,7 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
         jobs: Mutex::default(),
         observations: Mutex::default(),
         fresh_reads: Mutex::default(),
+        stalled: Mutex::default(),
     });
     let queue: Arc<WorkQueue<JobKey>> = Arc::new(WorkQueue::new());
     let job_stream = watch::watch(

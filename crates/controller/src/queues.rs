@@ -159,6 +159,12 @@ async fn report(store: Store<LeasedQueue>, ctx: Arc<Context>, due: Arc<Notify>) 
             }
         }
         // Then the slots of the queues with limits, after every count and pause is written.
+        let limited: HashSet<String> = queues
+            .iter()
+            .filter(|q| adoption::adoption_of(q).is_some())
+            .map(|q| format!("{}/{}", q.namespace().unwrap_or_default(), q.name_any()))
+            .collect();
+        ctx.stalled.lock().unwrap().retain(&limited);
         for q in &queues {
             crate::adoption::clear(&ctx, q).await;
             crate::adoption::pass(&ctx, q).await;

@@ -4,7 +4,10 @@
 //! LeasedQueue's status ([`adoption_of`]); claimers make no claim under limits not confirmed
 //! ([`adopted`]). docs/protocol.md, "Limits", has the argument.
 
-use crate::crd::LeasedJob;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::crd::{LeasedJob, Phase};
 use crate::queue::LeasedQueue;
 use crate::slots::{state_of, Named, SlotHolder, SlotState};
 
@@ -67,6 +70,74 @@ pub fn adopting(job: &LeasedJob) -> Option<SlotHolder> {
     })
 }
 
+/// Whether the slot naming `named` waits for a claim that was never written: `job` (a copy of
+/// the job it names) is still at the version the slot names, Queued, one attempt before the
+/// slot's. Its claimer took the slot and has not made its claim write yet: in flight (a few
+/// milliseconds), or never, if it died or stalled in between (or its write failed without
+/// landing). Such a slot holds a unit of its scope until the job moves past that version.
+///
+/// A slot a controller wrote for a Leased job ([`adopting`]) names the job's own attempt, so
+/// it is never pending: it is busy while that attempt lasts.
+pub fn pending_claim(named: &Named, job: &LeasedJob) -> bool {
+    let holder = &named.holder;
+    job.metadata.name.as_deref() == Some(&holder.job)
+        && job.metadata.resource_version.as_deref() == Some(&holder.resource_version)
+        && job.phase() == Phase::Queued
+        && job.attempt() + 1 == holder.attempt
+}
+
+/// How long a slot must be seen pending ([`pending_claim`]), by the controller's own clock,
+/// before the controller frees it: far longer than a claim's two writes take (milliseconds),
+/// so that it only ever withdraws a claim whose claimer died or stalled. Freeing one early
+/// would only cost that claimer a 409 and one more pick.
+pub const PENDING_GRACE: Duration = Duration::from_secs(10);
+
+/// The slots seen pending, per queue, and since when (the controller's clock): which of them
+/// have waited [`PENDING_GRACE`]. Advice only: the write that frees a slot is guarded by the
+/// resourceVersion the slot names, so a slot whose claim landed meanwhile is left alone by the
+/// API server.
+#[derive(Debug, Default)]
+pub struct Stalled {
+    /// Per queue (`<namespace>/<name>`): slot Lease name -> (the claim it names, first seen
+    /// pending).
+    seen: HashMap<String, HashMap<String, (String, Instant)>>,
+}
+
+impl Stalled {
+    /// Notes that the slots `pending` (slot name, the claim it names as rendered) of `queue`
+    /// were seen pending at `now`, and forgets its other slots; returns the slots of `pending`
+    /// seen pending, naming the same claim, since [`PENDING_GRACE`] or longer.
+    pub fn observe(
+        &mut self,
+        queue: &str,
+        pending: &[(String, String)],
+        now: Instant,
+    ) -> Vec<String> {
+        let before = self.seen.remove(queue).unwrap_or_default();
+        let mut kept = HashMap::new();
+        let mut due = Vec::new();
+        for (slot, claim) in pending {
+            let since = match before.get(slot) {
+                Some((named, since)) if named == claim => *since,
+                _ => now,
+            };
+            if now.saturating_duration_since(since) >= PENDING_GRACE {
+                due.push(slot.clone());
+            }
+            kept.insert(slot.clone(), (claim.clone(), since));
+        }
+        if !kept.is_empty() {
+            self.seen.insert(queue.to_string(), kept);
+        }
+        due
+    }
+
+    /// Forgets every queue not in `queues` (deleted LeasedQueues, or queues without limits).
+    pub fn retain(&mut self, queues: &std::collections::HashSet<String>) {
+        self.seen.retain(|q, _| queues.contains(q));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,6 +172,55 @@ mod tests {
         status.slots_adopted = Some("u0:maxLeased,maxLeasedPerKey".into());
         q.status = Some(status);
         assert!(!adopted(&q), "adopted for an earlier object of the name");
+    }
+
+    #[test]
+    fn a_slot_is_pending_while_its_job_waits_at_the_version_it_names() {
+        let slot = Named::taken(holder("40", 3), mark_of("3.aaaa"));
+        assert!(pending_claim(&slot, &job("40", Phase::Queued, 2)));
+        // The claim landed, the job moved on, or the slot names another attempt or job.
+        assert!(!pending_claim(
+            &slot,
+            &with_token(job("41", Phase::Leased, 3), "3.aaaa")
+        ));
+        assert!(!pending_claim(&slot, &job("41", Phase::Queued, 2)));
+        assert!(!pending_claim(&slot, &job("40", Phase::Queued, 1)));
+        let mut other = job("40", Phase::Queued, 2);
+        other.metadata.name = Some("k".into());
+        assert!(!pending_claim(&slot, &other));
+        // A slot adopting a Leased job names its own attempt: held, never pending.
+        let leased = with_token(job("40", Phase::Leased, 3), "3.aaaa");
+        let adopted = Named::taken(adopting(&leased).unwrap(), mark_of("3.aaaa"));
+        assert!(!pending_claim(&adopted, &leased));
+    }
+
+    #[test]
+    fn a_slot_is_due_to_be_freed_once_seen_pending_for_the_grace_naming_one_claim() {
+        let mut stalled = Stalled::default();
+        let t0 = Instant::now();
+        let pending = |claim: &str| vec![("s-0".to_string(), claim.to_string())];
+        assert!(stalled.observe("ns/q", &pending("j@1#1"), t0).is_empty());
+        let almost = t0 + PENDING_GRACE - Duration::from_millis(1);
+        assert!(stalled
+            .observe("ns/q", &pending("j@1#1"), almost)
+            .is_empty());
+        assert_eq!(
+            stalled.observe("ns/q", &pending("j@1#1"), t0 + PENDING_GRACE),
+            vec!["s-0".to_string()]
+        );
+        // Another claim in the same slot starts again; so does one no longer seen pending.
+        let later = t0 + 2 * PENDING_GRACE;
+        assert!(stalled.observe("ns/q", &pending("k@5#1"), later).is_empty());
+        assert!(stalled.observe("ns/q", &[], later).is_empty());
+        assert!(stalled
+            .observe("ns/q", &pending("k@5#1"), later + PENDING_GRACE)
+            .is_empty());
+        // Another queue's slots are its own; a queue forgotten starts again.
+        assert!(stalled.observe("ns/r", &pending("j@1#1"), t0).is_empty());
+        stalled.retain(&["ns/q".to_string()].into());
+        assert!(stalled
+            .observe("ns/r", &pending("j@1#1"), t0 + PENDING_GRACE)
+            .is_empty());
     }
 
     #[test]

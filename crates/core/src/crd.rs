@@ -350,6 +350,15 @@ pub struct LeasedJobStatus {
     /// The metadata.generation the controller last initialised this status from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+
+    /// The last slot of a limit that a claimer left pending on this job and the controller
+    /// freed: `<slot Lease> <job>@<resourceVersion>#<attempt>`, the slot and the claim it named.
+    /// That claimer took the slot for a claim guarded by that resourceVersion and never wrote
+    /// it (it died or stalled between the two writes); the controller's write of this field,
+    /// guarded by the same resourceVersion, moved the job past it, so that no claim from it can
+    /// land and the slot is free (docs/protocol.md, "Limits": a pending slot).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_slot_freed: Option<String>,
 }
 
 /// One failed attempt.

@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::PostParams;
+use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 
 use crate::api::is_status;
@@ -33,7 +33,7 @@ use leasehold_core::queue::LeasedQueue;
 use leasehold_core::slots::{self, Listed, Named, SlotState, SLOT_OF_LABEL, SLOT_SCOPE_LABEL};
 
 /// What one adoption pass came to.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Adoption {
     /// Slots written for jobs no slot counted.
     pub adopted: usize,
@@ -44,6 +44,10 @@ pub struct Adoption {
     /// Whether every job given is now counted in every limited scope it falls in: false when
     /// a write lost a race (the next pass lists again).
     pub complete: bool,
+    /// Every slot of this LeasedQueue that names a claim after the pass: (slot Lease name,
+    /// what it names), for the caller to find those left pending
+    /// ([`leasehold_core::adoption::pending_claim`]) and [`free_pending`] them.
+    pub named: Vec<(String, Named)>,
 }
 
 /// The slots of one scope as listed, by index, with the Lease objects to write over.
@@ -163,7 +167,56 @@ pub async fn adopt(
             tidy_above(&to, (label, limit), known, &mut outcome).await?;
         }
     }
+    for (label, known) in &by_scope {
+        for (index, named) in &known.named {
+            if let (Some(named), false) = (named, known.foreign.contains(index)) {
+                let name = slots::slot_name(&queue_name, label, *index);
+                outcome.named.push((name, named.clone()));
+            }
+        }
+    }
     Ok(outcome)
+}
+
+/// Frees the slot `slot`, which names `named`, left pending by a claimer that never made its
+/// claim write ([`leasehold_core::adoption::pending_claim`]): writes the job's
+/// `status.pendingSlotFreed` by a merge patch guarded by the resourceVersion the slot names,
+/// through `jobs` (the queue's namespace) as `field_manager`. Once it lands the job is past that
+/// version, so no claim guarded by it can succeed and the slot is free by the busy rule
+/// ([`leasehold_core::slots::state_of`]); nothing else of the job changes. `Ok(false)` when the
+/// job moved on or is gone first (its claim landed, or anything else changed it: the slot is
+/// judged afresh then).
+///
+/// # Errors
+/// [`SlotError`] when the write failed for another reason.
+pub async fn free_pending(
+    jobs: &Api<LeasedJob>,
+    slot: &str,
+    named: &Named,
+    field_manager: &str,
+) -> Result<bool, SlotError> {
+    let patch = serde_json::json!({
+        "metadata": {"resourceVersion": named.holder.resource_version},
+        "status": {"pendingSlotFreed": format!("{slot} {}", named.holder.render())},
+    });
+    let params = PatchParams {
+        field_manager: Some(field_manager.to_string()),
+        ..PatchParams::default()
+    };
+    match jobs
+        .patch_status(&named.holder.job, &params, &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(e) if is_status(&e, 409) || is_status(&e, 404) => Ok(false),
+        Err(source) => Err(SlotError {
+            what: format!(
+                "freeing slot Lease {slot}, left pending on LeasedJob {}",
+                named.holder.job
+            ),
+            source,
+        }),
+    }
 }
 
 /// `items` (a queue's slot Leases) by scope label.
