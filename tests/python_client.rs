@@ -8,10 +8,41 @@
 //! The client's tests that need no cluster (clients/python/tests_unit, on the fake sidecar of
 //! `leasehold.testing`, and clients/python/examples) run here too, without a control plane.
 
+use std::ffi::OsStr;
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Output};
 
 use leasehold_testkit::*;
+
+/// `python -m pytest` in `dir` on `paths`, verbose, with no cache and the five slowest tests
+/// named, and no sidecar of the caller's environment.
+fn pytest(python: &OsStr, dir: &Path, paths: &[&OsStr]) -> Command {
+    let mut command = Command::new(python);
+    command
+        .args([
+            "-m",
+            "pytest",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            "--durations=5",
+        ])
+        .args(paths)
+        .current_dir(dir)
+        .env_remove("LEASEHOLD_SIDECAR");
+    command
+}
+
+/// Prints what pytest wrote and fails, saying `what` failed, unless it passed.
+fn passed(out: &Output, what: &str) {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(out.status.success(), "{what} failed:\n{text}");
+}
 
 /// The Python client passes its pytest suite against the real sidecar.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -24,48 +55,30 @@ async fn python_client_pytest_suite() {
     let Fixture { ns, .. } = fixture!("python-client");
     let _controller = controller(&ns.name);
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let kubectl = kubectl_path();
     let logs = log_dir().join(format!("{}-pytest", ns.name));
     std::fs::create_dir_all(&logs).unwrap();
-    let suite = root.join("clients/python/tests");
-    let python = python.clone();
-    let ns_name = ns.name.clone();
-    let logs2 = logs.clone();
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new(&python)
-            .args([
-                "-m",
-                "pytest",
-                "-v",
-                "-p",
-                "no:cacheprovider",
-                "--durations=5",
-            ])
-            .arg(&suite)
-            .current_dir(root)
-            .env("LEASEHOLD_BIN", leasehold_bin())
-            .env("LEASEHOLD_TEST_NAMESPACE", &ns_name)
-            .env("LEASEHOLD_KUBECTL", &kubectl)
-            .env("LEASEHOLD_PYTEST_LOGS", &logs2)
-            .env("KUBECONFIG", kubeconfig_path())
-            .env_remove("LEASEHOLD_SIDECAR")
-            .env_remove("POD_NAME")
-            .env_remove("POD_NAMESPACE")
-            .output()
-            .expect("run pytest")
-    })
-    .await
-    .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let mut command = pytest(
+        &python,
+        root,
+        &[root.join("clients/python/tests").as_os_str()],
     );
-    println!("{text}");
-    assert!(
-        out.status.success(),
-        "the Python client's tests failed (logs of its sidecars and workers: {}):\n{text}",
-        logs.display()
+    command
+        .env("LEASEHOLD_BIN", leasehold_bin())
+        .env("LEASEHOLD_TEST_NAMESPACE", &ns.name)
+        .env("LEASEHOLD_KUBECTL", kubectl_path())
+        .env("LEASEHOLD_PYTEST_LOGS", &logs)
+        .env("KUBECONFIG", kubeconfig_path())
+        .env_remove("POD_NAME")
+        .env_remove("POD_NAMESPACE");
+    let out = tokio::task::spawn_blocking(move || command.output().expect("run pytest"))
+        .await
+        .unwrap();
+    passed(
+        &out,
+        &format!(
+            "the Python client's tests (logs of its sidecars and workers: {})",
+            logs.display()
+        ),
     );
 }
 
@@ -81,28 +94,12 @@ fn python_client_unit_tests() {
         return;
     };
     let client = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python");
-    let out = Command::new(&python)
-        .args([
-            "-m",
-            "pytest",
-            "-v",
-            "-p",
-            "no:cacheprovider",
-            "--durations=5",
-        ])
-        .args(["tests_unit", "examples"])
-        .current_dir(&client)
-        .env_remove("LEASEHOLD_SIDECAR")
-        .output()
-        .expect("run pytest");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    println!("{text}");
-    assert!(
-        out.status.success(),
-        "the Python client's unit tests failed:\n{text}"
-    );
+    let out = pytest(
+        &python,
+        &client,
+        &["tests_unit".as_ref(), "examples".as_ref()],
+    )
+    .output()
+    .expect("run pytest");
+    passed(&out, "the Python client's unit tests");
 }
