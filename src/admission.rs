@@ -1,7 +1,10 @@
 //! The controller's validating admission webhook: the API server asks it about every create
 //! and update of a LeasedJob (spec and status), and it refuses one that would make the job
 //! larger than [`MAX_JOB_BYTES`], with a 413 that names the job, its largest field, the sizes
-//! and the limit, before anything is stored.
+//! and the limit, before anything is stored. It also refuses, with a 422, a create or update of
+//! a job that sets `leasehold.dev/traceparent` or `leasehold.dev/tracestate` to a value that
+//! breaks the W3C Trace Context rules ([`leasehold_core::trace::check_annotations`]), naming
+//! the annotation, the value and the rule: a CRD's validation rules cannot read annotations.
 //!
 //! Why a webhook: without it, a job too large for etcd is refused by etcd itself, behind the
 //! API server, as a 500 (`etcdserver: request is too large`) or a gRPC ResourceExhausted,
@@ -18,6 +21,7 @@
 //! `ToStatusErr`), so the client sees 413 with our message after the API server's prefix
 //! `admission webhook "<name>" denied the request: `.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::Arc;
 
@@ -33,6 +37,7 @@ use tokio::sync::Semaphore;
 use crate::review::{self, deny, envelope};
 pub use crate::review::{ReviewError, MAX_REVIEWS_IN_FLIGHT, MAX_REVIEW_BYTES};
 pub use leasehold_core::crd::MAX_JOB_BYTES;
+use leasehold_core::trace::{self, BadTraceAnnotation};
 
 /// The path the webhook serves (POST, `Content-Type: application/json`).
 pub const PATH: &str = "/validate/leasedjobs";
@@ -44,6 +49,27 @@ pub enum Decision {
     Allowed,
     /// The request would make a job too large.
     TooLarge(TooLarge),
+    /// The request sets a trace annotation that breaks the W3C Trace Context rules.
+    BadTrace(BadTrace),
+}
+
+/// A refused write that sets a malformed trace annotation: which job, and what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BadTrace {
+    /// `<namespace>/<name>` (for a create with `generateName`, the prefix followed by `*`).
+    pub job: String,
+    /// The annotation, its value and the rule.
+    pub refusal: BadTraceAnnotation,
+}
+
+impl std::fmt::Display for BadTrace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "LeasedJob {}: {}. Set it from the producer's current span (kubectl leasehold submit --traceparent, leasehold.Producer.submit), or leave it out",
+            self.job, self.refusal
+        )
+    }
 }
 
 /// A refused write: which job, how large, and where the bytes are.
@@ -155,7 +181,9 @@ pub struct Reviewed {
 /// limit (etcd took up to about 1.5 MiB) can still be cancelled, finished or deleted; and a
 /// write to the status subresource may go [`status_headroom`] past the limit, so that a job
 /// created right at the limit can still be initialised, claimed and failed.
-/// Everything else (other resources, `DELETE`, `CONNECT`) is allowed.
+/// A create or update of the job itself (not of its status) that sets or changes a trace
+/// annotation to a malformed value is refused with code 422, reason `Invalid` ([`BadTrace`]'s
+/// Display). Everything else (other resources, `DELETE`, `CONNECT`) is allowed.
 ///
 /// Sizes are the byte lengths of `request.object` and `request.oldObject` exactly as the API
 /// server encoded them in the review (compact JSON, the encoding it stores a custom resource
@@ -170,13 +198,15 @@ pub fn review(body: &[u8], limit: usize) -> Result<Reviewed, ReviewError> {
     let request = review.request.ok_or(ReviewError::NoRequest)?;
     let decision = decide(&request, limit);
     let mut response = json!({"uid": request.uid, "allowed": true});
-    if let Decision::TooLarge(refusal) = &decision {
-        deny(
+    match &decision {
+        Decision::TooLarge(refusal) => deny(
             &mut response,
             413,
             "RequestEntityTooLarge",
             refusal.to_string(),
-        );
+        ),
+        Decision::BadTrace(refusal) => deny(&mut response, 422, "Invalid", refusal.to_string()),
+        Decision::Allowed => {}
     }
     Ok(Reviewed {
         response: envelope(&review.api_version, response),
@@ -199,7 +229,7 @@ fn decide(request: &AdmissionRequest<'_>, limit: usize) -> Decision {
     let size = object.get().len();
     let old_size = request.old_object.map(|o| o.get().len());
     if size <= limit || old_size.is_some_and(|old| size <= old) {
-        return Decision::Allowed;
+        return trace_annotations(request, object);
     }
     let parsed: Option<Value> = serde_json::from_str(object.get()).ok();
     let job = job_ref(request, parsed.as_ref());
@@ -212,6 +242,52 @@ fn decide(request: &AdmissionRequest<'_>, limit: usize) -> Decision {
         limit,
         largest: parsed.as_ref().and_then(largest_field),
     })
+}
+
+/// The metadata.annotations of an object, all that [`trace_annotations`] reads of it.
+#[derive(Default, Deserialize)]
+struct Annotated {
+    #[serde(default)]
+    metadata: AnnotatedMeta,
+}
+
+#[derive(Default, Deserialize)]
+struct AnnotatedMeta {
+    #[serde(default)]
+    annotations: Option<BTreeMap<String, String>>,
+}
+
+/// A create or update of the job itself (not its status, where the API server ignores
+/// metadata) may not set or change a trace annotation to a malformed value
+/// ([`leasehold_core::trace::check_annotations`]); one kept as stored is not judged. An
+/// object whose metadata cannot be read is left to the API server's own validation.
+fn trace_annotations(request: &AdmissionRequest<'_>, object: &RawValue) -> Decision {
+    if !request.sub_resource.is_empty() {
+        return Decision::Allowed;
+    }
+    let annotations = |raw: &RawValue| {
+        serde_json::from_str::<Annotated>(raw.get())
+            .ok()
+            .and_then(|a| a.metadata.annotations)
+            .unwrap_or_default()
+    };
+    let new = annotations(object);
+    if !new.contains_key(trace::TRACEPARENT_ANNOTATION)
+        && !new.contains_key(trace::TRACESTATE_ANNOTATION)
+    {
+        return Decision::Allowed;
+    }
+    let old = request.old_object.map(annotations);
+    match trace::check_annotations(&new, old.as_ref()) {
+        Ok(()) => Decision::Allowed,
+        Err(refusal) => {
+            let parsed: Option<Value> = serde_json::from_str(object.get()).ok();
+            Decision::BadTrace(BadTrace {
+                job: job_ref(request, parsed.as_ref()),
+                refusal,
+            })
+        }
+    }
 }
 
 /// Room a write to the status subresource has beyond the limit: a sixteenth of it (64 KiB of
@@ -305,6 +381,9 @@ async fn answer(State(turns): State<Arc<Semaphore>>, request: Request) -> Respon
     };
     match review(&body, MAX_JOB_BYTES) {
         Ok(reviewed) => {
+            if let Decision::BadTrace(refusal) = &reviewed.decision {
+                tracing::info!(job = %refusal.job, annotation = refusal.refusal.annotation, "Refused a write of LeasedJob {}: {}", refusal.job, refusal.refusal);
+            }
             if let Decision::TooLarge(refusal) = &reviewed.decision {
                 let field = refusal.largest.as_ref().map_or("", |(f, _)| f.as_str());
                 let write = match refusal.sub_resource.as_str() {
@@ -516,6 +595,53 @@ mod tests {
             panic!("allowed")
         };
         assert_eq!(refusal.job, "jobs/transcode-*");
+    }
+
+    #[test]
+    fn a_malformed_trace_annotation_is_refused_when_set_not_when_kept() {
+        const VALID: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let annotated = |value: &str| {
+            let mut j = job(10, 0);
+            j["metadata"]["annotations"] = json!({"leasehold.dev/traceparent": value});
+            j
+        };
+        let good = annotated(VALID);
+        let bad = annotated("00-not-a-trace");
+        let out = decide_json(&request("CREATE", "", Some(&good), None));
+        assert_eq!(out.decision, Decision::Allowed);
+        let out = decide_json(&request("CREATE", "", Some(&bad), None));
+        let Decision::BadTrace(refusal) = &out.decision else {
+            panic!("{:?}", out.decision)
+        };
+        assert_eq!(refusal.job, "jobs/big");
+        let status = &out.response["response"]["status"];
+        assert_eq!(out.response["response"]["allowed"], false);
+        assert_eq!(
+            (status["code"].as_u64(), status["reason"].as_str()),
+            (Some(422), Some("Invalid"))
+        );
+        let message = status["message"].as_str().unwrap();
+        for part in [
+            "LeasedJob jobs/big",
+            "annotation leasehold.dev/traceparent",
+            "\"00-not-a-trace\"",
+            "section 3.2",
+        ] {
+            assert!(message.contains(part), "{part}: {message}");
+        }
+        // An update that keeps it (a cancel, a retry) goes on; one that sets it is judged;
+        // a status write is not judged (the API server ignores metadata there).
+        let out = decide_json(&request("UPDATE", "", Some(&bad), Some(&bad)));
+        assert_eq!(out.decision, Decision::Allowed);
+        let out = decide_json(&request("UPDATE", "", Some(&bad), Some(&good)));
+        assert!(matches!(out.decision, Decision::BadTrace(_)));
+        let out = decide_json(&request("UPDATE", "status", Some(&bad), Some(&good)));
+        assert_eq!(out.decision, Decision::Allowed);
+        // Too large and malformed: the size is what is refused.
+        let mut both = annotated("00-not-a-trace");
+        both["spec"]["payload"] = json!("x".repeat(LIMIT));
+        let out = decide_json(&request("CREATE", "", Some(&both), None));
+        assert!(matches!(out.decision, Decision::TooLarge(_)));
     }
 
     #[test]

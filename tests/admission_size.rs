@@ -2,7 +2,10 @@
 //! real API server: a LeasedJob too large to store is refused with a 413 that names the job,
 //! the field and the limit, before anything is stored, whether the write is a create, a
 //! worker's result through the sidecar, or a status patch; jobs under the limit go through
-//! every step as before; and a rotated serving certificate is served without a restart.
+//! every step as before; a job whose trace annotations break the W3C Trace Context rules is
+//! refused with a 422 naming the annotation, the value and the rule, while a job stored with
+//! one before can still be updated; and a rotated serving certificate is served without a
+//! restart.
 //!
 //! Each test makes its own CA and serving certificate for 127.0.0.1 with the `openssl` CLI,
 //! starts a controller serving the webhook on a free loopback port, and registers a
@@ -296,6 +299,95 @@ async fn oversized_jobs_are_refused_with_413() {
         "{log}"
     );
     drop(webhook);
+}
+
+/// Creates or changes that set a malformed `leasehold.dev/traceparent` or `tracestate` are
+/// refused with 422, naming the job, the annotation, the value and the rule; valid ones are
+/// stored; a job stored with a malformed one before the webhook can still be cancelled.
+#[tokio::test]
+async fn malformed_trace_annotations_are_refused_with_422() {
+    let Fixture { client, ns } = fixture!("trace-annotations");
+    let api: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    const VALID: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let traced = |name: &str, annotations: Value| -> LeasedJob {
+        let mut j = job(name, "q", 10);
+        j.metadata.annotations = Some(serde_json::from_value(annotations).unwrap());
+        j
+    };
+    let bad = json!({"leasehold.dev/traceparent": "00-abc-def-01"});
+    try_create(&api, &traced("stored-before", bad.clone()))
+        .await
+        .expect("no webhook yet");
+
+    let _webhook = Webhook::start(&client, &ns.name).await;
+    wait_for("the webhook in force", Duration::from_secs(30), || async {
+        match try_create(&api, &job("probe", "q", MIB * 16 / 10)).await {
+            Err(r) if r.0 == 413 => Some(()),
+            Err(r) if r.0 >= 500 => None,
+            other => panic!("a 1.6 MiB job was not refused: {other:?}"),
+        }
+    })
+    .await;
+
+    let refused = try_create(&api, &traced("bad-parent", bad.clone()))
+        .await
+        .expect_err("a malformed traceparent is refused");
+    assert_eq!(refused.0, 422, "{}", refused.1);
+    for part in [
+        format!("LeasedJob {}/bad-parent", ns.name),
+        "annotation leasehold.dev/traceparent \"00-abc-def-01\" is not a valid W3C traceparent"
+            .to_string(),
+        "section 3.2".to_string(),
+    ] {
+        assert!(refused.1.contains(&part), "{part:?} missing: {}", refused.1);
+    }
+    assert!(api.get_opt("bad-parent").await.unwrap().is_none());
+    let refused = try_create(
+        &api,
+        &traced(
+            "bad-state",
+            json!({"leasehold.dev/traceparent": VALID, "leasehold.dev/tracestate": "Vendor=1"}),
+        ),
+    )
+    .await
+    .expect_err("a malformed tracestate is refused");
+    assert_eq!(refused.0, 422, "{}", refused.1);
+    assert!(
+        refused.1.contains("annotation leasehold.dev/tracestate")
+            && refused.1.contains("section 3.3"),
+        "{}",
+        refused.1
+    );
+
+    // Valid ones are stored; changing one to a malformed value is refused as well.
+    try_create(
+        &api,
+        &traced(
+            "good",
+            json!({"leasehold.dev/traceparent": VALID, "leasehold.dev/tracestate": "vendor=1"}),
+        ),
+    )
+    .await
+    .expect("valid trace annotations are stored");
+    let retrace = json!({"metadata": {"annotations": {"leasehold.dev/traceparent": "01-x"}}});
+    let err = api
+        .patch("good", &PatchParams::default(), &Patch::Merge(&retrace))
+        .await
+        .expect_err("a malformed traceparent set by an update is refused");
+    assert!(
+        matches!(&err, kube::Error::Api(s) if s.code == 422),
+        "{err}"
+    );
+
+    // The job stored before keeps its annotation and can still be cancelled.
+    let cancel = json!({"spec": {"cancel": true}});
+    api.patch(
+        "stored-before",
+        &PatchParams::default(),
+        &Patch::Merge(&cancel),
+    )
+    .await
+    .expect("an update that keeps a stored annotation goes on");
 }
 
 #[tokio::test]

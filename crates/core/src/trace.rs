@@ -237,6 +237,52 @@ fn valid_key(key: &str) -> bool {
     }
 }
 
+/// A trace annotation a write must not store: which one, and what is wrong with its value.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[error("annotation {annotation} {error} (W3C Trace Context, section {section})")]
+pub struct BadTraceAnnotation {
+    /// [`TRACEPARENT_ANNOTATION`] or [`TRACESTATE_ANNOTATION`].
+    pub annotation: &'static str,
+    /// The section of the Recommendation whose rule it breaks: `3.2` or `3.3`.
+    pub section: &'static str,
+    /// The value and the rule.
+    pub error: TraceParentError,
+}
+
+/// Judges the trace annotations of a job about to be stored with `annotations`, which had
+/// `before` (None for a create): each of [`TRACEPARENT_ANNOTATION`] and
+/// [`TRACESTATE_ANNOTATION`] that the write sets or changes must be valid
+/// ([`parse_traceparent`], [`check_tracestate`]). One left as it was is not judged, so that a
+/// job stored before the rule can still be updated, cancelled or retried.
+///
+/// # Errors
+/// [`BadTraceAnnotation`] for the first annotation that breaks its rule.
+pub fn check_annotations(
+    annotations: &BTreeMap<String, String>,
+    before: Option<&BTreeMap<String, String>>,
+) -> Result<(), BadTraceAnnotation> {
+    let changed = |name: &str| {
+        let value = annotations.get(name)?;
+        let same = before.and_then(|b| b.get(name)) == Some(value);
+        (!same).then_some(value.as_str())
+    };
+    if let Some(value) = changed(TRACEPARENT_ANNOTATION) {
+        parse_traceparent(value).map_err(|error| BadTraceAnnotation {
+            annotation: TRACEPARENT_ANNOTATION,
+            section: "3.2",
+            error,
+        })?;
+    }
+    if let Some(value) = changed(TRACESTATE_ANNOTATION) {
+        check_tracestate(value).map_err(|error| BadTraceAnnotation {
+            annotation: TRACESTATE_ANNOTATION,
+            section: "3.3",
+            error,
+        })?;
+    }
+    Ok(())
+}
+
 /// The trace context a job carries to its claim.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Carried {
@@ -281,6 +327,45 @@ mod tests {
     use super::*;
 
     const VALID: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    #[test]
+    fn a_write_may_not_set_a_malformed_trace_annotation_but_may_keep_one() {
+        let with = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let good = with(&[
+            (TRACEPARENT_ANNOTATION, VALID),
+            (TRACESTATE_ANNOTATION, "a=1"),
+        ]);
+        assert_eq!(check_annotations(&good, None), Ok(()));
+        assert_eq!(check_annotations(&with(&[]), None), Ok(()));
+        let bad_parent = with(&[(TRACEPARENT_ANNOTATION, "00-xyz")]);
+        let e = check_annotations(&bad_parent, None).unwrap_err();
+        assert_eq!((e.annotation, e.section), (TRACEPARENT_ANNOTATION, "3.2"));
+        let text = e.to_string();
+        assert!(
+            text.starts_with(
+                "annotation leasehold.dev/traceparent \"00-xyz\" is not a valid W3C traceparent: "
+            ),
+            "{text}"
+        );
+        assert!(text.ends_with("(W3C Trace Context, section 3.2)"), "{text}");
+        let bad_state = with(&[
+            (TRACEPARENT_ANNOTATION, VALID),
+            (TRACESTATE_ANNOTATION, "A=1"),
+        ]);
+        let e = check_annotations(&bad_state, None).unwrap_err();
+        assert_eq!((e.annotation, e.section), (TRACESTATE_ANNOTATION, "3.3"));
+        // Kept as stored: not judged. Changed to another malformed value: judged.
+        assert_eq!(check_annotations(&bad_parent, Some(&bad_parent)), Ok(()));
+        assert_eq!(check_annotations(&bad_state, Some(&bad_state)), Ok(()));
+        let worse = with(&[(TRACEPARENT_ANNOTATION, "00-abc")]);
+        assert!(check_annotations(&worse, Some(&bad_parent)).is_err());
+        assert_eq!(check_annotations(&good, Some(&bad_parent)), Ok(()));
+    }
 
     #[test]
     fn a_valid_traceparent_is_parsed_and_written_back_unchanged() {
