@@ -524,12 +524,12 @@ async fn a_slot_left_pending_by_a_dead_claimer_is_freed_by_the_controller() {
         (j.phase() == Phase::Queued && j.status.is_some()).then_some(j)
     })
     .await;
+    let sidecar = Sidecar::start(&ns.name, "q", "worker", &[]).await;
     // The dead claimer's slot: taken as a sidecar takes it, its claim write never sent.
     let taken_at = std::time::Instant::now();
     let dead = take(&client, &ns.name, &copy, "dead-pod").await;
     let slot = dead.slots.expect("key a had a free slot").pop().unwrap();
     create_keyed(&client, &ns.name, "now", "a").await;
-    let sidecar = Sidecar::start(&ns.name, "q", "worker", &[]).await;
     let (status, answer) = sidecar.claim(2).await;
     assert_eq!(
         status, 204,
@@ -558,4 +558,49 @@ async fn a_slot_left_pending_by_a_dead_claimer_is_freed_by_the_controller() {
     );
     assert_eq!((status.phase, status.attempt), (Some(Phase::Queued), 0));
     assert_eq!(status.token, None, "nothing else of the job changed");
+    // The dead claimer's write, guarded by the version its slot names, cannot land now.
+    let mut late_claim = copy.clone();
+    late_claim.status = Some(leasehold_core::claim::claimed_status(
+        &copy,
+        &dead.token,
+        "dead-pod",
+        k8s_openapi::jiff::Timestamp::now(),
+        None,
+    ));
+    let refused = jobs
+        .replace_status("later", &PostParams::default(), &late_claim)
+        .await;
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(s)) if s.code == 409),
+        "{refused:?}"
+    );
+
+    // A slot whose claim landed is never freed: the write guarded by its version is refused,
+    // and the job stays Leased.
+    create_keyed(&client, &ns.name, "held", "b").await;
+    let held = wait_for("held Queued", Duration::from_secs(10), || async {
+        let j = jobs.get("held").await.ok()?;
+        (j.status.is_some()).then_some(j)
+    })
+    .await;
+    let took = take(&client, &ns.name, &held, "live-pod").await;
+    let slot = took.slots.expect("key b had a free slot").pop().unwrap();
+    claim_ok(&jobs, &held, "live-pod", took.token).await;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    let lease = leases.get(&slot).await.unwrap();
+    let named = leasehold_core::slots::Named::read(
+        leasehold_core::lease::holder_identity(&lease),
+        lease
+            .annotations()
+            .get(leasehold_core::slots::CLAIMS_ANNOTATION)
+            .map(String::as_str),
+    )
+    .unwrap();
+    let freeing = leasehold_kube::adopt::free_pending(&jobs, &slot, &named, "limits-test")
+        .await
+        .unwrap();
+    assert_eq!(freeing, leasehold_kube::adopt::Freeing::MovedOn);
+    let held = jobs.get("held").await.unwrap();
+    assert_eq!(held.phase(), Phase::Leased);
+    assert_eq!(held.status.unwrap().pending_slot_freed, None);
 }

@@ -28,6 +28,7 @@ use leasehold_core::adoption;
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::job_cache::JobKey;
 use leasehold_core::queue::LeasedQueue;
+use leasehold_kube::adopt::Freeing;
 use leasehold_kube::api::{error_chain, is_status};
 
 /// Adopts the Leased jobs of `q` (a LeasedQueue that sets limits) and tidies its slots; when
@@ -91,14 +92,16 @@ pub(super) async fn pass(ctx: &Context, q: &LeasedQueue) {
 /// waited [`adoption::PENDING_GRACE`] for a claim write never made, judged from the
 /// controller's job cache ([`adoption::pending_claim`]): each by a write to its job guarded by
 /// the version the slot names ([`leasehold_kube::adopt::free_pending`]), which the API server
-/// refuses if the claim landed, or anything else moved the job, meanwhile. So a claimer that
-/// died between its slot and its claim holds a unit of the limit for one grace and a pass at
-/// most, not until its job is claimed again (docs/protocol.md, "Limits").
+/// refuses if the claim landed, or anything else moved the job, meanwhile. A slot is timed
+/// from when a pass first saw it pending at its own resourceVersion, so a claimer that reuses
+/// it (adding its mark) or takes it anew starts the grace again. So a claimer that died
+/// between its slot and its claim holds a unit of the limit for the grace and a pass or two,
+/// not until its job is claimed again (docs/protocol.md, "Limits").
 async fn free_stalled(
     ctx: &Context,
     q: &LeasedQueue,
     jobs: &Api<LeasedJob>,
-    named: &[(String, leasehold_core::slots::Named)],
+    named: &[leasehold_kube::adopt::NamedSlot],
 ) {
     let ns = q.namespace().unwrap_or_default();
     let queue = format!("{ns}/{}", q.name_any());
@@ -106,16 +109,19 @@ async fn free_stalled(
         let cache = ctx.jobs.lock().unwrap();
         named
             .iter()
-            .filter(|(_, n)| {
+            .filter(|slot| {
                 let key = JobKey {
                     namespace: ns.as_str().into(),
-                    name: n.holder.job.as_str().into(),
+                    name: slot.named.holder.job.as_str().into(),
                 };
                 cache
                     .job(&key)
-                    .is_some_and(|job| adoption::pending_claim(n, &job))
+                    .is_some_and(|job| adoption::pending_claim(q, &slot.scope, &slot.named, &job))
             })
-            .map(|(slot, n)| (slot.clone(), n.holder.render()))
+            .map(|slot| {
+                let what = format!("{} {}", slot.named.holder.render(), slot.version);
+                (slot.name.clone(), what)
+            })
             .collect()
     };
     let due = ctx
@@ -123,18 +129,22 @@ async fn free_stalled(
         .lock()
         .unwrap()
         .observe(&queue, &pending, Instant::now());
-    for (slot, n) in named.iter().filter(|(slot, _)| due.contains(slot)) {
+    for slot in named.iter().filter(|slot| due.contains(&slot.name)) {
         if !ctx.leadership.is_leader() {
             return;
         }
-        let job = &n.holder.job;
-        match leasehold_kube::adopt::free_pending(jobs, slot, n, &ctx.field_manager).await {
-            Ok(true) => {
-                info!(queue = %queue, slot = %slot, job = %job, "Queue {queue}: freed slot {slot}, left pending on LeasedJob {ns}/{job} by a claimer that never made its claim; no claim from that copy of the job can land now")
+        let (name, job) = (&slot.name, &slot.named.holder.job);
+        match leasehold_kube::adopt::free_pending(jobs, name, &slot.named, &ctx.field_manager).await
+        {
+            Ok(Freeing::Freed) => {
+                info!(queue = %queue, slot = %name, job = %job, "Queue {queue}: freed slot {name}, left pending on LeasedJob {ns}/{job} by a claimer that never made its claim; no claim from that copy of the job can land now")
             }
-            Ok(false) => {}
+            Ok(Freeing::MovedOn) => {}
+            Ok(Freeing::NotStored) => {
+                warn!(queue = %queue, slot = %name, job = %job, "Freeing slot {name} of queue {queue} stored nothing: the installed LeasedJob CRD lacks status.pendingSlotFreed (upgrade it: {}); the slot stays busy until LeasedJob {ns}/{job} is claimed", crate::crd_check::FIX_COMMAND)
+            }
             Err(e) => {
-                warn!(queue = %queue, slot = %slot, error = %error_chain(&e), "Freeing slot {slot} of queue {queue} failed; the next pass retries")
+                warn!(queue = %queue, slot = %name, error = %error_chain(&e), "Freeing slot {name} of queue {queue} failed; the next pass retries")
             }
         }
     }

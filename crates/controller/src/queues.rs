@@ -151,6 +151,8 @@ async fn report(store: Store<LeasedQueue>, ctx: Arc<Context>, due: Arc<Notify>) 
         let statuses = statuses(&ctx, &queues, now);
         reported = set_metrics(&ctx, &queues, &statuses, now, reported);
         if !ctx.leadership.is_leader() {
+            // A later leadership times pending slots afresh.
+            ctx.stalled.lock().unwrap().clear();
             continue;
         }
         for (q, status) in queues.iter().zip(statuses) {

@@ -70,17 +70,24 @@ pub fn adopting(job: &LeasedJob) -> Option<SlotHolder> {
     })
 }
 
-/// Whether the slot naming `named` waits for a claim that was never written: `job` (a copy of
-/// the job it names) is still at the version the slot names, Queued, one attempt before the
-/// slot's. Its claimer took the slot and has not made its claim write yet: in flight (a few
+/// Whether the slot naming `named`, of the scope labelled `scope` in `queue`, waits for a
+/// claim that was never written: `job` (a copy of the job it names) is a job of that queue and
+/// scope, still at the version the slot names, Queued, one attempt before the slot's. Its claimer took the slot and has not made its claim write yet: in flight (a few
 /// milliseconds), or never, if it died or stalled in between (or its write failed without
 /// landing). Such a slot holds a unit of its scope until the job moves past that version.
 ///
 /// A slot a controller wrote for a Leased job ([`adopting`]) names the job's own attempt, so
-/// it is never pending: it is busy while that attempt lasts.
-pub fn pending_claim(named: &Named, job: &LeasedJob) -> bool {
+/// it is never pending: it is busy while that attempt lasts. A slot naming a job of another
+/// queue or scope was written by no claim of this one (workers may write slot Leases): it is
+/// never judged pending, so that it cannot make the controller write to that job.
+pub fn pending_claim(queue: &LeasedQueue, scope: &str, named: &Named, job: &LeasedJob) -> bool {
     let holder = &named.holder;
-    job.metadata.name.as_deref() == Some(&holder.job)
+    let in_scope = queue.metadata.name.as_deref() == Some(&job.spec.queue)
+        && crate::slots::scopes(queue, job)
+            .iter()
+            .any(|(s, _)| s.label() == scope);
+    in_scope
+        && job.metadata.name.as_deref() == Some(&holder.job)
         && job.metadata.resource_version.as_deref() == Some(&holder.resource_version)
         && job.phase() == Phase::Queued
         && job.attempt() + 1 == holder.attempt
@@ -104,9 +111,10 @@ pub struct Stalled {
 }
 
 impl Stalled {
-    /// Notes that the slots `pending` (slot name, the claim it names as rendered) of `queue`
-    /// were seen pending at `now`, and forgets its other slots; returns the slots of `pending`
-    /// seen pending, naming the same claim, since [`PENDING_GRACE`] or longer.
+    /// Notes that the slots `pending` (slot name, what it names: the claim as rendered and the
+    /// slot's resourceVersion, which a reuse or a new take changes) of `queue` were seen pending
+    /// at `now`, and forgets its other slots; returns the slots of `pending` seen pending,
+    /// naming the same thing, since [`PENDING_GRACE`] or longer.
     pub fn observe(
         &mut self,
         queue: &str,
@@ -135,6 +143,11 @@ impl Stalled {
     /// Forgets every queue not in `queues` (deleted LeasedQueues, or queues without limits).
     pub fn retain(&mut self, queues: &std::collections::HashSet<String>) {
         self.seen.retain(|q, _| queues.contains(q));
+    }
+
+    /// Forgets everything (this replica stopped leading: its next leadership starts afresh).
+    pub fn clear(&mut self) {
+        self.seen.clear();
     }
 }
 
@@ -176,8 +189,23 @@ mod tests {
 
     #[test]
     fn a_slot_is_pending_while_its_job_waits_at_the_version_it_names() {
+        let mut queue = LeasedQueue::new("q", LeasedQueueSpec::default());
+        queue.spec.max_leased = Some(4);
+        let pending_claim = |slot: &Named, job: &LeasedJob| {
+            let mut job = job.clone();
+            job.spec.queue = "q".into();
+            pending_claim(&queue, "q", slot, &job)
+        };
         let slot = Named::taken(holder("40", 3), mark_of("3.aaaa"));
         assert!(pending_claim(&slot, &job("40", Phase::Queued, 2)));
+        // A slot naming a job of another queue, or of a scope the queue does not limit it in.
+        let mut elsewhere = job("40", Phase::Queued, 2);
+        elsewhere.spec.queue = "other".into();
+        assert!(!super::pending_claim(&queue, "q", &slot, &elsewhere));
+        let mut here = job("40", Phase::Queued, 2);
+        here.spec.queue = "q".into();
+        let key_scope = crate::slots::Scope::Key("a".into()).label();
+        assert!(!super::pending_claim(&queue, &key_scope, &slot, &here));
         // The claim landed, the job moved on, or the slot names another attempt or job.
         assert!(!pending_claim(
             &slot,

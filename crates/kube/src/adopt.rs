@@ -44,10 +44,36 @@ pub struct Adoption {
     /// Whether every job given is now counted in every limited scope it falls in: false when
     /// a write lost a race (the next pass lists again).
     pub complete: bool,
-    /// Every slot of this LeasedQueue that names a claim after the pass: (slot Lease name,
-    /// what it names), for the caller to find those left pending
-    /// ([`leasehold_core::adoption::pending_claim`]) and [`free_pending`] them.
-    pub named: Vec<(String, Named)>,
+    /// Every slot of this LeasedQueue that names a claim after the pass, for the caller to
+    /// find those left pending ([`leasehold_core::adoption::pending_claim`]) and
+    /// [`free_pending`] them.
+    pub named: Vec<NamedSlot>,
+}
+
+/// A slot Lease that names a claim, as an adoption pass left it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NamedSlot {
+    /// The Lease's name.
+    pub name: String,
+    /// Its scope's label ([`leasehold_core::slots::Scope::label`]).
+    pub scope: String,
+    /// Its resourceVersion: a take, a reuse that adds a mark, or a give-back changes it.
+    pub version: String,
+    /// The claim it names.
+    pub named: Named,
+}
+
+/// What [`free_pending`] came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Freeing {
+    /// The job moved past the version the slot names: no claim from it can land.
+    Freed,
+    /// The job had moved on already (its claim landed, or anything else changed it), or is
+    /// gone: nothing was written, and the slot is judged afresh.
+    MovedOn,
+    /// The API server answered without storing anything (the job is still at that version):
+    /// the installed LeasedJob CRD lacks `status.pendingSlotFreed`, so it pruned the field.
+    NotStored,
 }
 
 /// The slots of one scope as listed, by index, with the Lease objects to write over.
@@ -169,9 +195,16 @@ pub async fn adopt(
     }
     for (label, known) in &by_scope {
         for (index, named) in &known.named {
-            if let (Some(named), false) = (named, known.foreign.contains(index)) {
-                let name = slots::slot_name(&queue_name, label, *index);
-                outcome.named.push((name, named.clone()));
+            let version = known.leases.get(index).and_then(|l| l.resource_version());
+            if let (Some(named), Some(version), false) =
+                (named, version, known.foreign.contains(index))
+            {
+                outcome.named.push(NamedSlot {
+                    name: slots::slot_name(&queue_name, label, *index),
+                    scope: label.clone(),
+                    version,
+                    named: named.clone(),
+                });
             }
         }
     }
@@ -183,9 +216,8 @@ pub async fn adopt(
 /// `status.pendingSlotFreed` by a merge patch guarded by the resourceVersion the slot names,
 /// through `jobs` (the queue's namespace) as `field_manager`. Once it lands the job is past that
 /// version, so no claim guarded by it can succeed and the slot is free by the busy rule
-/// ([`leasehold_core::slots::state_of`]); nothing else of the job changes. `Ok(false)` when the
-/// job moved on or is gone first (its claim landed, or anything else changed it: the slot is
-/// judged afresh then).
+/// ([`leasehold_core::slots::state_of`]); nothing else of the job changes. See [`Freeing`]
+/// for the other outcomes.
 ///
 /// # Errors
 /// [`SlotError`] when the write failed for another reason.
@@ -194,7 +226,7 @@ pub async fn free_pending(
     slot: &str,
     named: &Named,
     field_manager: &str,
-) -> Result<bool, SlotError> {
+) -> Result<Freeing, SlotError> {
     let patch = serde_json::json!({
         "metadata": {"resourceVersion": named.holder.resource_version},
         "status": {"pendingSlotFreed": format!("{slot} {}", named.holder.render())},
@@ -207,8 +239,11 @@ pub async fn free_pending(
         .patch_status(&named.holder.job, &params, &Patch::Merge(&patch))
         .await
     {
-        Ok(_) => Ok(true),
-        Err(e) if is_status(&e, 409) || is_status(&e, 404) => Ok(false),
+        Ok(job) if job.resource_version() == Some(named.holder.resource_version.clone()) => {
+            Ok(Freeing::NotStored)
+        }
+        Ok(_) => Ok(Freeing::Freed),
+        Err(e) if is_status(&e, 409) || is_status(&e, 404) => Ok(Freeing::MovedOn),
         Err(source) => Err(SlotError {
             what: format!(
                 "freeing slot Lease {slot}, left pending on LeasedJob {}",
