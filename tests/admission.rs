@@ -19,6 +19,7 @@ use kube::{Api, Client, ResourceExt};
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::fence::{Outcome, REASON_LEASE_EXPIRED};
 use leasehold_core::lease;
+use leasehold_core::queue::LeasedQueue;
 use leasehold_core::token::Token;
 use leasehold_testkit::*;
 use serde_json::{json, Value};
@@ -419,6 +420,130 @@ async fn a_claim_records_the_policy_its_job_s_spec_sets() {
         (policy.lease_duration_seconds, policy.max_attempts),
         (30, 2)
     );
+}
+
+/// Under a LeasedQueue's limits the API server refuses a worker's claim that does not record
+/// them (its sidecar had not seen them: `limits-obeyed`), and one made before the controller
+/// confirmed them (`limits-adopted`); the claim that records them, once confirmed, is
+/// accepted, and a queue without a LeasedQueue needs nothing. The claim library reads the
+/// refusal as `OutsideLimits`, which the sidecar waits out as a limit.
+#[tokio::test]
+async fn claims_under_limits_record_them_once_they_are_confirmed() {
+    let w = World::new(fixture!("adm-limits"), &[]).await;
+    let queues: Api<LeasedQueue> = Api::namespaced(w.admin.clone(), &w.ns.name);
+    let queue: LeasedQueue = serde_json::from_value(json!({
+        "apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedQueue",
+        "metadata": {"name": "q"}, "spec": {"maxLeasedPerKey": 2},
+    }))
+    .unwrap();
+    let queue = queues
+        .create(&kube::api::PostParams::default(), &queue)
+        .await
+        .unwrap();
+    let limits = format!("{}:maxLeasedPerKey", queue.uid().unwrap());
+    let claim = |job: &str, limits: Option<&str>| {
+        let mut status = json!({"phase": "Leased", "attempt": 1, "holder": "pod-a",
+                                "token": hex_token(1), "leaseName": format!("ljob-{job}")});
+        if let Some(limits) = limits {
+            status["limits"] = json!(limits);
+        }
+        status
+    };
+    // The API server's copy of the LeasedQueue comes a moment later: until then a claim that
+    // records no limits goes through (each probe is a job of its own).
+    let mut probes = 0;
+    let refused = wait_for("the limits judged", Duration::from_secs(30), || {
+        probes += 1;
+        let name = format!("probe-{probes}");
+        let w = &w;
+        let body = claim(&name, None);
+        async move {
+            w.create_job(&name).await;
+            let body = w.with_status(&name, body).await;
+            match raw(
+                &w.a,
+                "PUT",
+                &w.status_path(&name),
+                "application/json",
+                &body,
+            )
+            .await
+            {
+                Ok(_) => None,
+                refused => Some(refused),
+            }
+        }
+    })
+    .await;
+    assert_refused(refused, "limits-obeyed");
+    w.create_job("j").await;
+    let body = w
+        .with_status("j", claim("j", Some("another-uid:maxLeasedPerKey")))
+        .await;
+    assert_refused(
+        raw(&w.a, "PUT", &w.status_path("j"), "application/json", &body).await,
+        "limits-obeyed",
+    );
+    let body = w.with_status("j", claim("j", Some(&limits))).await;
+    assert_refused(
+        raw(&w.a, "PUT", &w.status_path("j"), "application/json", &body).await,
+        "limits-adopted",
+    );
+    // Through the claim library, as a sidecar whose copy shows no LeasedQueue.
+    let outside =
+        leasehold_kube::claim::claim(&w.jobs(&w.a), &w.job("j").await, "pod-a", None).await;
+    assert!(
+        matches!(&outside, Err(leasehold_kube::claim::ClaimError::OutsideLimits { message, .. })
+            if message.contains("limits-obeyed")),
+        "{outside:?}"
+    );
+    assert!(w.job("j").await.status.is_none(), "a refused claim wrote");
+
+    // Confirmed (as the leading controller confirms them): the claim that records them is
+    // accepted once the API server's copy shows the confirmation.
+    let confirm = json!({"status": {"slotsAdopted": limits}});
+    queues
+        .patch_status(
+            "q",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&confirm),
+        )
+        .await
+        .unwrap();
+    wait_for(
+        "the confirmation judged",
+        Duration::from_secs(30),
+        || async {
+            let body = w.with_status("j", claim("j", Some(&limits))).await;
+            match raw(&w.a, "PUT", &w.status_path("j"), "application/json", &body).await {
+                Ok(_) => Some(()),
+                Err((422, m)) if m.contains("leasehold rule limits-adopted") => None,
+                other => panic!("the claim recording the confirmed limits: {other:?}"),
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        w.job("j").await.status.unwrap().limits.as_deref(),
+        Some(&*limits)
+    );
+    // A queue without a LeasedQueue: nothing to record.
+    create_job(
+        &w.admin,
+        &w.ns.name,
+        json!({"metadata": {"name": "free"}, "spec": {"queue": "unlimited"}}),
+    )
+    .await;
+    let body = w.with_status("free", claim("free", None)).await;
+    raw(
+        &w.a,
+        "PUT",
+        &w.status_path("free"),
+        "application/json",
+        &body,
+    )
+    .await
+    .expect("a claim in a queue without a LeasedQueue");
 }
 
 #[tokio::test]

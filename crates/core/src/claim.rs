@@ -14,9 +14,11 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 use rand::Rng;
 
+use crate::adoption::adoption_of;
 use crate::crd::{LeasedJob, LeasedJobStatus, Phase};
 use crate::lease::lease_name;
-use crate::policy::{self, JobDefaults};
+use crate::policy;
+use crate::queue::LeasedQueue;
 use crate::token::Token;
 
 /// True when `job` may be claimed from `queue` at `now`: Queued, in that queue, not cancelled,
@@ -209,18 +211,22 @@ fn fifo_key(job: &LeasedJob) -> (Option<Timestamp>, Option<&str>) {
 }
 
 /// The status a successful claim writes: Leased, attempt + 1, the new token and holder, the
-/// claim time, the Lease's name, and the policy the attempt runs under (the job's own lease
-/// duration, maxAttempts and backoff over its queue's `defaults`: [`policy::resolve`]).
-/// Everything else (failures, checkpoint, conditions) is kept.
+/// claim time, the Lease's name, the policy the attempt runs under (the job's own lease
+/// duration, maxAttempts and backoff over its queue's `defaults`: [`policy::resolve`]), and the
+/// limits it was made under (`status.limits`: [`adoption_of`] the queue). `queue` is the job's
+/// LeasedQueue as the claimer read it, the one whose limits it took slots for (None without
+/// one). Everything else (failures, checkpoint, conditions) is kept.
 pub fn claimed_status(
     job: &LeasedJob,
     token: &Token,
     holder: &str,
     now: Timestamp,
-    defaults: Option<&JobDefaults>,
+    queue: Option<&LeasedQueue>,
 ) -> LeasedJobStatus {
     let mut status = job.status.clone().unwrap_or_default();
+    let defaults = queue.and_then(|q| q.spec.defaults.as_ref());
     status.policy = Some(policy::resolve(&job.spec, defaults));
+    status.limits = queue.and_then(adoption_of);
     status.phase = Some(Phase::Leased);
     status.attempt = token.attempt();
     status.token = Some(token.as_str().to_string());
@@ -238,6 +244,7 @@ pub fn claimed_status(
 mod tests {
     use super::*;
     use crate::crd::LeasedJobSpec;
+    use crate::policy::JobDefaults;
     use rand::SeedableRng;
 
     #[test]
@@ -464,14 +471,38 @@ mod tests {
             max_attempts: Some(1),
             backoff: None,
         };
+        let mut queue = LeasedQueue::new("q", Default::default());
+        queue.spec.defaults = Some(defaults);
         let s = claimed_status(
             &j,
             &Token::issue(1),
             "pod-a",
             Timestamp::UNIX_EPOCH,
-            Some(&defaults),
+            Some(&queue),
         );
         let p = s.policy.expect("recorded");
         assert_eq!((p.lease_duration_seconds, p.max_attempts), (600, 7));
+        assert_eq!(s.limits, None, "a queue without limits");
+    }
+
+    #[test]
+    fn a_claim_records_the_limits_it_was_made_under_and_only_those() {
+        let mut j = (*job("j", "q", 0, 5, Some(Phase::Queued))).clone();
+        let mut queue = LeasedQueue::new("q", Default::default());
+        queue.metadata.uid = Some("u1".into());
+        queue.spec.max_leased_per_key = Some(2);
+        let s = claimed_status(
+            &j,
+            &Token::issue(1),
+            "pod-a",
+            Timestamp::UNIX_EPOCH,
+            Some(&queue),
+        );
+        assert_eq!(s.limits.as_deref(), Some("u1:maxLeasedPerKey"));
+        // The next claim, made under no limits, does not keep the last one's.
+        j.status = Some(s);
+        j.status.as_mut().unwrap().phase = Some(Phase::Queued);
+        let s = claimed_status(&j, &Token::issue(2), "pod-a", Timestamp::UNIX_EPOCH, None);
+        assert_eq!(s.limits, None);
     }
 }

@@ -359,6 +359,15 @@ pub struct LeasedJobStatus {
     /// land and the slot is free (docs/protocol.md, "Limits": a pending slot).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_slot_freed: Option<String>,
+
+    /// The limits the latest claim was made under: `<uid>:<fields>` of its LeasedQueue as the
+    /// claimer read it, the form of the LeasedQueue's `status.slotsAdopted`; absent when the
+    /// claimer saw no limits. The claimer took a slot of each limited scope before this write.
+    /// With the chart's admission policy the API server refuses a worker's claim that does not
+    /// name the limits its own copy of the LeasedQueue sets, and confirms (docs/security.md,
+    /// rule `limits-obeyed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<String>,
 }
 
 /// One failed attempt.

@@ -10,10 +10,14 @@ use thiserror::Error;
 
 use leasehold_core::claim::{claimable, claimed_status};
 use leasehold_core::crd::{LeasedJob, Phase};
-use leasehold_core::policy::JobDefaults;
+use leasehold_core::queue::LeasedQueue;
 use leasehold_core::token::Token;
 
 use crate::api::is_status;
+
+/// What every refusal by the limit rules of the chart's admission policy starts with
+/// (charts/leasehold/templates/admission-policy.yaml, `-worker-limits`).
+pub const LIMIT_RULES: &str = "leasehold rule limits-";
 
 /// Errors of [`claim`].
 #[derive(Debug, Error)]
@@ -40,6 +44,19 @@ pub enum ClaimError {
         /// Its phase in the snapshot.
         phase: Phase,
     },
+    /// The API server's admission refused the claim by one of leasehold's limit rules
+    /// (`limits-obeyed`, `limits-adopted`: docs/security.md): its copy of the job's LeasedQueue
+    /// sets limits this claim was not made under, or that are not confirmed yet. Nothing was
+    /// written; the claimer's copy of the LeasedQueue lags the API server's.
+    #[error(
+        "the API server refused the claim of LeasedJob {job} under its queue's limits: {message}"
+    )]
+    OutsideLimits {
+        /// `namespace/name`.
+        job: String,
+        /// The refusal, naming the rule.
+        message: String,
+    },
     /// Any other API failure; nothing was written.
     #[error("claim of LeasedJob {job} failed")]
     Api {
@@ -52,8 +69,9 @@ pub enum ClaimError {
 }
 
 /// Claims `snapshot` for `holder`: replaces its status with [`claimed_status`] under the
-/// snapshot's resourceVersion, recording the attempt's policy resolved over `defaults` (its
-/// queue's LeasedQueue spec.defaults; None without one). Returns the claimed job (as the API
+/// snapshot's resourceVersion, recording the attempt's policy resolved over the defaults of
+/// `queue` (the job's LeasedQueue as the claimer read it; None without one) and the limits it
+/// sets, whose slots the caller took. Returns the claimed job (as the API
 /// server stored it) and the token. Does not touch the Lease: see [`crate::lease::acquire`].
 ///
 /// # Errors
@@ -64,10 +82,10 @@ pub async fn claim(
     api: &Api<LeasedJob>,
     snapshot: &LeasedJob,
     holder: &str,
-    defaults: Option<&JobDefaults>,
+    queue: Option<&LeasedQueue>,
 ) -> Result<(LeasedJob, Token), ClaimError> {
     let token = Token::issue(snapshot.attempt() + 1);
-    claim_with(api, snapshot, holder, defaults, token).await
+    claim_with(api, snapshot, holder, queue, token).await
 }
 
 /// [`claim`] with a token the caller issued (for the claim's next attempt,
@@ -80,7 +98,7 @@ pub async fn claim_with(
     api: &Api<LeasedJob>,
     snapshot: &LeasedJob,
     holder: &str,
-    defaults: Option<&JobDefaults>,
+    queue: Option<&LeasedQueue>,
     token: Token,
 ) -> Result<(LeasedJob, Token), ClaimError> {
     let job = snapshot.reference();
@@ -97,7 +115,7 @@ pub async fn claim_with(
         &token,
         holder,
         Timestamp::now(),
-        defaults,
+        queue,
     ));
     match api
         .replace_status(&snapshot.name_any(), &PostParams::default(), &next)
@@ -106,6 +124,14 @@ pub async fn claim_with(
         Ok(stored) => Ok((stored, token)),
         Err(e) if is_status(&e, 409) => Err(ClaimError::Conflict { job }),
         Err(e) if is_status(&e, 404) => Err(ClaimError::Gone { job }),
+        Err(kube::Error::Api(refusal))
+            if refusal.code == 422 && refusal.message.contains(LIMIT_RULES) =>
+        {
+            Err(ClaimError::OutsideLimits {
+                job,
+                message: refusal.message,
+            })
+        }
         Err(source) => Err(ClaimError::Api { job, source }),
     }
 }

@@ -18,6 +18,7 @@ use tokio::time::Instant;
 
 use kube::runtime::reflector::ObjectRef;
 use leasehold_core::crd::LeasedJob;
+use leasehold_core::queue::LeasedQueue;
 use leasehold_core::slots::Scope;
 use leasehold_core::token::Token;
 use leasehold_kube::api::error_chain;
@@ -120,7 +121,8 @@ impl<'a> PassOver<'a> {
 }
 
 impl Worker {
-    /// The slots a claim of `snapshot` that will write `token` needs, taken and marked with
+    /// The slots a claim of `snapshot` that will write `token` needs under `queue` (the
+    /// LeasedQueue as the claim reads it, whose limits its write records), taken and marked with
     /// it: `Ok(Some(taken))` to go on with the
     /// claim write (empty when the queue sets no limit for the job); `Ok(None)` when a limit
     /// is reached, or when the queue was paused (or its LeasedQueue became unreadable) while
@@ -130,16 +132,17 @@ impl Worker {
     /// [`WorkerError::Unavailable`] when the slots could not be listed, judged or written.
     pub(crate) async fn take_slots(
         &self,
+        queue: Option<&LeasedQueue>,
         snapshot: &LeasedJob,
         token: &Token,
     ) -> Result<Option<Vec<Taken>>, WorkerError> {
-        let Some(queue) = self.queue_object().filter(|q| q.spec.limits()) else {
+        let Some(queue) = queue.filter(|q| q.spec.limits()) else {
             return Ok(Some(Vec::new()));
         };
         let acquired = slots::acquire(
             &self.inner.leases,
             &self.inner.jobs,
-            &queue,
+            queue,
             snapshot,
             &self.inner.config.identity,
             token,

@@ -491,14 +491,17 @@ impl Worker {
         if self.paused_now() {
             return Ok(Tried::HeldBack);
         }
+        // One copy of the LeasedQueue for the whole claim: the limits it takes slots for are
+        // the limits its write records (status.limits), and its defaults are the policy.
+        let queue = self.queue_object();
         // A limited queue: a slot of each limit first, marked with the claim's token.
         let fresh = Token::issue(snapshot.attempt() + 1);
-        let Some(slots) = self.take_slots(snapshot, &fresh).await? else {
+        let Some(slots) = self.take_slots(queue.as_deref(), snapshot, &fresh).await? else {
             return Ok(Tried::HeldBack);
         };
         // The queue's defaults, for what the job sets none of: the claim records the result
         // (status.policy), which every later decision about the attempt reads.
-        let defaults = self.queue_object().and_then(|q| q.spec.defaults.clone());
+        let defaults = queue.as_ref().and_then(|q| q.spec.defaults.clone());
         let policy = leasehold_core::policy::resolve(&snapshot.spec, defaults.as_ref());
         let lease_duration =
             Duration::from_secs(u64::try_from(policy.lease_duration_seconds.max(1)).unwrap_or(1));
@@ -511,14 +514,7 @@ impl Worker {
             let (me, snapshot) = (self.clone(), snapshot.clone());
             tokio::spawn(async move {
                 let identity = &me.inner.config.identity;
-                claim_with(
-                    &me.inner.jobs,
-                    &snapshot,
-                    identity,
-                    defaults.as_ref(),
-                    fresh,
-                )
-                .await
+                claim_with(&me.inner.jobs, &snapshot, identity, queue.as_deref(), fresh).await
             })
         };
         let claimed = match tokio::time::timeout(bound, &mut write).await {
@@ -567,6 +563,13 @@ impl Worker {
                 // Not sent (or the job is gone): its slots name a claim that is not made.
                 self.give_back_slots(&slots).await;
                 return Ok(Tried::Lost);
+            }
+            Ok(Err(e @ ClaimError::OutsideLimits { .. })) => {
+                // The API server's copy of the LeasedQueue sets limits this copy did not show
+                // yet: nothing was written. Wait as for a limit until the watch brings them.
+                info!(job = %snapshot.reference(), "{e}; waiting for this sidecar's copy of the LeasedQueue");
+                self.give_back_slots(&slots).await;
+                return Ok(Tried::HeldBack);
             }
             Ok(Err(e @ ClaimError::Api { .. })) => {
                 return Err(WorkerError::unavailable(
