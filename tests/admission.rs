@@ -430,6 +430,22 @@ async fn a_claim_records_the_policy_its_job_s_spec_sets() {
 #[tokio::test]
 async fn claims_under_limits_record_them_once_they_are_confirmed() {
     let w = World::new(fixture!("adm-limits"), &[]).await;
+    // A LeasedQueue whose limits are explicit nulls (stored as such) sets none; made first,
+    // so that the API server has it once it has the limited one below.
+    raw(
+        &w.admin,
+        "POST",
+        &format!(
+            "/apis/leasehold.dev/v1alpha1/namespaces/{}/leasedqueues",
+            w.ns.name
+        ),
+        "application/json",
+        &json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedQueue",
+                "metadata": {"name": "nulls"},
+                "spec": {"maxLeased": null, "maxLeasedPerKey": null}}),
+    )
+    .await
+    .expect("a LeasedQueue with null limits");
     let queues: Api<LeasedQueue> = Api::namespaced(w.admin.clone(), &w.ns.name);
     let queue: LeasedQueue = serde_json::from_value(json!({
         "apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedQueue",
@@ -440,7 +456,9 @@ async fn claims_under_limits_record_them_once_they_are_confirmed() {
         .create(&kube::api::PostParams::default(), &queue)
         .await
         .unwrap();
-    let limits = format!("{}:maxLeasedPerKey", queue.uid().unwrap());
+    // What a claim records (the values too), and what the confirmation names (the fields).
+    let limits = format!("{}:maxLeasedPerKey=2", queue.uid().unwrap());
+    let fields = format!("{}:maxLeasedPerKey", queue.uid().unwrap());
     let claim = |job: &str, limits: Option<&str>| {
         let mut status = json!({"phase": "Leased", "attempt": 1, "holder": "pod-a",
                                 "token": hex_token(1), "leaseName": format!("ljob-{job}")});
@@ -477,13 +495,16 @@ async fn claims_under_limits_record_them_once_they_are_confirmed() {
     .await;
     assert_refused(refused, "limits-obeyed");
     w.create_job("j").await;
-    let body = w
-        .with_status("j", claim("j", Some("another-uid:maxLeasedPerKey")))
-        .await;
-    assert_refused(
-        raw(&w.a, "PUT", &w.status_path("j"), "application/json", &body).await,
-        "limits-obeyed",
-    );
+    // Another object's limits, or the same limit with another value (a copy from before
+    // it was lowered).
+    let stale = format!("{}:maxLeasedPerKey=3", queue.uid().unwrap());
+    for recorded in ["another-uid:maxLeasedPerKey=2", stale.as_str()] {
+        let body = w.with_status("j", claim("j", Some(recorded))).await;
+        assert_refused(
+            raw(&w.a, "PUT", &w.status_path("j"), "application/json", &body).await,
+            "limits-obeyed",
+        );
+    }
     let body = w.with_status("j", claim("j", Some(&limits))).await;
     assert_refused(
         raw(&w.a, "PUT", &w.status_path("j"), "application/json", &body).await,
@@ -501,7 +522,7 @@ async fn claims_under_limits_record_them_once_they_are_confirmed() {
 
     // Confirmed (as the leading controller confirms them): the claim that records them is
     // accepted once the API server's copy shows the confirmation.
-    let confirm = json!({"status": {"slotsAdopted": limits}});
+    let confirm = json!({"status": {"slotsAdopted": fields}});
     queues
         .patch_status(
             "q",
@@ -527,6 +548,17 @@ async fn claims_under_limits_record_them_once_they_are_confirmed() {
         w.job("j").await.status.unwrap().limits.as_deref(),
         Some(&*limits)
     );
+    create_job(
+        &w.admin,
+        &w.ns.name,
+        json!({"metadata": {"name": "n"}, "spec": {"queue": "nulls"}}),
+    )
+    .await;
+    // The queue whose limits are null: nothing to record.
+    let body = w.with_status("n", claim("n", None)).await;
+    raw(&w.a, "PUT", &w.status_path("n"), "application/json", &body)
+        .await
+        .expect("a claim in a queue whose limits are null");
     // A queue without a LeasedQueue: nothing to record.
     create_job(
         &w.admin,

@@ -34,6 +34,27 @@ pub fn adoption_of(queue: &LeasedQueue) -> Option<String> {
     Some(format!("{uid}:{}", fields.join(",")))
 }
 
+/// What a claim under `queue`'s limits records in the job's `status.limits`: the LeasedQueue's
+/// uid and each limit it sets with its value, `<metadata.uid>:maxLeased=<n>,maxLeasedPerKey=<m>`
+/// (those set, in that order); `None` when it sets neither. The chart's admission policy
+/// compares it with the same string built from the API server's own copy of the LeasedQueue
+/// (rule `limits-obeyed`, docs/security.md), so a claim decided under another object, another
+/// set of limits or other values (a limit lowered since) is refused.
+pub fn obeyed(queue: &LeasedQueue) -> Option<String> {
+    let mut limits = Vec::new();
+    if let Some(n) = queue.spec.max_leased {
+        limits.push(format!("maxLeased={n}"));
+    }
+    if let Some(m) = queue.spec.max_leased_per_key {
+        limits.push(format!("maxLeasedPerKey={m}"));
+    }
+    if limits.is_empty() {
+        return None;
+    }
+    let uid = queue.metadata.uid.as_deref().unwrap_or_default();
+    Some(format!("{uid}:{}", limits.join(",")))
+}
+
 /// Whether claims under `queue`'s limits may be made: it sets none, or its status says every
 /// job Leased before they existed holds a slot ([`adoption_of`]). Until then a claimer makes
 /// no claim of the queue (docs/protocol.md, "Limits": jobs Leased before a limit).
@@ -185,6 +206,20 @@ mod tests {
         status.slots_adopted = Some("u0:maxLeased,maxLeasedPerKey".into());
         q.status = Some(status);
         assert!(!adopted(&q), "adopted for an earlier object of the name");
+    }
+
+    #[test]
+    fn a_claim_obeys_the_limits_with_their_values() {
+        let mut q = LeasedQueue::new("q", LeasedQueueSpec::default());
+        q.metadata.uid = Some("u1".into());
+        assert_eq!(obeyed(&q), None);
+        q.spec.max_leased_per_key = Some(2);
+        assert_eq!(obeyed(&q).as_deref(), Some("u1:maxLeasedPerKey=2"));
+        q.spec.max_leased = Some(10);
+        assert_eq!(
+            obeyed(&q).as_deref(),
+            Some("u1:maxLeased=10,maxLeasedPerKey=2")
+        );
     }
 
     #[test]

@@ -14,7 +14,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 use rand::Rng;
 
-use crate::adoption::adoption_of;
+use crate::adoption::obeyed;
 use crate::crd::{LeasedJob, LeasedJobStatus, Phase};
 use crate::lease::lease_name;
 use crate::policy;
@@ -213,7 +213,7 @@ fn fifo_key(job: &LeasedJob) -> (Option<Timestamp>, Option<&str>) {
 /// The status a successful claim writes: Leased, attempt + 1, the new token and holder, the
 /// claim time, the Lease's name, the policy the attempt runs under (the job's own lease
 /// duration, maxAttempts and backoff over its queue's `defaults`: [`policy::resolve`]), and the
-/// limits it was made under (`status.limits`: [`adoption_of`] the queue). `queue` is the job's
+/// limits it was made under (`status.limits`: [`obeyed`] of the queue). `queue` is the job's
 /// LeasedQueue as the claimer read it, the one whose limits it took slots for (None without
 /// one). Everything else (failures, checkpoint, conditions) is kept.
 pub fn claimed_status(
@@ -226,7 +226,7 @@ pub fn claimed_status(
     let mut status = job.status.clone().unwrap_or_default();
     let defaults = queue.and_then(|q| q.spec.defaults.as_ref());
     status.policy = Some(policy::resolve(&job.spec, defaults));
-    status.limits = queue.and_then(adoption_of);
+    status.limits = queue.and_then(obeyed);
     status.phase = Some(Phase::Leased);
     status.attempt = token.attempt();
     status.token = Some(token.as_str().to_string());
@@ -498,7 +498,7 @@ mod tests {
             Timestamp::UNIX_EPOCH,
             Some(&queue),
         );
-        assert_eq!(s.limits.as_deref(), Some("u1:maxLeasedPerKey"));
+        assert_eq!(s.limits.as_deref(), Some("u1:maxLeasedPerKey=2"));
         // The next claim, made under no limits, does not keep the last one's.
         j.status = Some(s);
         j.status.as_mut().unwrap().phase = Some(Phase::Queued);

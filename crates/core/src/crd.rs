@@ -360,9 +360,9 @@ pub struct LeasedJobStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_slot_freed: Option<String>,
 
-    /// The limits the latest claim was made under: `<uid>:<fields>` of its LeasedQueue as the
-    /// claimer read it, the form of the LeasedQueue's `status.slotsAdopted`; absent when the
-    /// claimer saw no limits. The claimer took a slot of each limited scope before this write.
+    /// The limits the latest claim was made under, as the claimer read its LeasedQueue:
+    /// `<uid>:maxLeased=<n>,maxLeasedPerKey=<m>` (those set); absent when the claimer saw no
+    /// limits. The claimer took a slot of each limited scope before this write.
     /// With the chart's admission policy the API server refuses a worker's claim that does not
     /// name the limits its own copy of the LeasedQueue sets, and confirms (docs/security.md,
     /// rule `limits-obeyed`).

@@ -335,6 +335,8 @@ struct Inner {
     queue_object: watch::Receiver<leasehold_kube::queue_object::Known>,
     /// The keys found at their limit lately, which picks pass over ([`limited`]).
     full_keys: limited::FullKeys,
+    /// The last claim the API server refused as outside the queue's limits ([`limited`]).
+    outside_limits: limited::OutsideLimits,
     /// Lets unit tests, whose watches are never answered, say what the LeasedQueue is.
     #[cfg(test)]
     queue_object_tx: watch::Sender<leasehold_kube::queue_object::Known>,
@@ -502,6 +504,7 @@ impl Worker {
             dispatched,
             queue_object,
             full_keys: limited::FullKeys::default(),
+            outside_limits: limited::OutsideLimits::default(),
             #[cfg(test)]
             queue_object_tx,
         };

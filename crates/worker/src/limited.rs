@@ -14,6 +14,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 use tokio::time::Instant;
 
 use kube::runtime::reflector::ObjectRef;
@@ -66,6 +67,38 @@ impl FullKeys {
         let mut until = self.until.lock().unwrap();
         until.retain(|_, t| *t > now);
         until.keys().cloned().collect()
+    }
+}
+
+/// How long claims wait after the API server refused one as outside its copy of the queue's
+/// limits (rules `limits-obeyed`, `limits-adopted`), unless this sidecar's copy of the
+/// LeasedQueue changes first: its copy lags the API server's (its watch is broken or slow), and
+/// trying again under the same copy would only be refused again, each try a slot write and a
+/// refused claim.
+pub(crate) const OUTSIDE_LIMITS_HOLD: Duration = Duration::from_secs(2);
+
+/// The last refusal of a claim as outside the limits: under which copy of the LeasedQueue (its
+/// resourceVersion; None for none), and until when claims under that copy wait.
+#[derive(Default)]
+pub(crate) struct OutsideLimits {
+    last: Mutex<Option<(Option<String>, Instant)>>,
+}
+
+impl OutsideLimits {
+    /// Notes a refusal under the copy `copy` at `now`: true when it is the first under that
+    /// copy (worth a warning; the rest are repeats).
+    pub(crate) fn refused(&self, copy: Option<&str>, now: Instant) -> bool {
+        let mut last = self.last.lock().unwrap();
+        let first = last.as_ref().is_none_or(|(c, _)| c.as_deref() != copy);
+        *last = Some((copy.map(str::to_string), now + OUTSIDE_LIMITS_HOLD));
+        first
+    }
+
+    /// Until when claims under the copy `copy` wait at `now`, if they do.
+    pub(crate) fn holds(&self, copy: Option<&str>, now: Instant) -> Option<Instant> {
+        let last = self.last.lock().unwrap();
+        let (c, until) = last.as_ref()?;
+        (c.as_deref() == copy && *until > now).then_some(*until)
     }
 }
 
@@ -171,6 +204,16 @@ impl Worker {
         }
     }
 
+    /// Until when claims wait because the API server refused one as outside the limits under
+    /// this sidecar's present copy of the LeasedQueue ([`OutsideLimits`]), if they do.
+    pub(crate) fn outside_limits_hold(&self) -> Option<Instant> {
+        let copy = self.queue_object();
+        let copy = copy
+            .as_ref()
+            .and_then(|q| q.metadata.resource_version.as_deref());
+        self.inner.outside_limits.holds(copy, Instant::now())
+    }
+
     /// Gives back `taken`, for a claim whose write was not sent.
     pub(crate) async fn give_back_slots(&self, taken: &[Taken]) {
         if !taken.is_empty() {
@@ -182,6 +225,28 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refusal_outside_the_limits_holds_claims_under_that_copy_only() {
+        let outside = OutsideLimits::default();
+        let t0 = Instant::now();
+        assert_eq!(outside.holds(None, t0), None);
+        assert!(outside.refused(Some("5"), t0), "the first under copy 5");
+        assert!(!outside.refused(Some("5"), t0), "a repeat");
+        assert_eq!(outside.holds(Some("5"), t0), Some(t0 + OUTSIDE_LIMITS_HOLD));
+        assert_eq!(
+            outside.holds(Some("6"), t0),
+            None,
+            "a new copy claims at once"
+        );
+        assert_eq!(outside.holds(None, t0), None);
+        assert_eq!(
+            outside.holds(Some("5"), t0 + OUTSIDE_LIMITS_HOLD),
+            None,
+            "then again"
+        );
+        assert!(outside.refused(None, t0), "the first under no copy");
+    }
 
     #[test]
     fn a_key_found_full_is_passed_over_for_one_pause_then_tried_again() {

@@ -27,7 +27,7 @@ use kube::api::GetParams;
 use kube::runtime::reflector::ObjectRef;
 use kube::ResourceExt;
 use tokio::time::Instant;
-use tracing::info;
+use tracing::{info, warn};
 
 use leasehold_core::claim;
 use leasehold_core::crd::LeasedJob;
@@ -313,6 +313,17 @@ impl Worker {
             if draining_now {
                 return Err(WorkerError::ShuttingDown);
             }
+            // The API server refused the claim as outside the limits its copy of the
+            // LeasedQueue sets: this sidecar's copy lags, not the dispatcher. Ask again once
+            // the hold ends; the offer does not count against the dispatcher.
+            if let Some(until) = self.outside_limits_hold() {
+                tokio::select! {
+                    () = tokio::time::sleep_until(until.min(deadline)) => {}
+                    () = gone.as_mut() => return Ok(Dispatch::Nothing),
+                    _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
+                }
+                continue;
+            }
             declined += 1;
             if declined >= MAX_DECLINED {
                 // Its view is far from the API server's, or it lies: choose on our own.
@@ -494,6 +505,19 @@ impl Worker {
         // One copy of the LeasedQueue for the whole claim: the limits it takes slots for are
         // the limits its write records (status.limits), and its defaults are the policy.
         let queue = self.queue_object();
+        let copy = queue
+            .as_ref()
+            .and_then(|q| q.metadata.resource_version.clone());
+        // Refused as outside the limits under this very copy a moment ago: it lags the API
+        // server's, and would be refused again.
+        if self
+            .inner
+            .outside_limits
+            .holds(copy.as_deref(), Instant::now())
+            .is_some()
+        {
+            return Ok(Tried::HeldBack);
+        }
         // A limited queue: a slot of each limit first, marked with the claim's token.
         let fresh = Token::issue(snapshot.attempt() + 1);
         let Some(slots) = self.take_slots(queue.as_deref(), snapshot, &fresh).await? else {
@@ -565,9 +589,16 @@ impl Worker {
                 return Ok(Tried::Lost);
             }
             Ok(Err(e @ ClaimError::OutsideLimits { .. })) => {
-                // The API server's copy of the LeasedQueue sets limits this copy did not show
-                // yet: nothing was written. Wait as for a limit until the watch brings them.
-                info!(job = %snapshot.reference(), "{e}; waiting for this sidecar's copy of the LeasedQueue");
+                // The API server's copy of the LeasedQueue sets limits this copy does not show
+                // (or has not confirmed them yet): nothing was written. Claims under this copy
+                // wait limited::OUTSIDE_LIMITS_HOLD, or until the watch brings another.
+                if self
+                    .inner
+                    .outside_limits
+                    .refused(copy.as_deref(), Instant::now())
+                {
+                    warn!(job = %snapshot.reference(), "{e}; claims wait for this sidecar's copy of the LeasedQueue to show them");
+                }
                 self.give_back_slots(&slots).await;
                 return Ok(Tried::HeldBack);
             }

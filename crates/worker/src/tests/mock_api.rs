@@ -184,6 +184,65 @@ async fn a_claim_answered_409_marks_the_snapshot_stale_and_widens_the_window() {
     }
 }
 
+/// A claim the API server refuses as outside its copy of the queue's limits writes nothing and
+/// holds claims under the same copy of the LeasedQueue for the hold, asking nothing meanwhile;
+/// a new copy (the watch caught up) claims at once.
+#[tokio::test(start_paused = true)]
+async fn a_claim_refused_outside_the_limits_holds_claims_under_that_copy() {
+    let (w, mut cluster) = worker(16);
+    let refusal = json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "reason": "Invalid", "code": 422,
+        "message": "leasedjobs.leasehold.dev \"j0\" is forbidden: ValidatingAdmissionPolicy \
+            'leasehold-worker-limits' with binding 'leasehold-worker-limits' denied request: \
+            leasehold rule limits-obeyed: a claim of LeasedJob j0 in queue q records ...",
+    });
+    let claim = |w: &Worker| {
+        let w = w.clone();
+        tokio::spawn(async move { w.try_claim(&queued("j0"), false).await })
+    };
+    let first = claim(&w);
+    let send = cluster.expect("PUT", &format!("{JOBS}/j0/status")).await;
+    answer(send, 422, &refusal);
+    let tried = first
+        .await
+        .unwrap()
+        .expect("a refusal under the limits is not an error");
+    assert!(matches!(tried, crate::pick::Tried::HeldBack));
+    assert_eq!(w.held_count(), 0);
+    // Under the same copy (none): held, nothing asked.
+    let held = claim(&w);
+    cluster.expect_none().await;
+    assert!(matches!(
+        held.await.unwrap().unwrap(),
+        crate::pick::Tried::HeldBack
+    ));
+    // After the hold, asked again.
+    tokio::time::advance(crate::limited::OUTSIDE_LIMITS_HOLD).await;
+    let again = claim(&w);
+    let send = cluster.expect("PUT", &format!("{JOBS}/j0/status")).await;
+    answer(send, 422, &refusal);
+    assert!(matches!(
+        again.await.unwrap().unwrap(),
+        crate::pick::Tried::HeldBack
+    ));
+    // A new copy of the LeasedQueue: at once.
+    let mut queue = leasehold_core::queue::LeasedQueue::new("q", Default::default());
+    queue.metadata.resource_version = Some("9".into());
+    w.inner
+        .queue_object_tx
+        .send_replace(leasehold_kube::queue_object::Known::Present(Arc::new(
+            queue,
+        )));
+    let fresh = claim(&w);
+    let send = cluster.expect("PUT", &format!("{JOBS}/j0/status")).await;
+    answer(send, 409, &status(409, "Conflict"));
+    assert!(matches!(
+        fresh.await.unwrap().unwrap(),
+        crate::pick::Tried::Lost
+    ));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_refused_lease_renewal_makes_every_later_call_lease_lost_without_asking() {
     for refused in [422, 409] {
