@@ -447,6 +447,37 @@ async fn claims_under_limits_record_them_once_they_are_confirmed() {
     .await
     .expect("a LeasedQueue with null limits");
     let queues: Api<LeasedQueue> = Api::namespaced(w.admin.clone(), &w.ns.name);
+    // Queues with maxLeased alone and with both, confirmed at once (as the controller would):
+    // a claim through the library, recording what leasehold_core::adoption::obeyed makes of
+    // them, must be what the policy makes of them.
+    for (name, spec, fields) in [
+        ("ql", json!({"maxLeased": 3}), "maxLeased"),
+        (
+            "qb",
+            json!({"maxLeased": 10, "maxLeasedPerKey": 2}),
+            "maxLeased,maxLeasedPerKey",
+        ),
+    ] {
+        let made: LeasedQueue = serde_json::from_value(json!({
+            "apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedQueue",
+            "metadata": {"name": name}, "spec": spec,
+        }))
+        .unwrap();
+        let made = queues
+            .create(&kube::api::PostParams::default(), &made)
+            .await
+            .unwrap();
+        let confirm =
+            json!({"status": {"slotsAdopted": format!("{}:{fields}", made.uid().unwrap())}});
+        queues
+            .patch_status(
+                name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&confirm),
+            )
+            .await
+            .unwrap();
+    }
     let queue: LeasedQueue = serde_json::from_value(json!({
         "apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedQueue",
         "metadata": {"name": "q"}, "spec": {"maxLeasedPerKey": 2},
@@ -554,7 +585,43 @@ async fn claims_under_limits_record_them_once_they_are_confirmed() {
         json!({"metadata": {"name": "n"}, "spec": {"queue": "nulls"}}),
     )
     .await;
-    // The queue whose limits are null: nothing to record.
+    // The library's record of each other queue's limits is the policy's.
+    for (name, job, want) in [
+        ("ql", "l", "maxLeased=3"),
+        ("qb", "b", "maxLeased=10,maxLeasedPerKey=2"),
+    ] {
+        create_job(
+            &w.admin,
+            &w.ns.name,
+            json!({"metadata": {"name": job}, "spec": {"queue": name}}),
+        )
+        .await;
+        let read = queues.get(name).await.unwrap();
+        let (claimed, _) =
+            leasehold_kube::claim::claim(&w.jobs(&w.a), &w.job(job).await, "pod-a", Some(&read))
+                .await
+                .unwrap_or_else(|e| panic!("a claim in queue {name}, recording its limits: {e}"));
+        let recorded = claimed.status.unwrap().limits.unwrap();
+        assert_eq!(recorded, format!("{}:{want}", read.uid().unwrap()));
+    }
+    // The queue whose limits are null (stored as null): nothing to record.
+    let stored = raw(
+        &w.admin,
+        "GET",
+        &format!(
+            "/apis/leasehold.dev/v1alpha1/namespaces/{}/leasedqueues/nulls",
+            w.ns.name
+        ),
+        "application/json",
+        &json!(null),
+    )
+    .await
+    .unwrap();
+    assert_eq!(stored["spec"]["maxLeased"], Value::Null, "{stored}");
+    assert!(
+        stored["spec"].get("maxLeased").is_some(),
+        "stored as null: {stored}"
+    );
     let body = w.with_status("n", claim("n", None)).await;
     raw(&w.a, "PUT", &w.status_path("n"), "application/json", &body)
         .await

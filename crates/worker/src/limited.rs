@@ -72,32 +72,43 @@ impl FullKeys {
 
 /// How long claims wait after the API server refused one as outside its copy of the queue's
 /// limits (rules `limits-obeyed`, `limits-adopted`), unless this sidecar's copy of the
-/// LeasedQueue changes first: its copy lags the API server's (its watch is broken or slow), and
-/// trying again under the same copy would only be refused again, each try a slot write and a
-/// refused claim.
+/// LeasedQueue changes first: the first time under a copy, [`OUTSIDE_LIMITS_FIRST_HOLD`]
+/// (the API server's copy may only trail this one by a moment), doubling with each refusal
+/// under the same copy up to this (this copy lags: its watch is broken or slow, and each try
+/// under it costs a slot write and a refused claim).
 pub(crate) const OUTSIDE_LIMITS_HOLD: Duration = Duration::from_secs(2);
+/// The first hold after a refusal under a copy ([`OUTSIDE_LIMITS_HOLD`]).
+pub(crate) const OUTSIDE_LIMITS_FIRST_HOLD: Duration = Duration::from_millis(100);
 
-/// The last refusal of a claim as outside the limits: under which copy of the LeasedQueue (its
-/// resourceVersion; None for none), and until when claims under that copy wait.
+/// The refusals of claims as outside the limits under the present copy of the LeasedQueue:
+/// which copy (its resourceVersion; None for none), how many in a row, and until when claims
+/// under that copy wait.
 #[derive(Default)]
 pub(crate) struct OutsideLimits {
-    last: Mutex<Option<(Option<String>, Instant)>>,
+    last: Mutex<Option<(Option<String>, u32, Instant)>>,
 }
 
 impl OutsideLimits {
-    /// Notes a refusal under the copy `copy` at `now`: true when it is the first under that
-    /// copy (worth a warning; the rest are repeats).
-    pub(crate) fn refused(&self, copy: Option<&str>, now: Instant) -> bool {
+    /// Notes a refusal under the copy `copy` at `now`: the hold it starts, and whether it is
+    /// the first under that copy (worth a warning; the rest are repeats).
+    pub(crate) fn refused(&self, copy: Option<&str>, now: Instant) -> (Duration, bool) {
         let mut last = self.last.lock().unwrap();
-        let first = last.as_ref().is_none_or(|(c, _)| c.as_deref() != copy);
-        *last = Some((copy.map(str::to_string), now + OUTSIDE_LIMITS_HOLD));
-        first
+        let repeats = match last.as_ref() {
+            Some((c, n, _)) if c.as_deref() == copy => Some(*n + 1),
+            _ => None,
+        };
+        let n = repeats.unwrap_or(0);
+        let hold = OUTSIDE_LIMITS_FIRST_HOLD
+            .saturating_mul(1 << n.min(8))
+            .min(OUTSIDE_LIMITS_HOLD);
+        *last = Some((copy.map(str::to_string), n, now + hold));
+        (hold, repeats.is_none())
     }
 
     /// Until when claims under the copy `copy` wait at `now`, if they do.
     pub(crate) fn holds(&self, copy: Option<&str>, now: Instant) -> Option<Instant> {
         let last = self.last.lock().unwrap();
-        let (c, until) = last.as_ref()?;
+        let (c, _, until) = last.as_ref()?;
         (c.as_deref() == copy && *until > now).then_some(*until)
     }
 }
@@ -231,21 +242,36 @@ mod tests {
         let outside = OutsideLimits::default();
         let t0 = Instant::now();
         assert_eq!(outside.holds(None, t0), None);
-        assert!(outside.refused(Some("5"), t0), "the first under copy 5");
-        assert!(!outside.refused(Some("5"), t0), "a repeat");
-        assert_eq!(outside.holds(Some("5"), t0), Some(t0 + OUTSIDE_LIMITS_HOLD));
+        let first = OUTSIDE_LIMITS_FIRST_HOLD;
+        assert_eq!(
+            outside.refused(Some("5"), t0),
+            (first, true),
+            "the first under 5"
+        );
+        assert_eq!(outside.holds(Some("5"), t0), Some(t0 + first));
+        assert_eq!(
+            outside.refused(Some("5"), t0),
+            (first * 2, false),
+            "a repeat"
+        );
+        assert_eq!(outside.holds(Some("5"), t0), Some(t0 + first * 2));
         assert_eq!(
             outside.holds(Some("6"), t0),
             None,
             "a new copy claims at once"
         );
         assert_eq!(outside.holds(None, t0), None);
+        assert_eq!(outside.holds(Some("5"), t0 + first * 2), None, "then again");
+        for _ in 0..20 {
+            outside.refused(Some("5"), t0);
+        }
+        let most = Some(t0 + OUTSIDE_LIMITS_HOLD);
+        assert_eq!(outside.holds(Some("5"), t0), most, "at most");
         assert_eq!(
-            outside.holds(Some("5"), t0 + OUTSIDE_LIMITS_HOLD),
-            None,
-            "then again"
+            outside.refused(None, t0),
+            (first, true),
+            "the first under none"
         );
-        assert!(outside.refused(None, t0), "the first under no copy");
     }
 
     #[test]

@@ -32,7 +32,9 @@ impl Worker {
 
     /// Waits until claims of the queue may go on: `Ok(true)` at once when they may, or when
     /// the queue is resumed; `Ok(false)` when `deadline` passes or the caller goes (`gone`)
-    /// first.
+    /// first. Claims also wait out a hold after the API server refused one as outside the
+    /// limits under this copy of the LeasedQueue (`limited::OutsideLimits`), until it ends or
+    /// the copy changes, so that no path reads or writes meanwhile.
     ///
     /// # Errors
     /// [`WorkerError::ShuttingDown`] once draining began.
@@ -42,18 +44,43 @@ impl Worker {
         gone: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
         draining: &mut watch::Receiver<bool>,
     ) -> Result<bool, WorkerError> {
-        // Running now: go on at once, even when the deadline has passed (a claim with wait=0
-        // still gets its one look; select! would pick among ready branches at random).
-        if !self.paused_now() {
-            return Ok(true);
-        }
-        let mut known = self.inner.queue_object.clone();
-        tokio::select! {
-            biased;
-            running = known.wait_for(|k| k.held() == Some(false)) => Ok(running.is_ok()),
-            () = gone.as_mut() => Ok(false),
-            _ = draining.wait_for(|d| *d) => Err(WorkerError::ShuttingDown),
-            () = tokio::time::sleep_until(deadline) => Ok(false),
+        loop {
+            let mut known = self.inner.queue_object.clone();
+            known.borrow_and_update();
+            if !self.paused_now() {
+                // Running now: go on at once, even when the deadline has passed (a claim with
+                // wait=0 still gets its one look; select! would pick among ready branches at
+                // random).
+                let Some(until) = self.outside_limits_hold() else {
+                    return Ok(true);
+                };
+                tokio::select! {
+                    biased;
+                    () = gone.as_mut() => return Ok(false),
+                    _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
+                    () = tokio::time::sleep_until(deadline), if deadline <= until => {
+                        return Ok(false)
+                    }
+                    () = tokio::time::sleep_until(until) => {}
+                    changed = known.changed() => {
+                        if changed.is_err() {
+                            return Ok(false);
+                        }
+                    }
+                }
+                continue;
+            }
+            tokio::select! {
+                biased;
+                running = known.wait_for(|k| k.held() == Some(false)) => {
+                    if running.is_err() {
+                        return Ok(false);
+                    }
+                }
+                () = gone.as_mut() => return Ok(false),
+                _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
+                () = tokio::time::sleep_until(deadline) => return Ok(false),
+            }
         }
     }
 }

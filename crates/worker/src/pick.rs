@@ -27,7 +27,7 @@ use kube::api::GetParams;
 use kube::runtime::reflector::ObjectRef;
 use kube::ResourceExt;
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use leasehold_core::claim;
 use leasehold_core::crd::LeasedJob;
@@ -314,14 +314,10 @@ impl Worker {
                 return Err(WorkerError::ShuttingDown);
             }
             // The API server refused the claim as outside the limits its copy of the
-            // LeasedQueue sets: this sidecar's copy lags, not the dispatcher. Ask again once
-            // the hold ends; the offer does not count against the dispatcher.
-            if let Some(until) = self.outside_limits_hold() {
-                tokio::select! {
-                    () = tokio::time::sleep_until(until.min(deadline)) => {}
-                    () = gone.as_mut() => return Ok(Dispatch::Nothing),
-                    _ = draining.wait_for(|d| *d) => return Err(WorkerError::ShuttingDown),
-                }
+            // LeasedQueue sets: the copies differ, which is not the dispatcher's doing. The
+            // offer does not count against it; the next round waits out the hold
+            // (wait_unpaused).
+            if self.outside_limits_hold().is_some() {
                 continue;
             }
             declined += 1;
@@ -592,12 +588,14 @@ impl Worker {
                 // The API server's copy of the LeasedQueue sets limits this copy does not show
                 // (or has not confirmed them yet): nothing was written. Claims under this copy
                 // wait limited::OUTSIDE_LIMITS_HOLD, or until the watch brings another.
-                if self
+                let (hold, first) = self
                     .inner
                     .outside_limits
-                    .refused(copy.as_deref(), Instant::now())
-                {
-                    warn!(job = %snapshot.reference(), "{e}; claims wait for this sidecar's copy of the LeasedQueue to show them");
+                    .refused(copy.as_deref(), Instant::now());
+                if first {
+                    warn!(job = %snapshot.reference(), "{e}; the API server's copy of the LeasedQueue and this sidecar's differ: claims under this copy wait {hold:?}, longer if refused again, or until it changes");
+                } else {
+                    debug!(job = %snapshot.reference(), "{e}; claims under this copy wait {hold:?}");
                 }
                 self.give_back_slots(&slots).await;
                 return Ok(Tried::HeldBack);
