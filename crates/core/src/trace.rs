@@ -266,19 +266,21 @@ pub fn check_annotations(
         let same = before.and_then(|b| b.get(name)) == Some(value);
         (!same).then_some(value.as_str())
     };
-    if let Some(value) = changed(TRACEPARENT_ANNOTATION) {
-        parse_traceparent(value).map_err(|error| BadTraceAnnotation {
-            annotation: TRACEPARENT_ANNOTATION,
-            section: "3.2",
-            error,
-        })?;
-    }
-    if let Some(value) = changed(TRACESTATE_ANNOTATION) {
-        check_tracestate(value).map_err(|error| BadTraceAnnotation {
-            annotation: TRACESTATE_ANNOTATION,
-            section: "3.3",
-            error,
-        })?;
+    type Check = fn(&str) -> Result<(), TraceParentError>;
+    let rules: [(&'static str, &'static str, Check); 2] = [
+        (TRACEPARENT_ANNOTATION, "3.2", |v| {
+            parse_traceparent(v).map(|_| ())
+        }),
+        (TRACESTATE_ANNOTATION, "3.3", check_tracestate),
+    ];
+    for (annotation, section, check) in rules {
+        if let Some(value) = changed(annotation) {
+            check(value).map_err(|error| BadTraceAnnotation {
+                annotation,
+                section,
+                error,
+            })?;
+        }
     }
     Ok(())
 }

@@ -26,7 +26,6 @@ use leasehold_kube::api::error_chain;
 use leasehold_kube::slots::{self, Acquired, Taken};
 use tracing::debug;
 
-use crate::pick::HELD_BACK_PAUSE;
 use crate::{QueueCopy, Worker, WorkerError};
 
 /// The concurrency keys this claimer found at their limit lately, each until
@@ -69,6 +68,10 @@ impl FullKeys {
         until.keys().cloned().collect()
     }
 }
+
+/// How long a claimer whose claim was held back by a limit waits before it looks again (a
+/// slot comes back when a job of the scope ends, which its copy of the queue may not show).
+pub(crate) const HELD_BACK_PAUSE: Duration = Duration::from_millis(500);
 
 /// How long claims wait after the API server refused one as outside its copy of the queue's
 /// limits (rules `limits-obeyed`, `limits-adopted`), unless this sidecar's copy of the

@@ -103,7 +103,7 @@ impl Worker {
             let wake = match round {
                 // Held back by a limit: the same job would be picked again at once.
                 Round::Picked(_) if std::mem::take(&mut held_back) => {
-                    now + crate::pick::HELD_BACK_PAUSE
+                    now + crate::limited::HELD_BACK_PAUSE
                 }
                 Round::Picked(_) => {
                     idle = 0;

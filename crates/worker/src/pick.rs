@@ -81,10 +81,6 @@ pub(crate) enum Tried {
     HeldBack,
 }
 
-/// How long a claimer whose claim was held back by a limit waits before it looks again (a
-/// slot comes back when a job of the scope ends, which its copy of the queue may not show).
-pub(crate) const HELD_BACK_PAUSE: Duration = Duration::from_millis(500);
-
 impl Worker {
     /// Claims the best claimable job, waiting up to `wait` for one to appear (woken by the
     /// watch, not by polling). `Ok(None)` when none could be claimed in time.
@@ -172,7 +168,7 @@ impl Worker {
                     // now on: pick again at once among the others' jobs (each key is found
                     // full at most once per pause, so this does not spin).
                     Tried::HeldBack => {
-                        held_back = Some(Instant::now() + HELD_BACK_PAUSE);
+                        held_back = Some(Instant::now() + crate::limited::HELD_BACK_PAUSE);
                         if self.inner.full_keys.marks() != marks {
                             continue;
                         }
