@@ -4,7 +4,9 @@
 //! Routes (JSON; every caller presents a bearer token, checked by
 //! [`leasehold_kube::access::Access`] for the right to claim in the namespace asked about):
 //! - `POST /v1/dispatch/poll` `{namespace, queue, worker, waitMs, keepAliveMs?}` -> 200
-//!   `{name, resourceVersion}`, or 204 when no job came within the wait. With `keepAliveMs`
+//!   `{name, resourceVersion, queueSlot?, keySlot?}` (the slots: in a queue with limits, the
+//!   index of the slot of each limited scope to try first, advice as the rest), or 204 when
+//!   no job came within the wait. With `keepAliveMs`
 //!   (50 to 10,000), an answer that is not ready at once is 200 with a streamed body: a
 //!   newline every `keepAliveMs` while the caller is admitted and the poll waits, then one
 //!   JSON object, `{name, resourceVersion}`, `{}` (no job within the wait) or an error object
@@ -307,7 +309,13 @@ fn final_line(answer: Result<Option<Hint>, Refused>) -> axum::body::Bytes {
 }
 
 fn offer(hint: &Hint) -> serde_json::Value {
-    json!({"name": hint.name, "resourceVersion": hint.resource_version})
+    let mut answer = json!({"name": hint.name, "resourceVersion": hint.resource_version});
+    for (field, slot) in [("queueSlot", hint.slots.queue), ("keySlot", hint.slots.key)] {
+        if let Some(slot) = slot {
+            answer[field] = json!(slot);
+        }
+    }
+    answer
 }
 
 async fn declined(State(shared): State<Shared>, request: Request) -> Response {

@@ -17,9 +17,11 @@ use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::queue::LeasedQueue;
+use leasehold_core::slots::{Preferred, Scope, SlotHolder};
 use leasehold_core::token::Token;
 use leasehold_kube::claim::{claim_with, ClaimError};
 use leasehold_kube::slots::{self, Acquired};
+use leasehold_testkit::dispatcher::fake_dispatcher;
 use leasehold_testkit::*;
 use serde_json::json;
 
@@ -375,10 +377,12 @@ async fn a_full_key_at_the_head_does_not_hold_back_the_other_keys() {
     for i in 0..40 {
         create_keyed(&client, &ns.name, &format!("a-{i:02}"), "a").await;
     }
-    create_keyed(&client, &ns.name, "b-0", "b").await;
     let holder = Sidecar::start(&ns.name, "q", "holder", &[]).await;
     let (claim, _token) = holder.claim_ok(10).await;
     assert!(claim["name"].as_str().unwrap().starts_with("a-"), "{claim}");
+    // Made once key a is full (a claimer alone picks at random in its window, which could
+    // otherwise be b-0 itself).
+    create_keyed(&client, &ns.name, "b-0", "b").await;
     let other = Sidecar::start(&ns.name, "q", "other", &[]).await;
     let asked = std::time::Instant::now();
     let (status, claim) = other.claim(5).await;
@@ -394,6 +398,119 @@ async fn a_full_key_at_the_head_does_not_hold_back_the_other_keys() {
     );
 }
 
+/// The slots of key `key` of queue q naming a claim: (index, the job it names).
+async fn key_slots(client: &kube::Client, ns: &str, key: &str) -> Vec<(u32, String)> {
+    let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
+    let scope = Scope::Key(key.into()).label();
+    let mut named: Vec<(u32, String)> = leases
+        .list(&kube::api::ListParams::default().labels("leasehold.dev/slot-of=q"))
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter_map(|l| {
+            let index = leasehold_core::slots::index_of(&l.name_any(), "q", &scope)?;
+            let identity = l.spec.as_ref()?.holder_identity.as_deref()?;
+            Some((index, SlotHolder::parse(identity)?.job))
+        })
+        .collect();
+    named.sort();
+    named
+}
+
+#[tokio::test]
+async fn claims_take_the_slots_the_dispatcher_suggests() {
+    let Fixture { client, ns } = fixture!("limits-suggest");
+    let _controller = controller(&ns.name);
+    // Eight slots for two jobs: on its own, a claim starts at a place of its own job's.
+    apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 8})).await;
+    for i in 0..2 {
+        create_keyed(&client, &ns.name, &format!("a-{i}"), "a").await;
+    }
+    let token = dispatch_token_file(&ns.name);
+    let token = token.to_str().unwrap();
+    let mut claimed = Vec::new();
+    for i in 0..2 {
+        let extra = ["--dispatch-token-file", token];
+        let sidecar = Sidecar::start(&ns.name, "q", &format!("pod-{i}"), &extra).await;
+        let (claim, _) = sidecar.claim_ok(20).await;
+        claimed.push((sidecar, claim["name"].as_str().unwrap().to_string()));
+    }
+    let want: Vec<(u32, String)> = vec![(0, "a-0".into()), (1, "a-1".into())];
+    assert_eq!(key_slots(&client, &ns.name, "a").await, want);
+    // Both through the dispatcher (not the fallback, which suggests nothing).
+    for (sidecar, _) in &claimed {
+        let metrics = reqwest::get(format!("{}/metrics", sidecar.base))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert_eq!(
+            sample(&metrics, "leasehold_claims_offered_total"),
+            Some(1.0),
+            "{metrics}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_dispatcher_suggesting_a_busy_slot_does_not_break_a_limit() {
+    use std::sync::Mutex;
+    let Fixture { client, ns } = fixture!("limits-liar");
+    let _controller = controller_with(&ns.name, "test-controller", &["--dispatch", "false"]);
+    apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 2})).await;
+    for i in 0..3 {
+        create_keyed(&client, &ns.name, &format!("a-{i}"), "a").await;
+    }
+    // A dispatcher that offers the job the test names, always suggesting slot 0, and a
+    // slot of a queue limit there is none of.
+    let next = Arc::new(Mutex::new(String::new()));
+    let router = {
+        let next = Arc::clone(&next);
+        axum::Router::new().route(
+            "/v1/dispatch/poll",
+            axum::routing::post(move || {
+                let name = next.lock().unwrap().clone();
+                async move {
+                    axum::Json(json!({"name": name, "resourceVersion": "1",
+                                      "keySlot": 0, "queueSlot": 3}))
+                }
+            }),
+        )
+    };
+    let token = fake_dispatcher(&client, &ns.name, router).await;
+    let token = token.to_str().unwrap();
+    let mut held = Vec::new();
+    for (i, name) in ["a-0", "a-1"].into_iter().enumerate() {
+        *next.lock().unwrap() = name.into();
+        let extra = ["--dispatch-token-file", token];
+        let sidecar = Sidecar::start(&ns.name, "q", &format!("pod-{i}"), &extra).await;
+        let (claim, token) = sidecar.claim_ok(20).await;
+        assert_eq!(claim["name"], name);
+        held.push((sidecar, name.to_string(), token));
+    }
+    // a-1's claim passed over slot 0, a-0's, for the free one.
+    let want: Vec<(u32, String)> = vec![(0, "a-0".into()), (1, "a-1".into())];
+    assert_eq!(key_slots(&client, &ns.name, "a").await, want);
+    // The key is full: a-2, offered with the busy slot, is not claimed.
+    *next.lock().unwrap() = "a-2".into();
+    let third = Sidecar::start(&ns.name, "q", "pod-2", &["--dispatch-token-file", token]).await;
+    let (status, answer) = third.claim(3).await;
+    assert_eq!(
+        status, 204,
+        "a third job of key a claimed under a limit of 2: {answer}"
+    );
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    assert_eq!(jobs.get("a-2").await.unwrap().phase(), Phase::Queued);
+    // a-0 ends: its slot comes back, and a-2 takes it.
+    end(held.remove(0)).await;
+    let (claim, _) = third.claim_ok(20).await;
+    assert_eq!(claim["name"], "a-2");
+    let want: Vec<(u32, String)> = vec![(0, "a-2".into()), (1, "a-1".into())];
+    assert_eq!(key_slots(&client, &ns.name, "a").await, want);
+}
+
 /// Takes the slots of a claim of `copy` with a fresh token, as a sidecar does before its
 /// claim write: the slot Leases taken (or reused), or None when a limit is reached.
 async fn take(client: &kube::Client, ns: &str, copy: &LeasedJob, pod: &str) -> TakenFor {
@@ -402,7 +519,7 @@ async fn take(client: &kube::Client, ns: &str, copy: &LeasedJob, pod: &str) -> T
     let token = Token::issue(copy.attempt() + 1);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
     let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
-    let acquired = slots::acquire(&leases, &jobs, &queue, copy, pod, &token)
+    let acquired = slots::acquire(&leases, &jobs, &queue, copy, pod, &token, Preferred::NONE)
         .await
         .unwrap();
     match acquired {

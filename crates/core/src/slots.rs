@@ -300,9 +300,40 @@ pub fn spread_of(mine: &SlotHolder) -> usize {
     usize::try_from(u32::from_be_bytes(bytes)).unwrap_or(0)
 }
 
+/// The slot of each scope a claim tries first, as the dispatcher suggested with its offer
+/// ([`crate::dispatch::Hint::slots`]): one it believes free and suggested to no other offer
+/// standing, so that claimers of one scope, racing, write different slots instead of meeting
+/// at one (benchmark row 2k). Advice only: the claimer judges the slot as any other, from
+/// its own reads, and an index at or above the limit, or a slot that is busy, is passed
+/// over; a wrong suggestion costs at most one more read or one refused write.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Preferred {
+    /// The slot of the queue's scope (`maxLeased`) to try first.
+    pub queue: Option<u32>,
+    /// The slot of the job's concurrency key's scope (`maxLeasedPerKey`) to try first.
+    pub key: Option<u32>,
+}
+
+impl Preferred {
+    /// No slot preferred: the claimer's own order ([`plan`]).
+    pub const NONE: Preferred = Preferred {
+        queue: None,
+        key: None,
+    };
+
+    /// The slot preferred in `scope`, if any.
+    pub fn of(&self, scope: &Scope) -> Option<u32> {
+        match scope {
+            Scope::Queue => self.queue,
+            Scope::Key(_) => self.key,
+        }
+    }
+}
+
 /// The plan of a claim whose slots name `mine`, in a scope limited to `limit` whose slots are
-/// `listed` (any order; missing indices are slots never made).
-pub fn plan(mine: &SlotHolder, limit: u32, listed: &[Listed]) -> Plan {
+/// `listed` (any order; missing indices are slots never made). `prefer`: a slot to try before
+/// the others ([`Preferred`]); ignored at or above the limit.
+pub fn plan(mine: &SlotHolder, limit: u32, listed: &[Listed], prefer: Option<u32>) -> Plan {
     let reuse = listed.iter().find_map(|s| {
         let named = s.holder.as_ref().filter(|n| n.holder == *mine)?;
         Some((s.index, named.clone()))
@@ -331,6 +362,10 @@ pub fn plan(mine: &SlotHolder, limit: u32, listed: &[Listed]) -> Plan {
         }
     }
     empty.extend(named);
+    if let Some(at) = prefer.and_then(|i| empty.iter().position(|(index, _)| *index == i)) {
+        let preferred = empty.remove(at);
+        empty.insert(0, preferred);
+    }
     Plan {
         reuse,
         above,
@@ -568,7 +603,7 @@ pub(crate) mod tests {
                 holder: None,
             },
         ];
-        let p = plan(&mine, 4, &listed);
+        let p = plan(&mine, 4, &listed, None);
         assert_eq!(p.reuse, None);
         assert_eq!(p.above, vec![(4, unmarked("3", 1))]);
         // Empty ones first, then named ones, each group rotated to the job's own start.
@@ -587,11 +622,55 @@ pub(crate) mod tests {
             index: 9,
             holder: Some(mine_taken.clone()),
         });
-        assert_eq!(plan(&mine, 4, &with_mine).reuse, Some((9, mine_taken)));
+        assert_eq!(
+            plan(&mine, 4, &with_mine, None).reuse,
+            Some((9, mine_taken))
+        );
         // A lowered limit: everything at or above it must be judged first.
-        let p = plan(&mine, 1, &listed);
+        let p = plan(&mine, 1, &listed, None);
         assert_eq!(p.above, vec![(1, unmarked("1", 1)), (4, unmarked("3", 1))]);
         assert_eq!(p.candidates, vec![(0, other("2"))]);
+    }
+
+    #[test]
+    fn a_preferred_slot_is_tried_first_and_one_past_the_limit_is_ignored() {
+        let mine = holder("5", 1);
+        let other = |rv: &str| Some(unmarked(rv, 1));
+        let listed = vec![
+            Listed {
+                index: 0,
+                holder: other("2"),
+            },
+            Listed {
+                index: 1,
+                holder: None,
+            },
+            Listed {
+                index: 2,
+                holder: other("3"),
+            },
+        ];
+        let own = plan(&mine, 4, &listed, None).candidates;
+        for prefer in [0, 1, 2, 3] {
+            let p = plan(&mine, 4, &listed, Some(prefer)).candidates;
+            assert_eq!(p[0].0, prefer, "{p:?}");
+            // The others keep their own order, each tried once.
+            let rest: Vec<_> = own.iter().filter(|(i, _)| *i != prefer).cloned().collect();
+            assert_eq!(p[1..], rest[..]);
+        }
+        // At or above the limit, or with the slot above it: the claimer's own order.
+        assert_eq!(plan(&mine, 4, &listed, Some(4)).candidates, own);
+        assert_eq!(
+            plan(&mine, 2, &listed, Some(2)).candidates,
+            plan(&mine, 2, &listed, None).candidates
+        );
+        assert_eq!(Preferred::NONE.of(&Scope::Queue), None);
+        let p = Preferred {
+            queue: Some(1),
+            key: Some(3),
+        };
+        assert_eq!(p.of(&Scope::Queue), Some(1));
+        assert_eq!(p.of(&Scope::Key("a".into())), Some(3));
     }
 
     #[test]
@@ -603,7 +682,7 @@ pub(crate) mod tests {
                 resource_version: rv.into(),
                 attempt: 1,
             };
-            plan(&mine, 8, &listed).candidates[0].0
+            plan(&mine, 8, &listed, None).candidates[0].0
         };
         let starts: std::collections::BTreeSet<u32> =
             (0..32).map(|i| first(&format!("job-{i}"), "1")).collect();
@@ -618,7 +697,7 @@ pub(crate) mod tests {
             resource_version: "1".into(),
             attempt: 1,
         };
-        let mut all: Vec<u32> = plan(&mine, 8, &listed)
+        let mut all: Vec<u32> = plan(&mine, 8, &listed, None)
             .candidates
             .iter()
             .map(|(i, _)| *i)

@@ -350,7 +350,7 @@ async fn adopt_one(
             holder: holder.clone(),
         })
         .collect();
-    let mut order: Vec<u32> = slots::plan(&mine, limit, &as_listed)
+    let mut order: Vec<u32> = slots::plan(&mine, limit, &as_listed, None)
         .candidates
         .into_iter()
         .map(|(index, _)| index)

@@ -20,7 +20,7 @@ use crate::api::is_status;
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::queue::LeasedQueue;
 use leasehold_core::slots::{
-    self, Listed, Named, Scope, SlotHolder, SlotState, CLAIMS_ANNOTATION, SLOT_OF_LABEL,
+    self, Listed, Named, Preferred, Scope, SlotHolder, SlotState, CLAIMS_ANNOTATION, SLOT_OF_LABEL,
     SLOT_SCOPE_LABEL,
 };
 use leasehold_core::token::Token;
@@ -59,7 +59,8 @@ pub struct SlotError {
 /// Takes, for a claim of `job` (the copy the claim will be guarded by) that will write
 /// `token`, a slot of every scope `queue` limits it in ([`slots::scopes`]), through `leases`
 /// and `jobs` (the job's namespace), each marked with the token's [`slots::mark_of`]. `holder`
-/// is the claimer's pod, recorded on the slots it writes.
+/// is the claimer's pod, recorded on the slots it writes. `prefer`: the slot of each scope to
+/// try first (the dispatcher's suggestion; [`Preferred::NONE`] for the claimer's own order).
 ///
 /// # Errors
 /// [`SlotError`] when a list, read or write failed for another reason than a lost race;
@@ -71,6 +72,7 @@ pub async fn acquire(
     job: &LeasedJob,
     holder: &str,
     token: &Token,
+    prefer: Preferred,
 ) -> Result<Acquired, SlotError> {
     let Some(mine) = SlotHolder::of_claim(job) else {
         return Ok(Acquired::All(Vec::new()));
@@ -84,7 +86,8 @@ pub async fn acquire(
     for (scope, limit) in slots::scopes(queue, job) {
         let mut took = Ok(Take::ListAgain);
         for _ in 0..REUSE_TRIES {
-            took = take_one(leases, jobs, queue, &scope, limit, &claim).await;
+            let first = prefer.of(&scope);
+            took = take_one(leases, jobs, queue, (&scope, limit, first), &claim).await;
             if !matches!(took, Ok(Take::ListAgain)) {
                 break;
             }
@@ -147,13 +150,13 @@ enum Take {
     ListAgain,
 }
 
-/// Lists the slots of `scope` (limit `limit`) once and takes one for `claim`.
+/// Lists the slots of `scope` (limit `limit`) once and takes one for `claim`, trying the slot
+/// `first` first.
 async fn take_one(
     leases: &Api<Lease>,
     jobs: &Api<LeasedJob>,
     queue: &LeasedQueue,
-    scope: &Scope,
-    limit: u32,
+    (scope, limit, first): (&Scope, u32, Option<u32>),
     claim: &Claim<'_>,
 ) -> Result<Take, SlotError> {
     let queue_name = queue.name_any();
@@ -180,7 +183,7 @@ async fn take_one(
         listed.push(Listed { index, holder });
         existing.insert(index, lease);
     }
-    let plan = slots::plan(&claim.mine, limit, &listed);
+    let plan = slots::plan(&claim.mine, limit, &listed, first);
     if let Some((index, named)) = plan.reuse {
         let name = slots::slot_name(&queue_name, &scope.label(), index);
         let reused = Taken {

@@ -33,6 +33,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use leasehold_core::dispatch::{ADDRESS_ANNOTATION, ADVERT_LEASE};
+use leasehold_core::slots::Preferred;
 use leasehold_kube::api::error_chain;
 
 /// How long a connection to the dispatcher may take before it is set aside.
@@ -81,6 +82,23 @@ pub struct Hint {
     pub name: String,
     /// Its resourceVersion as the dispatcher saw it.
     pub resource_version: String,
+    /// The slot of the queue's limit to try first (`maxLeased`), if the dispatcher suggests
+    /// one ([`Preferred`]).
+    #[serde(default)]
+    pub queue_slot: Option<u32>,
+    /// The slot of the job's concurrency key's limit to try first (`maxLeasedPerKey`).
+    #[serde(default)]
+    pub key_slot: Option<u32>,
+}
+
+impl Hint {
+    /// The slots the dispatcher suggests trying first.
+    pub fn preferred(&self) -> Preferred {
+        Preferred {
+            queue: self.queue_slot,
+            key: self.key_slot,
+        }
+    }
 }
 
 /// Why the dispatcher could not be used for this poll.

@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use kube::runtime::reflector::ObjectRef;
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::queue::LeasedQueue;
-use leasehold_core::slots::Scope;
+use leasehold_core::slots::{Preferred, Scope};
 use leasehold_core::token::Token;
 use leasehold_kube::api::error_chain;
 use leasehold_kube::slots::{self, Acquired, Taken};
@@ -173,7 +173,8 @@ impl Worker {
     /// it: `Ok(Some(taken))` to go on with the
     /// claim write (empty when the queue sets no limit for the job); `Ok(None)` when a limit
     /// is reached, or when the queue was paused (or its LeasedQueue became unreadable) while
-    /// they were taken: then they are given back.
+    /// they were taken: then they are given back. `prefer`: the slots to try first (the
+    /// dispatcher's suggestion with its offer).
     ///
     /// # Errors
     /// [`WorkerError::Unavailable`] when the slots could not be listed, judged or written.
@@ -182,6 +183,7 @@ impl Worker {
         queue: Option<&LeasedQueue>,
         snapshot: &LeasedJob,
         token: &Token,
+        prefer: Preferred,
     ) -> Result<Option<Vec<Taken>>, WorkerError> {
         let Some(queue) = queue.filter(|q| q.spec.limits()) else {
             return Ok(Some(Vec::new()));
@@ -193,6 +195,7 @@ impl Worker {
             snapshot,
             &self.inner.config.identity,
             token,
+            prefer,
         )
         .await
         .map_err(|e| {

@@ -85,7 +85,7 @@ impl Worker {
                     return Err(WorkerError::ShuttingDown);
                 }
                 let marks = self.inner.full_keys.marks();
-                match self.try_claim(job, false).await? {
+                match self.try_claim(job, None).await? {
                     crate::pick::Tried::Claimed(claimed) => return Ok(Some(*claimed)),
                     // A key found full is passed over from now on: list again at once.
                     crate::pick::Tried::HeldBack => {

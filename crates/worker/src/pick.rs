@@ -33,6 +33,7 @@ use leasehold_core::claim;
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::fence::Outcome;
 use leasehold_core::share;
+use leasehold_core::slots::Preferred;
 use leasehold_core::token::Token;
 use leasehold_core::trace;
 use leasehold_kube::api::error_chain;
@@ -160,7 +161,7 @@ impl Worker {
                     return Err(WorkerError::ShuttingDown);
                 }
                 let marks = self.inner.full_keys.marks();
-                match self.try_claim(&snapshot, false).await? {
+                match self.try_claim(&snapshot, None).await? {
                     Tried::Claimed(claimed) => return Ok(Some(*claimed)),
                     // Paused, or a limit reached: the job is not stale; look again a little
                     // later (a limit's slot comes back with no change of this queue's jobs
@@ -340,7 +341,7 @@ impl Worker {
             .read_claimable(&hint.name, &hint.resource_version)
             .await
         {
-            Some(snapshot) => match self.try_claim(&snapshot, true).await? {
+            Some(snapshot) => match self.try_claim(&snapshot, Some(hint.preferred())).await? {
                 Tried::Claimed(claimed) => Ok(Some(*claimed)),
                 // An offer of a scope at its limit counts against the dispatcher, which knows
                 // the limits: one that keeps making such offers is set aside.
@@ -483,13 +484,14 @@ impl Worker {
     /// Claims `snapshot`. `Ok(None)` when it was stale (409) or is no longer claimable. In
     /// both cases, and when the claim succeeds, `snapshot` is marked tried: it is known stale.
     /// A write that failed or timed out is an error and marks nothing. `offered`: the job was
-    /// offered by the dispatcher (said in the log). [`Tried::HeldBack`], with nothing
+    /// offered by the dispatcher (said in the log), with these slots to try first in a queue
+    /// with limits ([`Preferred`]). [`Tried::HeldBack`], with nothing
     /// written or marked, when the queue was paused since the job was chosen
     /// ([`crate::paused`]) or a limit of the queue is reached ([`crate::limited`]).
     pub(crate) async fn try_claim(
         &self,
         snapshot: &LeasedJob,
-        offered: bool,
+        offered: Option<Preferred>,
     ) -> Result<Tried, WorkerError> {
         if self.paused_now() {
             return Ok(Tried::HeldBack);
@@ -512,7 +514,11 @@ impl Worker {
         }
         // A limited queue: a slot of each limit first, marked with the claim's token.
         let fresh = Token::issue(snapshot.attempt() + 1);
-        let Some(slots) = self.take_slots(queue.as_deref(), snapshot, &fresh).await? else {
+        let prefer = offered.unwrap_or(Preferred::NONE);
+        let Some(slots) = self
+            .take_slots(queue.as_deref(), snapshot, &fresh, prefer)
+            .await?
+        else {
             return Ok(Tried::HeldBack);
         };
         // The queue's defaults, for what the job sets none of: the claim records the result
@@ -617,6 +623,7 @@ impl Worker {
         // The Lease is not written here: the attempt's first renewal writes it (see the module
         // doc), so a job done before then costs the claim and its end only.
         let job_ref = job.reference();
+        let offered = offered.is_some();
         let via = if offered {
             ", offered by the dispatcher"
         } else {

@@ -21,13 +21,14 @@
 //! Pure: the caller passes the time, and feeds the watch events of every job it sees with
 //! [`Dispatch::observe`] (the jobs of every queue of every namespace it watches).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use crate::claim_index::{Change, ClaimIndex};
 use crate::crd::LeasedJob;
 use crate::queue;
+use crate::slots::Preferred;
 
 /// Name of the Lease through which the leading replica tells sidecars where its dispatcher
 /// answers (in the leader Lease's namespace; with `--leader-elect false`, in the controller's
@@ -62,6 +63,10 @@ pub struct Hint {
     pub name: String,
     /// metadata.resourceVersion of the job as the dispatcher saw it.
     pub resource_version: String,
+    /// In a queue with limits, the slot of each limited scope of the job to try first: one
+    /// that no job Leased through an offer holds and no other standing offer was suggested
+    /// (advice, as the rest: [`Preferred`]).
+    pub slots: Preferred,
 }
 
 /// One standing offer.
@@ -73,6 +78,20 @@ struct Offer {
     worker: String,
     /// Until when the offer withholds the job from the others.
     until: Timestamp,
+    /// The slots suggested with it.
+    slots: Preferred,
+}
+
+/// A Leased job, as the dispatcher follows it for the limits.
+#[derive(Clone, Debug)]
+struct Held {
+    /// Its concurrency key (the empty key for none).
+    key: String,
+    /// The list epoch that saw it last.
+    seen: u32,
+    /// The slots suggested with the offer it was claimed from, if it was offered: the slots
+    /// it most likely holds (its claimer may have taken others).
+    slots: Preferred,
 }
 
 /// The claimable jobs of one concurrency key of a queue, and its turn.
@@ -165,9 +184,9 @@ pub struct Dispatch {
     listed: bool,
     /// What the LeasedQueues of the queues that have one set: weights and limits.
     policies: HashMap<QueueKey, Policy>,
-    /// The Leased jobs of every queue: name -> (concurrency key, the list epoch that saw it),
-    /// to keep offers within the limits (advice: the slots are what holds them).
-    leased: HashMap<QueueKey, HashMap<String, (String, u32)>>,
+    /// The Leased jobs of every queue, by name, to keep offers within the limits and suggest
+    /// slots (advice: the slots are what holds them).
+    leased: HashMap<QueueKey, HashMap<String, Held>>,
     /// Bumped at each (re-)list: entries of `leased` not seen by the list are dropped at its end.
     epoch: u32,
 }
@@ -277,7 +296,7 @@ impl Dispatch {
                 self.listed = true;
                 let epoch = self.epoch;
                 for l in self.leased.values_mut() {
-                    l.retain(|_, (_, seen)| *seen == epoch);
+                    l.retain(|_, held| held.seen == epoch);
                 }
                 self.leased.retain(|_, l| !l.is_empty());
                 for view in self.queues.values_mut() {
@@ -323,7 +342,7 @@ impl Dispatch {
                 policy.map_or((None, None), |p| (p.max_leased, p.max_leased_per_key));
             let mut used: HashMap<&str, usize> = HashMap::new();
             if max.is_some() || per_key.is_some() {
-                let leased_keys = leased.into_iter().flat_map(|l| l.values().map(|(k, _)| k));
+                let leased_keys = leased.into_iter().flat_map(|l| l.values().map(|h| &h.key));
                 let offered_keys = offers.values().filter(|o| o.until > now).map(|o| &o.key);
                 for key in leased_keys.chain(offered_keys) {
                     *used.entry(key).or_default() += 1;
@@ -353,6 +372,10 @@ impl Dispatch {
         lane.pass = pass + STRIDE / u64::from(weight.max(1));
         view.vtime = pass;
         let resource_version = lane.index.resource_version(&name)?.to_string();
+        let slots = match policy {
+            Some(p) => suggest(p, leased, &view.offers, &key, now),
+            None => Preferred::NONE,
+        };
         // Lanes kept only for their place in the turns, whose turn has now come, go.
         view.lanes
             .retain(|_, l| !l.index.is_empty() || l.pass > pass);
@@ -362,11 +385,13 @@ impl Dispatch {
                 key,
                 worker: worker.to_string(),
                 until: now + SignedDuration::from_millis(OFFER_TTL_MS),
+                slots,
             },
         );
         Some(Hint {
             name,
             resource_version,
+            slots,
         })
     }
 
@@ -414,16 +439,31 @@ impl Dispatch {
         };
     }
 
-    /// Follows which jobs are Leased, for the limits.
+    /// Follows which jobs are Leased, for the limits, and the slots suggested with the offer a
+    /// job was claimed from (called before the offer is forgotten).
     fn note_leased(&mut self, job: &LeasedJob) {
         let (Some(queue), Some(name)) = (key_of(job), job.metadata.name.as_deref()) else {
             return;
         };
         if job.phase() == crate::crd::Phase::Leased {
-            self.leased
+            let offered = self
+                .queues
+                .get(&queue)
+                .and_then(|v| v.offers.get(name))
+                .map(|o| o.slots);
+            let epoch = self.epoch;
+            let held = self
+                .leased
                 .entry(queue)
                 .or_default()
-                .insert(name.to_string(), (lane_key(job).to_string(), self.epoch));
+                .entry(name.to_string())
+                .or_insert_with(|| Held {
+                    key: lane_key(job).to_string(),
+                    seen: epoch,
+                    slots: offered.unwrap_or_default(),
+                });
+            held.seen = epoch;
+            held.key = lane_key(job).to_string();
         } else if let Some(l) = self.leased.get_mut(&queue) {
             l.remove(name);
         }
@@ -438,6 +478,46 @@ impl Dispatch {
     /// Offers standing or lapsed but not yet forgotten, over every queue.
     pub fn offers(&self) -> usize {
         self.queues.values().map(|v| v.offers.len()).sum()
+    }
+}
+
+/// The slots to suggest with an offer of a job of concurrency key `key` (the empty key for
+/// none) under `policy`: in each limited scope, the lowest index below the limit that no
+/// Leased job of the scope was suggested with its offer (`leased`) and no offer standing at
+/// `now` was suggested (`offers`). None where every index is so taken (jobs Leased without
+/// an offer hold slots the dispatcher cannot place: the claimer finds the free one itself).
+fn suggest(
+    policy: &Policy,
+    leased: Option<&HashMap<String, Held>>,
+    offers: &HashMap<String, Offer>,
+    key: &str,
+    now: Timestamp,
+) -> Preferred {
+    let held = leased
+        .into_iter()
+        .flat_map(|l| l.values().map(|h| (h.key.as_str(), h.slots)));
+    let offered = offers
+        .values()
+        .filter(|o| o.until > now)
+        .map(|o| (o.key.as_str(), o.slots));
+    let mut in_queue = HashSet::new();
+    let mut in_key = HashSet::new();
+    for (k, slots) in held.chain(offered) {
+        in_queue.extend(slots.queue);
+        if k == key {
+            in_key.extend(slots.key);
+        }
+    }
+    let lowest = |limit: Option<u32>, taken: &HashSet<u32>| {
+        let limit = limit?.min(crate::slots::MAX_LIMIT.unsigned_abs());
+        (0..limit).find(|i| !taken.contains(i))
+    };
+    Preferred {
+        queue: lowest(policy.max_leased, &in_queue),
+        key: match key {
+            "" => None,
+            _ => lowest(policy.max_leased_per_key, &in_key),
+        },
     }
 }
 

@@ -4,6 +4,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::*;
 use crate::crd::{LeasedJobSpec, LeasedJobStatus, Phase};
+use crate::slots::Preferred;
 
 fn at_ms(ms: i64) -> Timestamp {
     Timestamp::from_millisecond(1_800_000_000_000 + ms).unwrap()
@@ -217,6 +218,85 @@ fn a_scope_at_its_limit_is_not_offered_counting_standing_offers() {
         .filter_map(|i| d.offer(&q("ns"), &format!("w{i}"), now))
         .collect();
     assert_eq!(got.len(), 3);
+}
+
+#[test]
+fn offers_suggest_slots_no_standing_offer_or_job_leased_from_one_was_suggested() {
+    let two_keys = || {
+        let mut d = Dispatch::new();
+        for i in 0..6 {
+            d.observe(Change::Applied(&keyed(&format!("a{i}"), "a", i)));
+            d.observe(Change::Applied(&keyed(&format!("b{i}"), "b", 10 + i)));
+        }
+        d
+    };
+    let now = at_ms(1_000_000);
+    // No LeasedQueue: no slot to suggest.
+    let hint = two_keys().offer(&q("ns"), "w0", now).unwrap();
+    assert_eq!(hint.slots, Preferred::NONE);
+    let mut d = two_keys();
+    d.set_policy(
+        &q("ns"),
+        Some(Policy {
+            max_leased_per_key: Some(3),
+            max_leased: Some(5),
+            ..Policy::default()
+        }),
+    );
+    let hints: Vec<Hint> = (1..=4)
+        .map(|i| d.offer(&q("ns"), &format!("w{i}"), now).unwrap())
+        .collect();
+    let slots = |hints: &[Hint]| -> Vec<(String, Option<u32>, Option<u32>)> {
+        hints
+            .iter()
+            .map(|h| (h.name.clone(), h.slots.queue, h.slots.key))
+            .collect()
+    };
+    // Keys take turns; each key's offers get distinct key slots, all distinct queue slots.
+    assert_eq!(
+        slots(&hints),
+        vec![
+            ("a0".into(), Some(0), Some(0)),
+            ("b0".into(), Some(1), Some(0)),
+            ("a1".into(), Some(2), Some(1)),
+            ("b1".into(), Some(3), Some(1)),
+        ]
+    );
+    // a0 is claimed: its slots stay taken while it is Leased, after its offer is gone.
+    let mut a0 = keyed("a0", "a", 0);
+    a0.status.as_mut().unwrap().phase = Some(Phase::Leased);
+    d.observe(Change::Applied(&a0));
+    // b0's offer is declined: its slots are free again, and a0's are not. a2's turn.
+    d.declined(&q("ns"), "b0", "w2");
+    let next = d.offer(&q("ns"), "w5", now).unwrap();
+    let got = |h: &Hint| (h.name.clone(), h.slots.queue, h.slots.key);
+    assert_eq!(got(&next), ("a2".into(), Some(1), Some(2)));
+    // a0 ends: its slots go back (queue slot 0 is the lowest free again).
+    a0.status.as_mut().unwrap().phase = Some(Phase::Succeeded);
+    d.observe(Change::Applied(&a0));
+    let next = d.offer(&q("ns"), "w6", now).unwrap();
+    assert_eq!(got(&next), ("b0".into(), Some(0), Some(0)));
+    // A job Leased without an offer counts against the limits, but holds no known slot.
+    let mut d = Dispatch::new();
+    let mut other = keyed("x", "a", 0);
+    other.status.as_mut().unwrap().phase = Some(Phase::Leased);
+    d.observe(Change::Applied(&other));
+    d.observe(Change::Applied(&keyed("a9", "a", 9)));
+    d.set_policy(
+        &q("ns"),
+        Some(Policy {
+            max_leased_per_key: Some(2),
+            ..Policy::default()
+        }),
+    );
+    let hint = d.offer(&q("ns"), "w", now).unwrap();
+    assert_eq!(
+        hint.slots,
+        Preferred {
+            queue: None,
+            key: Some(0)
+        }
+    );
 }
 
 #[test]

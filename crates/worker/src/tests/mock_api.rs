@@ -154,7 +154,7 @@ async fn a_claim_answered_409_marks_the_snapshot_stale_and_widens_the_window() {
         }
         let claim = tokio::spawn({
             let w = w.clone();
-            async move { w.try_claim(&queued("j0"), false).await }
+            async move { w.try_claim(&queued("j0"), None).await }
         });
         let send = cluster.expect("PUT", &format!("{JOBS}/j0/status")).await;
         answer(send, 409, &status(409, "Conflict"));
@@ -199,7 +199,7 @@ async fn a_claim_refused_outside_the_limits_holds_claims_under_that_copy() {
     });
     let claim = |w: &Worker| {
         let w = w.clone();
-        tokio::spawn(async move { w.try_claim(&queued("j0"), false).await })
+        tokio::spawn(async move { w.try_claim(&queued("j0"), None).await })
     };
     let first = claim(&w);
     let send = cluster.expect("PUT", &format!("{JOBS}/j0/status")).await;
