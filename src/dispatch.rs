@@ -9,7 +9,7 @@
 //!   no job came within the wait. With `keepAliveMs`
 //!   (50 to 10,000), an answer that is not ready at once is 200 with a streamed body: a
 //!   newline every `keepAliveMs` while the caller is admitted and the poll waits, then one
-//!   JSON object, `{name, resourceVersion}`, `{}` (no job within the wait) or an error object
+//!   JSON object, the offer as above, `{}` (no job within the wait) or an error object
 //!   as below (a refusal of the caller too). The
 //!   newlines let a sidecar tell a waiting dispatcher from a frozen one, or a stalled path,
 //!   within a bound, without asking again and again;

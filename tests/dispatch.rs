@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::PostParams;
 use kube::Api;
-use leasehold_core::crd::{LeasedJob, Phase};
+use leasehold_core::crd::LeasedJob;
 use leasehold_testkit::*;
 use serde_json::{json, Value};
 
-use leasehold_testkit::dispatcher::{advertised, fake_dispatcher};
+use leasehold_testkit::dispatcher::{advertised, dispatcher_sees, fake_dispatcher, wait_queued};
 
 async fn create_job(client: &kube::Client, ns: &str, name: &str, priority: i32) {
     create_job_in(client, ns, "q", name, priority).await;
@@ -27,29 +27,6 @@ async fn create_job_in(client: &kube::Client, ns: &str, queue: &str, name: &str,
     }))
     .unwrap();
     jobs.create(&PostParams::default(), &job).await.unwrap();
-}
-
-/// Waits until the controller's own cache (fed by the watch the dispatcher follows, after the
-/// dispatcher has seen each event) counts `n` Queued jobs of queue `q`: the API server showing
-/// a job Queued does not mean the dispatcher's view does yet (its watch is milliseconds behind).
-async fn dispatcher_sees(ctl_port: u16, n: usize) {
-    let metric = "leasehold_jobs{queue=\"q\",phase=\"Queued\"}";
-    wait_for("the dispatcher's view", Duration::from_secs(10), || async {
-        let m = http_get(ctl_port, "/metrics").await?.1;
-        (sample(&m, metric)? >= n as f64).then_some(())
-    })
-    .await;
-}
-
-async fn wait_queued(client: &kube::Client, ns: &str, names: &[&str]) {
-    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
-    for name in names {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while jobs.get(name).await.unwrap().status.and_then(|s| s.phase) != Some(Phase::Queued) {
-            assert!(Instant::now() < deadline, "{name} never Queued");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
 }
 
 /// Polls the dispatcher at `address`; the answer's status and JSON body (Null when empty).

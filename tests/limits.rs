@@ -21,7 +21,7 @@ use leasehold_core::slots::{Preferred, Scope, SlotHolder};
 use leasehold_core::token::Token;
 use leasehold_kube::claim::{claim_with, ClaimError};
 use leasehold_kube::slots::{self, Acquired};
-use leasehold_testkit::dispatcher::fake_dispatcher;
+use leasehold_testkit::dispatcher::{advertised, dispatcher_sees, fake_dispatcher, wait_queued};
 use leasehold_testkit::*;
 use serde_json::json;
 
@@ -421,25 +421,34 @@ async fn key_slots(client: &kube::Client, ns: &str, key: &str) -> Vec<(u32, Stri
 #[tokio::test]
 async fn claims_take_the_slots_the_dispatcher_suggests() {
     let Fixture { client, ns } = fixture!("limits-suggest");
-    let _controller = controller(&ns.name);
+    let controller = controller(&ns.name);
+    advertised(&client, &ns.name).await;
     // Eight slots for two jobs: on its own, a claim starts at a place of its own job's.
     apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 8})).await;
+    let token = dispatch_token_file(&ns.name);
+    let token = token.to_str().unwrap();
+    // The sidecars start first, so that they follow the advert before there is a job to
+    // choose on their own.
+    let mut sidecars = Vec::new();
+    for i in 0..2 {
+        let extra = ["--dispatch-token-file", token];
+        sidecars.push(Sidecar::start(&ns.name, "q", &format!("pod-{i}"), &extra).await);
+    }
     for i in 0..2 {
         create_keyed(&client, &ns.name, &format!("a-{i}"), "a").await;
     }
-    let token = dispatch_token_file(&ns.name);
-    let token = token.to_str().unwrap();
+    wait_queued(&client, &ns.name, &["a-0", "a-1"]).await;
+    dispatcher_sees(controller.port.unwrap(), 2).await;
     let mut claimed = Vec::new();
-    for i in 0..2 {
-        let extra = ["--dispatch-token-file", token];
-        let sidecar = Sidecar::start(&ns.name, "q", &format!("pod-{i}"), &extra).await;
+    for sidecar in &sidecars {
         let (claim, _) = sidecar.claim_ok(20).await;
-        claimed.push((sidecar, claim["name"].as_str().unwrap().to_string()));
+        claimed.push(claim["name"].as_str().unwrap().to_string());
     }
+    assert_eq!(claimed, ["a-0", "a-1"], "offered in claim order");
     let want: Vec<(u32, String)> = vec![(0, "a-0".into()), (1, "a-1".into())];
     assert_eq!(key_slots(&client, &ns.name, "a").await, want);
     // Both through the dispatcher (not the fallback, which suggests nothing).
-    for (sidecar, _) in &claimed {
+    for sidecar in &sidecars {
         let metrics = reqwest::get(format!("{}/metrics", sidecar.base))
             .await
             .unwrap()
@@ -454,57 +463,105 @@ async fn claims_take_the_slots_the_dispatcher_suggests() {
     }
 }
 
+/// A fake dispatcher's state: the job it offers (none while empty), and how often it was
+/// asked.
+#[derive(Default)]
+struct Liar {
+    offers: std::sync::Mutex<String>,
+    polls: std::sync::atomic::AtomicUsize,
+}
+
+/// Claims `name` through the fake dispatcher `liar` with `sidecar`: the claim is asked
+/// first, the job made once the sidecar asks the liar (so that it cannot choose the job on
+/// its own before it follows the advert), and offered once Queued.
+async fn claim_through(
+    client: &kube::Client,
+    ns: &str,
+    liar: &Arc<Liar>,
+    sidecar: Sidecar,
+    name: &str,
+    wait: u64,
+) -> (Sidecar, u16, serde_json::Value) {
+    let asked = liar.polls.load(Ordering::SeqCst);
+    let claim = tokio::spawn(async move {
+        let (status, answer) = sidecar.claim(wait).await;
+        (sidecar, status, answer)
+    });
+    wait_for(
+        "the sidecar asks the dispatcher",
+        Duration::from_secs(20),
+        || async { (liar.polls.load(Ordering::SeqCst) > asked).then_some(()) },
+    )
+    .await;
+    create_keyed(client, ns, name, "a").await;
+    wait_queued(client, ns, &[name]).await;
+    *liar.offers.lock().unwrap() = name.into();
+    let got = claim.await.unwrap();
+    liar.offers.lock().unwrap().clear();
+    got
+}
+
 #[tokio::test]
 async fn a_dispatcher_suggesting_a_busy_slot_does_not_break_a_limit() {
-    use std::sync::Mutex;
     let Fixture { client, ns } = fixture!("limits-liar");
     let _controller = controller_with(&ns.name, "test-controller", &["--dispatch", "false"]);
     apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 2})).await;
-    for i in 0..3 {
-        create_keyed(&client, &ns.name, &format!("a-{i}"), "a").await;
-    }
-    // A dispatcher that offers the job the test names, always suggesting slot 0, and a
-    // slot of a queue limit there is none of.
-    let next = Arc::new(Mutex::new(String::new()));
+    // A dispatcher that offers the job the test names, always suggesting key slot 0, and
+    // queue slot 3 (the queue has no such limit).
+    let liar = Arc::new(Liar::default());
     let router = {
-        let next = Arc::clone(&next);
-        axum::Router::new().route(
-            "/v1/dispatch/poll",
-            axum::routing::post(move || {
-                let name = next.lock().unwrap().clone();
-                async move {
-                    axum::Json(json!({"name": name, "resourceVersion": "1",
-                                      "keySlot": 0, "queueSlot": 3}))
-                }
-            }),
-        )
+        let liar = Arc::clone(&liar);
+        axum::Router::new()
+            .route(
+                "/v1/dispatch/poll",
+                axum::routing::post(move || {
+                    liar.polls.fetch_add(1, Ordering::SeqCst);
+                    let name = liar.offers.lock().unwrap().clone();
+                    async move {
+                        if name.is_empty() {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            return axum::Json(json!({}));
+                        }
+                        axum::Json(json!({"name": name, "resourceVersion": "1",
+                                          "keySlot": 0, "queueSlot": 3}))
+                    }
+                }),
+            )
+            .route(
+                "/v1/dispatch/declined",
+                axum::routing::post(|| async { axum::http::StatusCode::NO_CONTENT }),
+            )
     };
     let token = fake_dispatcher(&client, &ns.name, router).await;
     let token = token.to_str().unwrap();
     let mut held = Vec::new();
     for (i, name) in ["a-0", "a-1"].into_iter().enumerate() {
-        *next.lock().unwrap() = name.into();
         let extra = ["--dispatch-token-file", token];
         let sidecar = Sidecar::start(&ns.name, "q", &format!("pod-{i}"), &extra).await;
-        let (claim, token) = sidecar.claim_ok(20).await;
-        assert_eq!(claim["name"], name);
-        held.push((sidecar, name.to_string(), token));
+        let (sidecar, status, claim) =
+            claim_through(&client, &ns.name, &liar, sidecar, name, 20).await;
+        assert_eq!(
+            (status, claim["name"].as_str()),
+            (200, Some(name)),
+            "{claim}"
+        );
+        held.push((sidecar, name.to_string(), token_of(&claim)));
     }
     // a-1's claim passed over slot 0, a-0's, for the free one.
     let want: Vec<(u32, String)> = vec![(0, "a-0".into()), (1, "a-1".into())];
     assert_eq!(key_slots(&client, &ns.name, "a").await, want);
     // The key is full: a-2, offered with the busy slot, is not claimed.
-    *next.lock().unwrap() = "a-2".into();
     let third = Sidecar::start(&ns.name, "q", "pod-2", &["--dispatch-token-file", token]).await;
-    let (status, answer) = third.claim(3).await;
+    let (third, status, answer) = claim_through(&client, &ns.name, &liar, third, "a-2", 5).await;
     assert_eq!(
         status, 204,
         "a third job of key a claimed under a limit of 2: {answer}"
     );
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     assert_eq!(jobs.get("a-2").await.unwrap().phase(), Phase::Queued);
-    // a-0 ends: its slot comes back, and a-2 takes it.
+    // a-0 ends: its slot comes back, and a-2 takes it (offered, or found on its own).
     end(held.remove(0)).await;
+    *liar.offers.lock().unwrap() = "a-2".into();
     let (claim, _) = third.claim_ok(20).await;
     assert_eq!(claim["name"], "a-2");
     let want: Vec<(u32, String)> = vec![(0, "a-2".into()), (1, "a-1".into())];

@@ -47,7 +47,9 @@ pub enum ClaimError {
     /// The API server's admission refused the claim by one of leasehold's limit rules
     /// (`limits-obeyed`, `limits-adopted`: docs/security.md): its copy of the job's LeasedQueue
     /// sets limits this claim was not made under, or that are not confirmed yet. Nothing was
-    /// written; the claimer's copy of the LeasedQueue lags the API server's.
+    /// written. The two copies of the LeasedQueue differ: the claimer's lags the API server's,
+    /// or the API server's (read by its admission) lags the claimer's for a moment; either
+    /// way a claim under the same copy would be refused again until one catches up.
     #[error(
         "the API server refused the claim of LeasedJob {job} under its queue's limits: {message}"
     )]

@@ -2,15 +2,16 @@
 //! one (any HTTP router) advertised in its place, to play a dispatcher that lies.
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::PostParams;
 use kube::{Api, Client};
+use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::dispatch::{ADDRESS_ANNOTATION, ADVERT_LEASE};
 use serde_json::json;
 
-use crate::{log_dir, wait_for};
+use crate::{http_get, log_dir, sample, wait_for};
 
 /// The address the leading controller advertises in `ns`, once it does (within 30 s).
 pub async fn advertised(client: &Client, ns: &str) -> String {
@@ -46,4 +47,29 @@ pub async fn fake_dispatcher(client: &Client, ns: &str, router: axum::Router) ->
     let token = log_dir().join(format!("{ns}-any-token"));
     std::fs::write(&token, "anything").unwrap();
     token
+}
+
+/// Waits until the controller's own cache (fed by the watch the dispatcher follows, after the
+/// dispatcher has seen each event) counts `n` Queued jobs of queue `q`: the API server showing
+/// a job Queued does not mean the dispatcher's view does yet (its watch is milliseconds behind).
+pub async fn dispatcher_sees(ctl_port: u16, n: usize) {
+    let metric = "leasehold_jobs{queue=\"q\",phase=\"Queued\"}";
+    wait_for("the dispatcher's view", Duration::from_secs(10), || async {
+        let m = http_get(ctl_port, "/metrics").await?.1;
+        (sample(&m, metric)? >= n as f64).then_some(())
+    })
+    .await;
+}
+
+/// Waits until each job of `names` in `ns` is Queued (the controller initialised it), within
+/// 20 s each.
+pub async fn wait_queued(client: &Client, ns: &str, names: &[&str]) {
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
+    for name in names {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while jobs.get(name).await.unwrap().status.and_then(|s| s.phase) != Some(Phase::Queued) {
+            assert!(Instant::now() < deadline, "{name} never Queued");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }

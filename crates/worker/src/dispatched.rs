@@ -83,12 +83,23 @@ pub struct Hint {
     /// Its resourceVersion as the dispatcher saw it.
     pub resource_version: String,
     /// The slot of the queue's limit to try first (`maxLeased`), if the dispatcher suggests
-    /// one ([`Preferred`]).
-    #[serde(default)]
+    /// one ([`Preferred`]). Advice: a value that is not an index (negative, fractional, too
+    /// large, not a number) is read as no suggestion, and the offer stands.
+    #[serde(default, deserialize_with = "slot_index")]
     pub queue_slot: Option<u32>,
-    /// The slot of the job's concurrency key's limit to try first (`maxLeasedPerKey`).
-    #[serde(default)]
+    /// The slot of the job's concurrency key's limit to try first (`maxLeasedPerKey`), read
+    /// as `queue_slot` is.
+    #[serde(default, deserialize_with = "slot_index")]
     pub key_slot: Option<u32>,
+}
+
+/// Reads a suggested slot index: a whole number from 0 to `u32::MAX`, anything else none.
+fn slot_index<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    let value = Option::<serde_json::Value>::deserialize(d)?;
+    Ok(value
+        .as_ref()
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|i| u32::try_from(i).ok()))
 }
 
 impl Hint {
@@ -426,5 +437,37 @@ mod tests {
         assert_eq!(secs, [1000, 2000, 4000, 5000, 5000, 5000]);
         assert_eq!(aside_for(u32::MAX), SET_ASIDE);
         assert_eq!(aside_for(0), FIRST_SET_ASIDE);
+    }
+
+    #[test]
+    fn a_suggested_slot_that_is_no_index_is_no_suggestion_and_the_offer_stands() {
+        let read = |slots: &str| {
+            let text = format!(r#"{{"name": "j", "resourceVersion": "7"{slots}}}"#);
+            serde_json::from_str::<Hint>(&text).map(|h| h.preferred())
+        };
+        let none = Preferred::NONE;
+        assert_eq!(read("").unwrap(), none);
+        assert_eq!(
+            read(r#", "queueSlot": 2, "keySlot": 0"#).unwrap(),
+            Preferred {
+                queue: Some(2),
+                key: Some(0)
+            }
+        );
+        for bad in [
+            "-1",
+            "1.5",
+            "1.0",
+            r#""1""#,
+            "null",
+            "4294967296",
+            "[1]",
+            "{}",
+        ] {
+            let got = read(&format!(r#", "keySlot": {bad}, "queueSlot": {bad}"#));
+            assert_eq!(got.unwrap(), none, "{bad}");
+        }
+        // The rest of the answer is read as before.
+        assert!(serde_json::from_str::<Hint>(r#"{"name": 3, "resourceVersion": "7"}"#).is_err());
     }
 }

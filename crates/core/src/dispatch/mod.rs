@@ -89,8 +89,10 @@ struct Held {
     key: String,
     /// The list epoch that saw it last.
     seen: u32,
-    /// The slots suggested with the offer it was claimed from, if it was offered: the slots
-    /// it most likely holds (its claimer may have taken others).
+    /// The attempt it is Leased at (`status.attempt`).
+    attempt: i32,
+    /// The slots suggested with the offer this attempt was claimed from, if it was offered:
+    /// the slots it most likely holds (its claimer may have taken others).
     slots: Preferred,
 }
 
@@ -451,7 +453,7 @@ impl Dispatch {
                 .get(&queue)
                 .and_then(|v| v.offers.get(name))
                 .map(|o| o.slots);
-            let epoch = self.epoch;
+            let (epoch, attempt) = (self.epoch, job.attempt());
             let held = self
                 .leased
                 .entry(queue)
@@ -460,8 +462,15 @@ impl Dispatch {
                 .or_insert_with(|| Held {
                     key: lane_key(job).to_string(),
                     seen: epoch,
+                    attempt,
                     slots: offered.unwrap_or_default(),
                 });
+            // Leased again at a later attempt without a change seen in between (a re-list
+            // spanned it): the slots of that attempt's offer, if any.
+            if held.attempt != attempt {
+                held.attempt = attempt;
+                held.slots = offered.unwrap_or_default();
+            }
             held.seen = epoch;
             held.key = lane_key(job).to_string();
         } else if let Some(l) = self.leased.get_mut(&queue) {

@@ -297,6 +297,21 @@ fn offers_suggest_slots_no_standing_offer_or_job_leased_from_one_was_suggested()
             key: Some(0)
         }
     );
+    // a9 is claimed from that offer (slot 0), then seen Leased again at a later attempt with
+    // no change seen in between (a re-list spanned it): that attempt came from no offer, so
+    // slot 0 is no longer taken to be a9's.
+    let mut a9 = keyed("a9", "a", 9);
+    a9.status.as_mut().unwrap().phase = Some(Phase::Leased);
+    a9.status.as_mut().unwrap().attempt = 1;
+    d.observe(Change::Applied(&a9));
+    other.status.as_mut().unwrap().phase = Some(Phase::Succeeded);
+    d.observe(Change::Applied(&other));
+    d.observe(Change::Applied(&keyed("a8", "a", 8)));
+    assert_eq!(d.offer(&q("ns"), "w", now).unwrap().slots.key, Some(1));
+    d.declined(&q("ns"), "a8", "w");
+    a9.status.as_mut().unwrap().attempt = 2;
+    d.observe(Change::Applied(&a9));
+    assert_eq!(d.offer(&q("ns"), "w", now).unwrap().slots.key, Some(0));
 }
 
 #[test]
