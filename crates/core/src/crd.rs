@@ -215,6 +215,22 @@ fn default_backoff_max() -> i32 {
     300
 }
 
+/// The policy an attempt runs under, fixed at its claim: a LeasedJob's `status.policy`.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Policy {
+    /// The lease this attempt was granted, in seconds (also its Lease's leaseDurationSeconds):
+    /// 5 to 86400, as spec.leaseDurationSeconds.
+    #[schemars(range(min = 5, max = 86400))]
+    pub lease_duration_seconds: i32,
+    /// Failed attempts that end the job Failed: at least 1, as spec.maxAttempts.
+    #[schemars(range(min = 1))]
+    pub max_attempts: i32,
+    /// Delay before the next attempt after a failure; none: claimable again at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backoff: Option<Backoff>,
+}
+
 /// Where a job stands. Only the holder of the current token moves it out of `Leased` by a write
 /// of its own; only the controller moves it back to `Queued` when its lease expires.
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
@@ -345,7 +361,7 @@ pub struct LeasedJobStatus {
     /// wrote them in the same write: the sidecar, the Lease and the controller's expiry all
     /// read these, so a change of either applies from the next claim.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub policy: Option<crate::policy::Policy>,
+    pub policy: Option<Policy>,
 
     /// The metadata.generation the controller last initialised this status from.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -13,6 +13,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// The policy an attempt runs under: a status field, so it lives with the resource
+/// ([`crate::crd`]), which this module resolves it for.
+pub use crate::crd::Policy;
 use crate::crd::{Backoff, LeasedJob, LeasedJobSpec};
 
 /// leasehold's lease duration for a job whose spec and queue set none, in seconds.
@@ -38,22 +41,6 @@ pub struct JobDefaults {
 
     /// spec.backoff of the queue's jobs that set none; unset: none (a failed job is claimable
     /// again at once).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub backoff: Option<Backoff>,
-}
-
-/// The policy an attempt runs under, fixed at its claim: a LeasedJob's `status.policy`.
-#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Policy {
-    /// The lease this attempt was granted, in seconds (also its Lease's leaseDurationSeconds):
-    /// 5 to 86400, as spec.leaseDurationSeconds.
-    #[schemars(range(min = 5, max = 86400))]
-    pub lease_duration_seconds: i32,
-    /// Failed attempts that end the job Failed: at least 1, as spec.maxAttempts.
-    #[schemars(range(min = 1))]
-    pub max_attempts: i32,
-    /// Delay before the next attempt after a failure; none: claimable again at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backoff: Option<Backoff>,
 }
