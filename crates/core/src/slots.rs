@@ -664,6 +664,24 @@ pub(crate) mod tests {
             plan(&mine, 2, &listed, Some(2)).candidates,
             plan(&mine, 2, &listed, None).candidates
         );
+        // A suggestion changes only the order of the candidates: the slot naming this very
+        // claim is still reused, and the slots above a lowered limit still judged first.
+        let mut with_mine = listed.clone();
+        with_mine.push(Listed {
+            index: 1,
+            holder: Some(Named::taken(mine.clone(), mark_of("1.first"))),
+        });
+        for (limit, prefer) in [(4, Some(0)), (1, Some(0)), (2, Some(1))] {
+            let with = plan(&mine, limit, &with_mine, prefer);
+            let without = plan(&mine, limit, &with_mine, None);
+            assert_eq!((&with.reuse, &with.above), (&without.reuse, &without.above));
+            assert!(with.reuse.is_some());
+        }
+        assert_eq!(
+            plan(&mine, 1, &listed, Some(0)).above,
+            plan(&mine, 1, &listed, None).above
+        );
+        assert!(!plan(&mine, 1, &listed, Some(0)).above.is_empty());
         assert_eq!(Preferred::NONE.of(&Scope::Queue), None);
         let p = Preferred {
             queue: Some(1),
