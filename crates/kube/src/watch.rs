@@ -316,7 +316,8 @@ where
 }
 
 /// Watches `api` (a namespace, or all) with `config`, decoding each object on its own (see the
-/// module documentation): every watch leasehold runs goes through here. Uses
+/// module documentation): every watch leasehold runs goes through here. Lists with a streaming
+/// list, falling back to paged LISTs (see `relisting_watcher` in this module); uses
 /// [`crate::api::WatchBackoff`] and drops `metadata.managedFields` from every object.
 ///
 /// Each skipped object is logged (warn, with its kind, namespace/name and the decode error),
@@ -343,7 +344,7 @@ where
         Some(ns) => Api::namespaced(client, ns),
         None => Api::all(client),
     };
-    relisting_watcher(raw, config.page_size(LIST_PAGE_SIZE))
+    relisting_watcher(raw, config)
         .backoff(crate::api::WatchBackoff::default())
         .filter_map(move |event| {
             let out = match event {
@@ -429,7 +430,8 @@ impl Synced {
     }
 }
 
-/// Objects per page of a watch's LIST (kube's default is 500). A page is held three times
+/// Objects per page of a watch's paged LIST (kube's default is 500), which a watch falls back
+/// to when a streaming list fails or the API server was lost (`relisting_watcher`). A page is held three times
 /// over while it is decoded (the response, the raw objects, the decoded ones before
 /// `modify` drops their payloads): at 500 jobs of 64 KiB that was about 100 MiB at once, at
 /// 100 it is about 20 MiB. The price is more LIST requests at start-up and after each re-list
@@ -487,16 +489,50 @@ pub fn lost_the_api_server(err: &watcher::Error) -> bool {
     }
 }
 
-/// kube's watcher, started over from a fresh LIST whenever it loses the API server
-/// ([`lost_the_api_server`]), instead of resuming the watch from the last resourceVersion it
-/// saw.
+/// How a watch lists what is already there before it watches for changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum InitialList {
+    /// A streaming list (Kubernetes' WatchList: one WATCH with `sendInitialEvents=true`, its
+    /// objects served one by one from the API server's watch cache, then a bookmark).
+    Streaming,
+    /// A paged LIST of [`LIST_PAGE_SIZE`] objects a page, then a WATCH from its
+    /// resourceVersion: what every API server serves.
+    Paged,
+}
+
+/// What a watch that began with a streaming list does about `err`, seen before (`synced`
+/// false) or after its first complete list: go on as it is, or start over with paged lists.
 ///
-/// Why: a kube-apiserver that just restarted rebuilds its watch cache from etcd's current
-/// revision, so a watch resumed from an older resourceVersion is answered 410 Gone; but it is
-/// answered only once that cache is ready, which took 8 to 19 s after the API server was
-/// ready, while the watch (and every job or expiry behind it) waited. A fresh LIST is served
-/// at once, and the watch that follows starts from a resourceVersion the new cache has. The
-/// price is one LIST per outage, which the 410 would have cost anyway.
+/// An error before the first complete list means this API server does not serve streaming
+/// lists (older than Kubernetes 1.32, or the `WatchList` feature gate off) or is not serving
+/// its watch cache yet; an error that means the API server was lost means the next one may be
+/// starting with an empty watch cache ([`relisting_watcher`]). Either way a paged LIST, which
+/// the API server answers from etcd when its cache is not ready, is served at once.
+fn after_error(mode: InitialList, synced: bool, err: &watcher::Error) -> InitialList {
+    match mode {
+        InitialList::Streaming if !synced || lost_the_api_server(err) => InitialList::Paged,
+        _ => mode,
+    }
+}
+
+/// kube's watcher, started with a streaming list, and started over from a fresh paged LIST
+/// whenever it loses the API server ([`lost_the_api_server`]), instead of resuming the watch
+/// from the last resourceVersion it saw.
+///
+/// Why streaming first: at 100,000 jobs a paged list took 1,000 requests, each waiting for the
+/// objects of the one before it to be decoded, and the controller was ready 30 to 39 s after
+/// its start (docs/benchmarks.md, row 10f); a streaming list sends the same objects in one
+/// response while they are decoded. If the first streaming list fails (an API server that
+/// does not serve them), the watch goes on with paged lists ([`after_error`]).
+///
+/// Why a fresh paged LIST after losing the API server: a kube-apiserver that just restarted
+/// rebuilds its watch cache from etcd's current revision, so a watch resumed from an older
+/// resourceVersion is answered 410 Gone; but it is answered only once that cache is ready,
+/// which took 8 to 19 s after the API server was ready, while the watch (and every job or
+/// expiry behind it) waited. A paged LIST is served at once (from etcd while the cache is not
+/// ready; a streaming list would wait for the cache too), and the watch that follows starts
+/// from a resourceVersion the new cache has. The price is one LIST per outage, which the 410
+/// would have cost anyway.
 fn relisting_watcher<K>(
     api: Api<K>,
     config: watcher::Config,
@@ -504,15 +540,38 @@ fn relisting_watcher<K>(
 where
     K: Resource<DynamicType = ()> + DeserializeOwned + Clone + std::fmt::Debug + Send + 'static,
 {
-    let start = move || watcher(api.clone(), config.clone()).boxed();
-    let first = start();
-    futures::stream::unfold((first, start), |(mut current, start)| async move {
-        let item = current.next().await?;
-        if matches!(&item, Err(e) if lost_the_api_server(e)) {
-            current = start();
-        }
-        Some((item, (current, start)))
-    })
+    let start = move |mode: InitialList| {
+        let config = match mode {
+            InitialList::Streaming => config.clone().streaming_lists(),
+            InitialList::Paged => config.clone().page_size(LIST_PAGE_SIZE),
+        };
+        watcher(api.clone(), config).boxed()
+    };
+    let mode = InitialList::Streaming;
+    let first = start(mode);
+    let state = (first, start, mode, false);
+    futures::stream::unfold(
+        state,
+        |(mut current, start, mut mode, mut synced)| async move {
+            let item = current.next().await?;
+            match &item {
+                Ok(watcher::Event::InitDone) => synced = true,
+                Err(e) => {
+                    let next = after_error(mode, synced, e);
+                    if next != mode || lost_the_api_server(e) {
+                        if next != mode {
+                            // The error itself reaches the consumer, which logs it redacted.
+                            warn!("A streaming list failed; this watch lists in pages from now on");
+                        }
+                        mode = next;
+                        current = start(mode);
+                    }
+                }
+                Ok(_) => {}
+            }
+            Some((item, (current, start, mode, synced)))
+        },
+    )
 }
 
 #[cfg(test)]
@@ -535,6 +594,52 @@ mod tests {
             r#"{{"apiVersion":"leasehold.dev/v1alpha1","kind":"LeasedJobList","metadata":{{"resourceVersion":"9"}},"items":[{}]}}"#,
             items.join(",")
         )
+    }
+
+    fn api_error(code: u16) -> watcher::Error {
+        watcher::Error::WatchFailed(kube::Error::Api(Box::new(kube::core::Status {
+            code,
+            ..Default::default()
+        })))
+    }
+
+    #[test]
+    fn a_streaming_list_that_fails_before_its_first_sync_gives_way_to_paged_lists() {
+        // 422/400: an API server without streaming lists; 429: its watch cache not ready.
+        for code in [400, 403, 422, 429, 500] {
+            assert_eq!(
+                after_error(InitialList::Streaming, false, &api_error(code)),
+                InitialList::Paged,
+                "{code}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_synced_streaming_watch_keeps_streaming_unless_the_api_server_was_lost() {
+        // 410 Gone after compaction: the watcher lists again, still streaming.
+        assert_eq!(
+            after_error(InitialList::Streaming, true, &api_error(410)),
+            InitialList::Streaming
+        );
+        // A restarted API server's watch cache may be empty: paged, as for any lost server.
+        for code in [429, 500, 503] {
+            assert_eq!(
+                after_error(InitialList::Streaming, true, &api_error(code)),
+                InitialList::Paged,
+                "{code}"
+            );
+        }
+    }
+
+    #[test]
+    fn paged_lists_stay_paged() {
+        for (synced, code) in [(false, 410), (true, 500), (true, 422)] {
+            assert_eq!(
+                after_error(InitialList::Paged, synced, &api_error(code)),
+                InitialList::Paged
+            );
+        }
     }
 
     #[tokio::test]
