@@ -812,4 +812,168 @@ mod tests {
             s.error
         );
     }
+
+    /// [`watch`] against a mocked API server (a `tower_test` service as the client's
+    /// transport): which list it asks for first, and when it falls back to paged lists.
+    mod initial_list {
+        use std::time::Duration;
+
+        use http::{Request, Response};
+        use kube::client::Body;
+        use tower_test::mock::{self, Handle, SendResponse};
+
+        use super::{job_json, list_json};
+        use crate::recorder::NoRecorder;
+        use crate::watch::*;
+
+        type ApiHandle = Handle<Request<Body>, Response<Body>>;
+        type Events = std::pin::Pin<
+            Box<dyn Stream<Item = Result<watcher::Event<LeasedJob>, watcher::Error>> + Send>,
+        >;
+
+        fn watched() -> (Events, ApiHandle) {
+            let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+            let api: Api<LeasedJob> = Api::namespaced(kube::Client::new(service, "ns"), "ns");
+            let events = watch(
+                &api,
+                watcher::Config::default(),
+                Arc::new(NoRecorder),
+                |_| {},
+            );
+            (Box::pin(events), handle)
+        }
+
+        /// The next request's query string, and the way to answer it.
+        async fn next(handle: &mut ApiHandle) -> (String, SendResponse<Response<Body>>) {
+            let (req, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+                .await
+                .expect("a request within 10 s")
+                .expect("the client is alive");
+            (req.uri().query().unwrap_or_default().to_string(), send)
+        }
+
+        fn answer(send: SendResponse<Response<Body>>, code: u16, body: String) {
+            send.send_response(
+                Response::builder()
+                    .status(code)
+                    .body(Body::from(body.into_bytes()))
+                    .unwrap(),
+            );
+        }
+
+        fn refusal(code: u16) -> String {
+            format!(
+                r#"{{"kind":"Status","apiVersion":"v1","metadata":{{}},"status":"Failure","message":"refused","reason":"Refused","code":{code}}}"#
+            )
+        }
+
+        /// A streaming list's answer: one job, then the bookmark that ends the list at "9".
+        fn streamed() -> String {
+            format!(
+                "{{\"type\":\"ADDED\",\"object\":{}}}\n{}\n",
+                job_json("a", "1"),
+                r#"{"type":"BOOKMARK","object":{"apiVersion":"leasehold.dev/v1alpha1","kind":"LeasedJob","metadata":{"resourceVersion":"9","annotations":{"k8s.io/initial-events-end":"true"}}}}"#
+            )
+        }
+
+        fn is_streaming_list(query: &str) -> bool {
+            query.contains("watch=true") && query.contains("sendInitialEvents=true")
+        }
+
+        fn is_paged_list(query: &str) -> bool {
+            !query.contains("watch=true") && query.contains("limit=100")
+        }
+
+        /// A watch from "9", no list.
+        fn is_watch_from_9(query: &str) -> bool {
+            query.contains("watch=true")
+                && query.contains("resourceVersion=9")
+                && !query.contains("sendInitialEvents=true")
+        }
+
+        /// The names the next events list: Init, each InitApply, up to InitDone.
+        async fn listed(events: &mut Events) -> Vec<String> {
+            let mut names = Vec::new();
+            loop {
+                let event = tokio::time::timeout(Duration::from_secs(10), events.next())
+                    .await
+                    .expect("an event within 10 s")
+                    .expect("the stream goes on");
+                match event.expect("no error") {
+                    watcher::Event::Init => names.clear(),
+                    watcher::Event::InitApply(job) => names.push(job.name_any()),
+                    watcher::Event::InitDone => return names,
+                    other => panic!("unexpected event during a list: {other:?}"),
+                }
+            }
+        }
+
+        async fn an_error(events: &mut Events) {
+            let event = tokio::time::timeout(Duration::from_secs(10), events.next())
+                .await
+                .expect("an event within 10 s")
+                .expect("the stream goes on");
+            assert!(event.is_err(), "expected the refusal, got {event:?}");
+        }
+
+        #[tokio::test]
+        async fn a_watch_lists_with_one_streaming_list() {
+            let (mut events, mut api) = watched();
+            let server = tokio::spawn(async move {
+                let (query, send) = next(&mut api).await;
+                assert!(is_streaming_list(&query), "{query}");
+                answer(send, 200, streamed());
+                // The list's answer ended: the watch goes on from its bookmark, no list.
+                let (query, _send) = next(&mut api).await;
+                assert!(is_watch_from_9(&query), "{query}");
+            });
+            assert_eq!(listed(&mut events).await, ["a"]);
+            tokio::spawn(async move { while events.next().await.is_some() {} });
+            server.await.unwrap();
+        }
+
+        #[tokio::test]
+        async fn a_refused_streaming_list_gives_way_to_paged_lists() {
+            let (mut events, mut api) = watched();
+            let server = tokio::spawn(async move {
+                // 422: an API server without streaming lists.
+                let (query, send) = next(&mut api).await;
+                assert!(is_streaming_list(&query), "{query}");
+                answer(send, 422, refusal(422));
+                let (query, send) = next(&mut api).await;
+                assert!(is_paged_list(&query), "{query}");
+                answer(send, 200, list_json(&[job_json("a", "1")]));
+                let (query, _send) = next(&mut api).await;
+                assert!(is_watch_from_9(&query), "{query}");
+            });
+            an_error(&mut events).await;
+            assert_eq!(listed(&mut events).await, ["a"]);
+            tokio::spawn(async move { while events.next().await.is_some() {} });
+            server.await.unwrap();
+        }
+
+        #[tokio::test]
+        async fn after_losing_the_api_server_a_watch_lists_in_pages() {
+            let (mut events, mut api) = watched();
+            let server = tokio::spawn(async move {
+                let (query, send) = next(&mut api).await;
+                assert!(is_streaming_list(&query), "{query}");
+                answer(send, 200, streamed());
+                // The watch from its bookmark meets an API server that is (re)starting.
+                let (query, send) = next(&mut api).await;
+                assert!(is_watch_from_9(&query), "{query}");
+                answer(send, 503, refusal(503));
+                let (query, send) = next(&mut api).await;
+                assert!(is_paged_list(&query), "{query}");
+                answer(send, 200, list_json(&[job_json("b", "1")]));
+                let (query, _send) = next(&mut api).await;
+                assert!(is_watch_from_9(&query), "{query}");
+            });
+            assert_eq!(listed(&mut events).await, ["a"]);
+            an_error(&mut events).await;
+            assert_eq!(listed(&mut events).await, ["b"]);
+            tokio::spawn(async move { while events.next().await.is_some() {} });
+            server.await.unwrap();
+        }
+    }
 }
