@@ -561,7 +561,12 @@ where
                     if next != mode || lost_the_api_server(e) {
                         if next != mode {
                             // The error itself reaches the consumer, which logs it redacted.
-                            warn!("A streaming list failed; this watch lists in pages from now on");
+                            let why = if synced {
+                                "The API server was lost"
+                            } else {
+                                "A streaming list failed"
+                            };
+                            warn!("{why}; this watch lists in pages from now on");
                         }
                         mode = next;
                         current = start(mode);
