@@ -503,11 +503,13 @@ enum InitialList {
 /// What a watch that began with a streaming list does about `err`, seen before (`synced`
 /// false) or after its first complete list: go on as it is, or start over with paged lists.
 ///
-/// An error before the first complete list means this API server does not serve streaming
-/// lists (older than Kubernetes 1.32, or the `WatchList` feature gate off) or is not serving
-/// its watch cache yet; an error that means the API server was lost means the next one may be
-/// starting with an empty watch cache ([`relisting_watcher`]). Either way a paged LIST, which
-/// the API server answers from etcd when its cache is not ready, is served at once.
+/// An error before the first complete list most likely means this API server does not serve
+/// streaming lists (older than Kubernetes 1.32, or the `WatchList` feature gate off) or is not
+/// serving its watch cache yet; an error that means the API server was lost means the next one
+/// may be starting with an empty watch cache ([`relisting_watcher`]). Either way a paged LIST,
+/// which the API server answers from etcd when its cache is not ready, is served at once. Any
+/// other error before the first list (a refused connection, a 403) is taken the same way: it
+/// costs that watch the speed of streaming lists, nothing else.
 fn after_error(mode: InitialList, synced: bool, err: &watcher::Error) -> InitialList {
     match mode {
         InitialList::Streaming if !synced || lost_the_api_server(err) => InitialList::Paged,
@@ -524,6 +526,11 @@ fn after_error(mode: InitialList, synced: bool, err: &watcher::Error) -> Initial
 /// its start (docs/benchmarks.md, row 10f); a streaming list sends the same objects in one
 /// response while they are decoded. If the first streaming list fails (an API server that
 /// does not serve them), the watch goes on with paged lists ([`after_error`]).
+///
+/// A streaming list that ends before its last object without an error (the API server closes
+/// a watch whose buffer of new changes filled while it was still sending the list, and kube's
+/// watcher then starts a streaming list over, with a new `Init`) gives way to paged lists as
+/// well: under a steady stream of changes it could otherwise start over for ever.
 ///
 /// Why a fresh paged LIST after losing the API server: a kube-apiserver that just restarted
 /// rebuilds its watch cache from etcd's current revision, so a watch resumed from an older
@@ -549,13 +556,27 @@ where
     };
     let mode = InitialList::Streaming;
     let first = start(mode);
-    let state = (first, start, mode, false);
+    // (the watch, how to start one, its mode, whether a list ended once, whether one is under way)
+    let state = (first, start, mode, false, false);
     futures::stream::unfold(
         state,
-        |(mut current, start, mut mode, mut synced)| async move {
+        |(mut current, start, mut mode, mut synced, mut listing)| async move {
             let item = current.next().await?;
             match &item {
-                Ok(watcher::Event::InitDone) => synced = true,
+                Ok(watcher::Event::Init) => {
+                    if mode == InitialList::Streaming && listing {
+                        warn!("A streaming list ended before its last object; this watch lists in pages from now on");
+                        mode = InitialList::Paged;
+                        current = start(mode);
+                        listing = false;
+                    } else {
+                        listing = true;
+                    }
+                }
+                Ok(watcher::Event::InitDone) => {
+                    synced = true;
+                    listing = false;
+                }
                 Err(e) => {
                     let next = after_error(mode, synced, e);
                     if next != mode || lost_the_api_server(e) {
@@ -570,11 +591,12 @@ where
                         }
                         mode = next;
                         current = start(mode);
+                        listing = false;
                     }
                 }
                 Ok(_) => {}
             }
-            Some((item, (current, start, mode, synced)))
+            Some((item, (current, start, mode, synced, listing)))
         },
     )
 }
@@ -953,6 +975,30 @@ mod tests {
             });
             an_error(&mut events).await;
             assert_eq!(listed(&mut events).await, ["a"]);
+            tokio::spawn(async move { while events.next().await.is_some() {} });
+            server.await.unwrap();
+        }
+
+        #[tokio::test]
+        async fn a_streaming_list_cut_short_without_an_error_gives_way_to_paged_lists() {
+            let (mut events, mut api) = watched();
+            let server = tokio::spawn(async move {
+                // The API server closes the list after one object, before its bookmark.
+                let (query, send) = next(&mut api).await;
+                assert!(is_streaming_list(&query), "{query}");
+                let cut = format!("{{\"type\":\"ADDED\",\"object\":{}}}\n", job_json("a", "1"));
+                answer(send, 200, cut);
+                // kube's watcher starts a streaming list over, with no error in between.
+                let (query, send) = next(&mut api).await;
+                assert!(is_streaming_list(&query), "{query}");
+                answer(send, 200, String::new());
+                let (query, send) = next(&mut api).await;
+                assert!(is_paged_list(&query), "{query}");
+                answer(send, 200, list_json(&[job_json("b", "1")]));
+                let (query, _send) = next(&mut api).await;
+                assert!(is_watch_from_9(&query), "{query}");
+            });
+            assert_eq!(listed(&mut events).await, ["b"]);
             tokio::spawn(async move { while events.next().await.is_some() {} });
             server.await.unwrap();
         }
