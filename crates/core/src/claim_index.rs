@@ -30,13 +30,14 @@ use crate::share;
 
 /// Where a job stands among the claimable: highest priority first, then oldest, then by name.
 /// Compared across the indexes of one queue's concurrency keys by the dispatcher
-/// ([`crate::dispatch`]).
+/// ([`crate::dispatch`]). 32 bytes: the creationTimestamp is kept as its second and
+/// nanosecond ([`created_key`]) where an `Option<Timestamp>` takes 24.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct Place {
     priority: Reverse<i32>,
-    /// creationTimestamp as (second, nanosecond) ([`created_key`]): 12 bytes where an
-    /// `Option<Timestamp>` takes 24, in the same order.
-    created: (i64, i32),
+    /// creationTimestamp's second, then its nanosecond ([`created_key`]).
+    created_second: i64,
+    created_nanosecond: i32,
     /// Shared with the index's other maps: one allocation per job.
     name: Arc<str>,
 }
@@ -49,14 +50,112 @@ fn created_key(created: Option<Timestamp>) -> (i64, i32) {
     })
 }
 
+/// A [`Place`] in the index's map by name: hashed and compared by the name alone, so that the
+/// map needs no second copy of the name as its key.
+#[derive(Debug)]
+struct ByName(Place);
+
+impl PartialEq for ByName {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.name == other.0.name
+    }
+}
+
+impl Eq for ByName {}
+
+impl std::hash::Hash for ByName {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.name.hash(state);
+    }
+}
+
+impl std::borrow::Borrow<str> for ByName {
+    fn borrow(&self) -> &str {
+        &self.0.name
+    }
+}
+
 /// What a pick reads of one Queued job of the queue, beside its place (so that walking the
-/// window costs no lookup by name).
+/// window costs no lookup by name). 24 bytes, no allocation for the usual resourceVersion.
 #[derive(Clone, Debug)]
 struct Slot {
-    /// The later of notBefore and retryAfter.
-    claimable_at: Option<Timestamp>,
+    /// The later of notBefore and retryAfter ([`Due`]).
+    claimable_at: Due,
     /// metadata.resourceVersion, so a pick can skip a snapshot already tried.
-    resource_version: Box<str>,
+    resource_version: Version,
+}
+
+/// An optional time as nanoseconds since the Unix epoch, 8 bytes where an `Option<Timestamp>`
+/// takes 24. Saturates outside the years 1678 to 2262 (the range of `i64` nanoseconds), where
+/// comparing with any time inside that range still answers as the time itself would:
+/// [`Due::is_after`] is exact for every `now` in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Due(i64);
+
+impl Due {
+    const NONE: Due = Due(i64::MIN);
+
+    fn of(at: Option<Timestamp>) -> Due {
+        at.map_or(Due::NONE, |t| {
+            let nanos = t.as_nanosecond();
+            let saturated =
+                i64::try_from(nanos).unwrap_or(if nanos < 0 { i64::MIN } else { i64::MAX });
+            // i64::MIN is NONE.
+            Due(saturated.max(i64::MIN + 1))
+        })
+    }
+
+    /// The time, saturated as kept.
+    fn time(self) -> Option<Timestamp> {
+        (self != Due::NONE)
+            .then(|| Timestamp::from_nanosecond(i128::from(self.0)).ok())
+            .flatten()
+    }
+
+    /// True when there is a time and it is after `now`.
+    fn is_after(self, now: Timestamp) -> bool {
+        self > Due::of(Some(now))
+    }
+}
+
+/// A resourceVersion as read, in 16 bytes: the API server's usual decimal number without an
+/// allocation, any other text as it is. [`Version::with_str`] gives it back byte for byte.
+#[derive(Clone, Debug)]
+enum Version {
+    Number(u64),
+    /// A thin pointer keeps the enum at 16 bytes.
+    #[allow(clippy::redundant_allocation)]
+    Text(Box<Box<str>>),
+}
+
+impl Version {
+    fn of(text: &str) -> Version {
+        match text.parse::<u64>() {
+            Ok(n) if n.to_string() == text => Version::Number(n),
+            _ => Version::Text(Box::new(text.into())),
+        }
+    }
+
+    /// Calls `f` with the text, written into a buffer on the stack for a number.
+    fn with_str<T>(&self, f: impl FnOnce(&str) -> T) -> T {
+        match self {
+            Version::Text(text) => f(text),
+            Version::Number(n) => {
+                let mut buf = [0u8; 20];
+                let mut at = buf.len();
+                let mut n = *n;
+                loop {
+                    at -= 1;
+                    buf[at] = b'0' + (n % 10) as u8;
+                    n /= 10;
+                    if n == 0 {
+                        break;
+                    }
+                }
+                f(std::str::from_utf8(&buf[at..]).unwrap_or_default())
+            }
+        }
+    }
 }
 
 /// One event of a queue's watch, as the index follows it (the watcher's events, without the
@@ -80,12 +179,13 @@ pub enum Change<'a> {
 #[derive(Debug, Default)]
 pub struct ClaimIndex {
     queue: String,
-    /// Name -> place, for Queued jobs of the queue that are not cancelled or being deleted.
-    entries: HashMap<Arc<str>, Place>,
+    /// The places of the Queued jobs of the queue that are not cancelled or being deleted,
+    /// found by name.
+    entries: HashSet<ByName>,
     /// The same jobs in claim order.
     order: BTreeMap<Place, Slot>,
     /// Those with a claimable_at, by it.
-    waiting: BTreeSet<(Timestamp, Arc<str>)>,
+    waiting: BTreeSet<(Due, Arc<str>)>,
     /// holderIdentity -> the latest claimTime seen from it.
     claims: HashMap<String, Timestamp>,
     /// holderIdentity -> when a claim or an end of attempt of its last arrived in a live watch
@@ -154,31 +254,33 @@ impl ClaimIndex {
             return;
         }
         let name: Arc<str> = Arc::from(name);
+        let (created_second, created_nanosecond) =
+            created_key(job.metadata.creation_timestamp.as_ref().map(|t| t.0));
         let place = Place {
             priority: Reverse(job.spec.priority),
-            created: created_key(job.metadata.creation_timestamp.as_ref().map(|t| t.0)),
+            created_second,
+            created_nanosecond,
             name: Arc::clone(&name),
         };
         let slot = Slot {
-            claimable_at: job.claimable_at(),
-            resource_version: job
-                .metadata
-                .resource_version
-                .as_deref()
-                .unwrap_or_default()
-                .into(),
+            claimable_at: Due::of(job.claimable_at()),
+            resource_version: Version::of(
+                job.metadata.resource_version.as_deref().unwrap_or_default(),
+            ),
         };
-        if let Some(at) = slot.claimable_at {
-            self.waiting.insert((at, Arc::clone(&name)));
+        if slot.claimable_at != Due::NONE {
+            self.waiting.insert((slot.claimable_at, name));
         }
-        self.entries.insert(name, place.clone());
+        self.entries.insert(ByName(place.clone()));
         self.order.insert(place, slot);
     }
 
     fn remove(&mut self, name: &str) {
-        if let Some(place) = self.entries.remove(name) {
-            if let Some(at) = self.order.remove(&place).and_then(|s| s.claimable_at) {
-                self.waiting.remove(&(at, place.name));
+        if let Some(ByName(place)) = self.entries.take(name) {
+            if let Some(slot) = self.order.remove(&place) {
+                if slot.claimable_at != Due::NONE {
+                    self.waiting.remove(&(slot.claimable_at, place.name));
+                }
             }
         }
     }
@@ -255,13 +357,15 @@ impl ClaimIndex {
     /// True when the job `name` is one of the queue's Queued jobs that are not cancelled or
     /// being deleted (claimable now or later).
     pub fn contains(&self, name: &str) -> bool {
-        self.entries.contains_key(name)
+        self.entries.contains(name)
     }
 
     /// The resourceVersion last seen of the job `name`, if [`ClaimIndex::contains`] it.
-    pub fn resource_version(&self, name: &str) -> Option<&str> {
-        let place = self.entries.get(name)?;
-        self.order.get(place).map(|s| &*s.resource_version)
+    pub fn resource_version(&self, name: &str) -> Option<String> {
+        let ByName(place) = self.entries.get(name)?;
+        self.order
+            .get(place)
+            .map(|s| s.resource_version.with_str(str::to_string))
     }
 
     /// The names of at most `limit` jobs claimable at `now` that `skip` (name, resourceVersion)
@@ -287,10 +391,10 @@ impl ClaimIndex {
             if top.is_some_and(|p| p != place.priority) {
                 break;
             }
-            if slot.claimable_at.is_some_and(|t| t > now) {
+            if slot.claimable_at.is_after(now) {
                 continue;
             }
-            if skip(&place.name, &slot.resource_version) {
+            if slot.resource_version.with_str(|rv| skip(&place.name, rv)) {
                 continue;
             }
             top = Some(place.priority);
@@ -308,14 +412,14 @@ impl ClaimIndex {
         skip: impl Fn(&str, &str) -> bool,
     ) -> Option<(&str, &Place)> {
         let name = *self.candidates(now, 1, skip).first()?;
-        Some((name, self.entries.get(name)?))
+        Some((name, &self.entries.get(name)?.0))
     }
 
     /// True when more than `n` jobs of the queue are claimable at `now` (any priority).
     pub fn claimable_more_than(&self, now: Timestamp, n: usize) -> bool {
         self.order
             .values()
-            .filter(|s| s.claimable_at.is_none_or(|t| t <= now))
+            .filter(|s| !s.claimable_at.is_after(now))
             .nth(n)
             .is_some()
     }
@@ -323,11 +427,11 @@ impl ClaimIndex {
     /// The earliest time after `now` at which a Queued job of the queue becomes claimable (by
     /// notBefore or retryAfter); see [`claim::next_claimable_at`].
     pub fn next_claimable_at(&self, now: Timestamp) -> Option<Timestamp> {
-        let after = now + SignedDuration::from_nanos(1);
+        let after = Due(Due::of(Some(now)).0.saturating_add(1));
         self.waiting
             .range((after, Arc::<str>::from(""))..)
             .next()
-            .map(|(t, _)| *t)
+            .and_then(|(t, _)| t.time())
     }
 
     /// True when any claim from the queue (by anyone, this claimer included) was seen since
@@ -407,6 +511,48 @@ mod tests {
             assert!(pair[0] < pair[1]);
             assert!(created_key(pair[0]) < created_key(pair[1]), "{pair:?}");
         }
+    }
+
+    #[test]
+    fn a_version_gives_back_its_text_byte_for_byte() {
+        for text in [
+            "0",
+            "7",
+            "123456",
+            "18446744073709551615",
+            "18446744073709551616",
+            "007",
+            "-1",
+            "+5",
+            "rv-a",
+            "",
+        ] {
+            assert_eq!(Version::of(text).with_str(str::to_string), text);
+        }
+        assert!(matches!(Version::of("123456"), Version::Number(123_456)));
+        assert!(matches!(Version::of("007"), Version::Text(_)));
+        assert_eq!(std::mem::size_of::<Slot>(), 24);
+        assert_eq!(std::mem::size_of::<Place>(), 32);
+    }
+
+    #[test]
+    fn a_due_time_compares_with_now_as_the_time_itself_would() {
+        let now = Timestamp::new(1_800_000_000, 500).unwrap();
+        let times = [
+            Timestamp::MIN,
+            Timestamp::from_second(-20_000_000_000).unwrap(),
+            Timestamp::new(1_800_000_000, 499).unwrap(),
+            now,
+            Timestamp::new(1_800_000_000, 501).unwrap(),
+            Timestamp::from_second(40_000_000_000).unwrap(),
+            Timestamp::MAX,
+        ];
+        for t in times {
+            assert_eq!(Due::of(Some(t)).is_after(now), t > now, "{t}");
+        }
+        assert!(!Due::NONE.is_after(Timestamp::MIN));
+        assert_eq!(Due::of(Some(now)).time(), Some(now));
+        assert_eq!(Due::NONE.time(), None);
     }
 
     #[test]

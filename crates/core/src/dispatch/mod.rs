@@ -373,7 +373,7 @@ impl Dispatch {
         let lane = view.lanes.get_mut(&key)?;
         lane.pass = pass + STRIDE / u64::from(weight.max(1));
         view.vtime = pass;
-        let resource_version = lane.index.resource_version(&name)?.to_string();
+        let resource_version = lane.index.resource_version(&name)?;
         let slots = match policy {
             Some(p) => suggest(p, leased, &view.offers, &key, now),
             None => Preferred::NONE,
