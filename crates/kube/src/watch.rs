@@ -554,51 +554,113 @@ where
         };
         watcher(api.clone(), config).boxed()
     };
-    let mode = InitialList::Streaming;
-    let first = start(mode);
-    // (the watch, how to start one, its mode, whether a list ended once, whether one is under way)
-    let state = (first, start, mode, false, false);
+    let progress = Progress {
+        mode: InitialList::Streaming,
+        synced: false,
+        listing: false,
+    };
+    let first = start(progress.mode);
     futures::stream::unfold(
-        state,
-        |(mut current, start, mut mode, mut synced, mut listing)| async move {
+        (first, start, progress),
+        |(mut current, start, progress)| async move {
             let item = current.next().await?;
-            match &item {
-                Ok(watcher::Event::Init) => {
-                    if mode == InitialList::Streaming && listing {
-                        warn!("A streaming list ended before its last object; this watch lists in pages from now on");
-                        mode = InitialList::Paged;
-                        current = start(mode);
-                        listing = false;
-                    } else {
-                        listing = true;
-                    }
+            let seen = match &item {
+                Ok(watcher::Event::Init) => Seen::Init,
+                Ok(watcher::Event::InitDone) => Seen::InitDone,
+                Ok(_) => Seen::Other,
+                Err(e) => Seen::Error(e),
+            };
+            let (progress, next) = progress.after(seen);
+            if let Next::Restart { why } = next {
+                if let Some(why) = why {
+                    // An error itself reaches the consumer, which logs it redacted.
+                    warn!("{why}; this watch lists in pages from now on");
                 }
-                Ok(watcher::Event::InitDone) => {
-                    synced = true;
-                    listing = false;
-                }
-                Err(e) => {
-                    let next = after_error(mode, synced, e);
-                    if next != mode || lost_the_api_server(e) {
-                        if next != mode {
-                            // The error itself reaches the consumer, which logs it redacted.
-                            let why = if synced {
-                                "The API server was lost"
-                            } else {
-                                "A streaming list failed"
-                            };
-                            warn!("{why}; this watch lists in pages from now on");
-                        }
-                        mode = next;
-                        current = start(mode);
-                        listing = false;
-                    }
-                }
-                Ok(_) => {}
+                current = start(progress.mode);
             }
-            Some((item, (current, start, mode, synced, listing)))
+            Some((item, (current, start, progress)))
         },
     )
+}
+
+/// Where a watch of [`relisting_watcher`] stands: how it lists, whether a list ended once,
+/// and whether one is under way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Progress {
+    mode: InitialList,
+    synced: bool,
+    listing: bool,
+}
+
+/// What [`relisting_watcher`] saw of one item of its watch.
+#[derive(Clone, Copy, Debug)]
+enum Seen<'a> {
+    /// A list began.
+    Init,
+    /// A list ended with its last object.
+    InitDone,
+    /// An error.
+    Error(&'a watcher::Error),
+    /// Anything else.
+    Other,
+}
+
+/// What [`relisting_watcher`] does next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Next {
+    /// Goes on with the watch it has.
+    GoOn,
+    /// Starts a new watch, listing in the mode of the new [`Progress`]; `why` is the warning
+    /// when that mode is new.
+    Restart { why: Option<&'static str> },
+}
+
+impl Progress {
+    /// The decision of [`relisting_watcher`] after `seen`, with the progress that follows.
+    fn after(self, seen: Seen<'_>) -> (Progress, Next) {
+        let restart = |mode, why| {
+            let progress = Progress {
+                mode,
+                listing: false,
+                ..self
+            };
+            (progress, Next::Restart { why })
+        };
+        match seen {
+            Seen::Init if self.mode == InitialList::Streaming && self.listing => restart(
+                InitialList::Paged,
+                Some("A streaming list ended before its last object"),
+            ),
+            Seen::Init => (
+                Progress {
+                    listing: true,
+                    ..self
+                },
+                Next::GoOn,
+            ),
+            Seen::InitDone => (
+                Progress {
+                    synced: true,
+                    listing: false,
+                    ..self
+                },
+                Next::GoOn,
+            ),
+            Seen::Error(e) => match after_error(self.mode, self.synced, e) {
+                mode if mode != self.mode => restart(
+                    mode,
+                    Some(if self.synced {
+                        "The API server was lost"
+                    } else {
+                        "A streaming list failed"
+                    }),
+                ),
+                mode if lost_the_api_server(e) => restart(mode, None),
+                _ => (self, Next::GoOn),
+            },
+            Seen::Other => (self, Next::GoOn),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -665,6 +727,98 @@ mod tests {
             assert_eq!(
                 after_error(InitialList::Paged, synced, &api_error(code)),
                 InitialList::Paged
+            );
+        }
+    }
+
+    fn progress(mode: InitialList, synced: bool, listing: bool) -> Progress {
+        Progress {
+            mode,
+            synced,
+            listing,
+        }
+    }
+
+    #[test]
+    fn a_watch_restarts_only_to_list_in_pages_or_after_losing_the_api_server() {
+        use InitialList::{Paged, Streaming};
+        let gone = api_error(410);
+        let lost = api_error(503);
+        let refused = api_error(422);
+        let warned = |why| Next::Restart { why: Some(why) };
+        let cases: [(Progress, Seen<'_>, Progress, Next); 10] = [
+            // A list begins, and ends.
+            (
+                progress(Streaming, false, false),
+                Seen::Init,
+                progress(Streaming, false, true),
+                Next::GoOn,
+            ),
+            (
+                progress(Streaming, false, true),
+                Seen::InitDone,
+                progress(Streaming, true, false),
+                Next::GoOn,
+            ),
+            // A second Init while streaming a list: it was cut short.
+            (
+                progress(Streaming, true, true),
+                Seen::Init,
+                progress(Paged, true, false),
+                warned("A streaming list ended before its last object"),
+            ),
+            // Paged lists may start over: kube's watcher does so after a 410.
+            (
+                progress(Paged, true, true),
+                Seen::Init,
+                progress(Paged, true, true),
+                Next::GoOn,
+            ),
+            // The first streaming list refused.
+            (
+                progress(Streaming, false, true),
+                Seen::Error(&refused),
+                progress(Paged, false, false),
+                warned("A streaming list failed"),
+            ),
+            // The API server lost after a list: paged, with a warning the first time.
+            (
+                progress(Streaming, true, false),
+                Seen::Error(&lost),
+                progress(Paged, true, false),
+                warned("The API server was lost"),
+            ),
+            (
+                progress(Paged, true, false),
+                Seen::Error(&lost),
+                progress(Paged, true, false),
+                Next::Restart { why: None },
+            ),
+            // 410 after compaction: kube's watcher lists again by itself, still streaming.
+            (
+                progress(Streaming, true, false),
+                Seen::Error(&gone),
+                progress(Streaming, true, false),
+                Next::GoOn,
+            ),
+            (
+                progress(Paged, true, false),
+                Seen::Error(&refused),
+                progress(Paged, true, false),
+                Next::GoOn,
+            ),
+            (
+                progress(Streaming, true, false),
+                Seen::Other,
+                progress(Streaming, true, false),
+                Next::GoOn,
+            ),
+        ];
+        for (before, seen, after, next) in cases {
+            assert_eq!(
+                before.after(seen),
+                (after, next),
+                "{before:?} then {seen:?}"
             );
         }
     }
@@ -943,88 +1097,138 @@ mod tests {
             assert!(event.is_err(), "expected the refusal, got {event:?}");
         }
 
-        #[tokio::test]
-        async fn a_watch_lists_with_one_streaming_list() {
-            let (mut events, mut api) = watched();
-            let server = tokio::spawn(async move {
-                let (query, send) = next(&mut api).await;
-                assert!(is_streaming_list(&query), "{query}");
-                answer(send, 200, streamed());
-                // The list's answer ended: the watch goes on from its bookmark, no list.
-                let (query, _send) = next(&mut api).await;
-                assert!(is_watch_from_9(&query), "{query}");
-            });
-            assert_eq!(listed(&mut events).await, ["a"]);
+        /// One request the mocked API server expects, in turn: its kind, and its answer (none:
+        /// the request is left open, as a watch that waits).
+        struct Step {
+            what: &'static str,
+            is: fn(&str) -> bool,
+            answer: Option<(u16, String)>,
+        }
+
+        fn answered(what: &'static str, is: fn(&str) -> bool, code: u16, body: String) -> Step {
+            Step {
+                what,
+                is,
+                answer: Some((code, body)),
+            }
+        }
+
+        fn left_open(what: &'static str, is: fn(&str) -> bool) -> Step {
+            Step {
+                what,
+                is,
+                answer: None,
+            }
+        }
+
+        /// Serves `steps` in order, checking each request's kind.
+        fn serve(mut api: ApiHandle, steps: Vec<Step>) -> tokio::task::JoinHandle<()> {
+            tokio::spawn(async move {
+                let mut open = Vec::new();
+                for step in steps {
+                    let (query, send) = next(&mut api).await;
+                    assert!((step.is)(&query), "expected {}, got {query}", step.what);
+                    match step.answer {
+                        Some((code, body)) => answer(send, code, body),
+                        None => open.push(send),
+                    }
+                }
+            })
+        }
+
+        /// Lets the watch run on until the server has seen every step.
+        async fn finish(mut events: Events, server: tokio::task::JoinHandle<()>) {
             tokio::spawn(async move { while events.next().await.is_some() {} });
             server.await.unwrap();
+        }
+
+        const STREAMING_LIST: &str = "a streaming list";
+        const PAGED_LIST: &str = "a paged list";
+        const WATCH_FROM_9: &str = "a watch from 9";
+
+        #[tokio::test]
+        async fn a_watch_lists_with_one_streaming_list() {
+            let (mut events, api) = watched();
+            let server = serve(
+                api,
+                vec![
+                    answered(STREAMING_LIST, is_streaming_list, 200, streamed()),
+                    // The list's answer ended: the watch goes on from its bookmark, no list.
+                    left_open(WATCH_FROM_9, is_watch_from_9),
+                ],
+            );
+            assert_eq!(listed(&mut events).await, ["a"]);
+            finish(events, server).await;
         }
 
         #[tokio::test]
         async fn a_refused_streaming_list_gives_way_to_paged_lists() {
-            let (mut events, mut api) = watched();
-            let server = tokio::spawn(async move {
-                // 422: an API server without streaming lists.
-                let (query, send) = next(&mut api).await;
-                assert!(is_streaming_list(&query), "{query}");
-                answer(send, 422, refusal(422));
-                let (query, send) = next(&mut api).await;
-                assert!(is_paged_list(&query), "{query}");
-                answer(send, 200, list_json(&[job_json("a", "1")]));
-                let (query, _send) = next(&mut api).await;
-                assert!(is_watch_from_9(&query), "{query}");
-            });
+            let (mut events, api) = watched();
+            let server = serve(
+                api,
+                vec![
+                    // 422: an API server without streaming lists.
+                    answered(STREAMING_LIST, is_streaming_list, 422, refusal(422)),
+                    answered(
+                        PAGED_LIST,
+                        is_paged_list,
+                        200,
+                        list_json(&[job_json("a", "1")]),
+                    ),
+                    left_open(WATCH_FROM_9, is_watch_from_9),
+                ],
+            );
             an_error(&mut events).await;
             assert_eq!(listed(&mut events).await, ["a"]);
-            tokio::spawn(async move { while events.next().await.is_some() {} });
-            server.await.unwrap();
+            finish(events, server).await;
         }
 
         #[tokio::test]
         async fn a_streaming_list_cut_short_without_an_error_gives_way_to_paged_lists() {
-            let (mut events, mut api) = watched();
-            let server = tokio::spawn(async move {
-                // The API server closes the list after one object, before its bookmark.
-                let (query, send) = next(&mut api).await;
-                assert!(is_streaming_list(&query), "{query}");
-                let cut = format!("{{\"type\":\"ADDED\",\"object\":{}}}\n", job_json("a", "1"));
-                answer(send, 200, cut);
-                // kube's watcher starts a streaming list over, with no error in between.
-                let (query, send) = next(&mut api).await;
-                assert!(is_streaming_list(&query), "{query}");
-                answer(send, 200, String::new());
-                let (query, send) = next(&mut api).await;
-                assert!(is_paged_list(&query), "{query}");
-                answer(send, 200, list_json(&[job_json("b", "1")]));
-                let (query, _send) = next(&mut api).await;
-                assert!(is_watch_from_9(&query), "{query}");
-            });
+            let (mut events, api) = watched();
+            let cut = format!("{{\"type\":\"ADDED\",\"object\":{}}}\n", job_json("a", "1"));
+            let server = serve(
+                api,
+                vec![
+                    // The API server closes the list after one object, before its bookmark.
+                    answered(STREAMING_LIST, is_streaming_list, 200, cut),
+                    // kube's watcher starts a streaming list over, with no error in between.
+                    answered(STREAMING_LIST, is_streaming_list, 200, String::new()),
+                    answered(
+                        PAGED_LIST,
+                        is_paged_list,
+                        200,
+                        list_json(&[job_json("b", "1")]),
+                    ),
+                    left_open(WATCH_FROM_9, is_watch_from_9),
+                ],
+            );
             assert_eq!(listed(&mut events).await, ["b"]);
-            tokio::spawn(async move { while events.next().await.is_some() {} });
-            server.await.unwrap();
+            finish(events, server).await;
         }
 
         #[tokio::test]
         async fn after_losing_the_api_server_a_watch_lists_in_pages() {
-            let (mut events, mut api) = watched();
-            let server = tokio::spawn(async move {
-                let (query, send) = next(&mut api).await;
-                assert!(is_streaming_list(&query), "{query}");
-                answer(send, 200, streamed());
-                // The watch from its bookmark meets an API server that is (re)starting.
-                let (query, send) = next(&mut api).await;
-                assert!(is_watch_from_9(&query), "{query}");
-                answer(send, 503, refusal(503));
-                let (query, send) = next(&mut api).await;
-                assert!(is_paged_list(&query), "{query}");
-                answer(send, 200, list_json(&[job_json("b", "1")]));
-                let (query, _send) = next(&mut api).await;
-                assert!(is_watch_from_9(&query), "{query}");
-            });
+            let (mut events, api) = watched();
+            let server = serve(
+                api,
+                vec![
+                    answered(STREAMING_LIST, is_streaming_list, 200, streamed()),
+                    // The watch from its bookmark meets an API server that is (re)starting.
+                    answered(WATCH_FROM_9, is_watch_from_9, 503, refusal(503)),
+                    answered(
+                        PAGED_LIST,
+                        is_paged_list,
+                        200,
+                        list_json(&[job_json("b", "1")]),
+                    ),
+                    left_open(WATCH_FROM_9, is_watch_from_9),
+                ],
+            );
             assert_eq!(listed(&mut events).await, ["a"]);
             an_error(&mut events).await;
             assert_eq!(listed(&mut events).await, ["b"]);
-            tokio::spawn(async move { while events.next().await.is_some() {} });
-            server.await.unwrap();
+            finish(events, server).await;
         }
     }
 }
