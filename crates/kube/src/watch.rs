@@ -731,7 +731,8 @@ mod tests {
         }
     }
 
-    fn progress(mode: InitialList, synced: bool, listing: bool) -> Progress {
+    /// A watch's progress: how it lists, whether a list ended once, whether one is under way.
+    fn at(mode: InitialList, synced: bool, listing: bool) -> Progress {
         Progress {
             mode,
             synced,
@@ -742,77 +743,33 @@ mod tests {
     #[test]
     fn a_watch_restarts_only_to_list_in_pages_or_after_losing_the_api_server() {
         use InitialList::{Paged, Streaming};
+        use Next::{GoOn, Restart};
         let gone = api_error(410);
         let lost = api_error(503);
         let refused = api_error(422);
-        let warned = |why| Next::Restart { why: Some(why) };
+        let warned = |why| Restart { why: Some(why) };
+        let cut = "A streaming list ended before its last object";
+        let failed = "A streaming list failed";
+        let lost_it = "The API server was lost";
+        // One case a line: rustfmt would spread each over six.
+        #[rustfmt::skip]
         let cases: [(Progress, Seen<'_>, Progress, Next); 10] = [
             // A list begins, and ends.
-            (
-                progress(Streaming, false, false),
-                Seen::Init,
-                progress(Streaming, false, true),
-                Next::GoOn,
-            ),
-            (
-                progress(Streaming, false, true),
-                Seen::InitDone,
-                progress(Streaming, true, false),
-                Next::GoOn,
-            ),
+            (at(Streaming, false, false), Seen::Init, at(Streaming, false, true), GoOn),
+            (at(Streaming, false, true), Seen::InitDone, at(Streaming, true, false), GoOn),
             // A second Init while streaming a list: it was cut short.
-            (
-                progress(Streaming, true, true),
-                Seen::Init,
-                progress(Paged, true, false),
-                warned("A streaming list ended before its last object"),
-            ),
+            (at(Streaming, true, true), Seen::Init, at(Paged, true, false), warned(cut)),
             // Paged lists may start over: kube's watcher does so after a 410.
-            (
-                progress(Paged, true, true),
-                Seen::Init,
-                progress(Paged, true, true),
-                Next::GoOn,
-            ),
+            (at(Paged, true, true), Seen::Init, at(Paged, true, true), GoOn),
             // The first streaming list refused.
-            (
-                progress(Streaming, false, true),
-                Seen::Error(&refused),
-                progress(Paged, false, false),
-                warned("A streaming list failed"),
-            ),
+            (at(Streaming, false, true), Seen::Error(&refused), at(Paged, false, false), warned(failed)),
             // The API server lost after a list: paged, with a warning the first time.
-            (
-                progress(Streaming, true, false),
-                Seen::Error(&lost),
-                progress(Paged, true, false),
-                warned("The API server was lost"),
-            ),
-            (
-                progress(Paged, true, false),
-                Seen::Error(&lost),
-                progress(Paged, true, false),
-                Next::Restart { why: None },
-            ),
+            (at(Streaming, true, false), Seen::Error(&lost), at(Paged, true, false), warned(lost_it)),
+            (at(Paged, true, false), Seen::Error(&lost), at(Paged, true, false), Restart { why: None }),
             // 410 after compaction: kube's watcher lists again by itself, still streaming.
-            (
-                progress(Streaming, true, false),
-                Seen::Error(&gone),
-                progress(Streaming, true, false),
-                Next::GoOn,
-            ),
-            (
-                progress(Paged, true, false),
-                Seen::Error(&refused),
-                progress(Paged, true, false),
-                Next::GoOn,
-            ),
-            (
-                progress(Streaming, true, false),
-                Seen::Other,
-                progress(Streaming, true, false),
-                Next::GoOn,
-            ),
+            (at(Streaming, true, false), Seen::Error(&gone), at(Streaming, true, false), GoOn),
+            (at(Paged, true, false), Seen::Error(&refused), at(Paged, true, false), GoOn),
+            (at(Streaming, true, false), Seen::Other, at(Streaming, true, false), GoOn),
         ];
         for (before, seen, after, next) in cases {
             assert_eq!(
@@ -1142,6 +1099,16 @@ mod tests {
             server.await.unwrap();
         }
 
+        /// A paged list's answer: the one job `name`.
+        fn paged_list_of(name: &str) -> Step {
+            answered(
+                PAGED_LIST,
+                is_paged_list,
+                200,
+                list_json(&[job_json(name, "1")]),
+            )
+        }
+
         const STREAMING_LIST: &str = "a streaming list";
         const PAGED_LIST: &str = "a paged list";
         const WATCH_FROM_9: &str = "a watch from 9";
@@ -1169,12 +1136,7 @@ mod tests {
                 vec![
                     // 422: an API server without streaming lists.
                     answered(STREAMING_LIST, is_streaming_list, 422, refusal(422)),
-                    answered(
-                        PAGED_LIST,
-                        is_paged_list,
-                        200,
-                        list_json(&[job_json("a", "1")]),
-                    ),
+                    paged_list_of("a"),
                     left_open(WATCH_FROM_9, is_watch_from_9),
                 ],
             );
@@ -1194,12 +1156,7 @@ mod tests {
                     answered(STREAMING_LIST, is_streaming_list, 200, cut),
                     // kube's watcher starts a streaming list over, with no error in between.
                     answered(STREAMING_LIST, is_streaming_list, 200, String::new()),
-                    answered(
-                        PAGED_LIST,
-                        is_paged_list,
-                        200,
-                        list_json(&[job_json("b", "1")]),
-                    ),
+                    paged_list_of("b"),
                     left_open(WATCH_FROM_9, is_watch_from_9),
                 ],
             );
@@ -1216,12 +1173,7 @@ mod tests {
                     answered(STREAMING_LIST, is_streaming_list, 200, streamed()),
                     // The watch from its bookmark meets an API server that is (re)starting.
                     answered(WATCH_FROM_9, is_watch_from_9, 503, refusal(503)),
-                    answered(
-                        PAGED_LIST,
-                        is_paged_list,
-                        200,
-                        list_json(&[job_json("b", "1")]),
-                    ),
+                    paged_list_of("b"),
                     left_open(WATCH_FROM_9, is_watch_from_9),
                 ],
             );
