@@ -155,17 +155,28 @@ impl Dispatcher {
     /// The polls of a queue wait in line: a change of one of its jobs wakes the poll that has
     /// waited longest, which looks at the view, and a poll that gets an offer wakes the next
     /// one in line, which looks for another job. Every poll of a queue would be offered the
-    /// same job ([`Dispatch::offer`] does not depend on who asks), so waking one at a time
-    /// loses nothing, where waking them all made each of 500 waiting polls take the view's lock
-    /// on each of a job's four events (benchmark row 11: the controller's CPU per job grew
+    /// same job ([`Dispatch::offer`] does not depend on who asks), so one poll looking after a
+    /// change is enough, where waking them all made each of 500 waiting polls take the view's
+    /// lock on each of a job's four events (benchmark row 11: the controller's CPU per job grew
     /// fivefold from 8 to 500 waiting sidecars). A poll woken but gone before it looked
-    /// passes its turn on (tokio's `Notify`). The end of a (re-)list, and a change of the
-    /// path check, still wake every poll.
+    /// passes its turn on (tokio's `Notify`).
+    ///
+    /// A reopening no change announces (a notBefore or retryAfter passing, an offer lapsing:
+    /// [`Dispatch::next_offer_at`]) is known only to the polls that looked since it was
+    /// foreseen, often one. A poll that knows one and leaves without an offer (its wait ended,
+    /// or its caller went away) therefore wakes the next in line, which looks and waits for
+    /// it in its place. The end of a (re-)list, and a change of the path check,
+    /// still wake every poll.
     pub async fn poll(&self, queue: &QueueKey, worker: &str, wait: Duration) -> Answer {
         let deadline = Instant::now() + wait.min(MAX_POLL_WAIT);
         let line = self.line(queue);
         let mut relisted = self.relists.subscribe();
         let mut fresh = self.fresh.subscribe();
+        // Dropped last, once this poll's own place in line is gone: so it wakes another.
+        let mut pass_on = PassOn {
+            line: &line,
+            armed: false,
+        };
         let answer = loop {
             if !self.leading() {
                 break Answer::NotLeading;
@@ -187,10 +198,13 @@ impl Dispatcher {
                     break Answer::NotListed;
                 }
                 if let Some(hint) = state.offer(queue, worker, now) {
+                    // More jobs may wait: the next poll in line looks.
+                    pass_on.armed = true;
                     break Answer::Offer(hint);
                 }
                 state.next_offer_at(queue, now)
             };
+            pass_on.armed = next.is_some();
             let wake = next
                 .map(|t| {
                     Instant::now() + Duration::try_from(t.duration_since(now)).unwrap_or_default()
@@ -204,10 +218,6 @@ impl Dispatcher {
                 () = tokio::time::sleep_until(deadline) => break Answer::Empty,
             }
         };
-        if matches!(answer, Answer::Offer(_)) {
-            // More jobs may wait: the next poll in line looks.
-            line.notify_one();
-        }
         answer
     }
 
@@ -242,6 +252,22 @@ impl Dispatcher {
                 .entry(queue.clone())
                 .or_insert_with(|| Arc::new(Notify::new())),
         )
+    }
+}
+
+/// Wakes the next poll in a queue's line when a poll leaves (answered, timed out or dropped)
+/// while `armed`: it got an offer (more jobs may wait), or it knew of a reopening to come
+/// that no change will announce ([`Dispatcher::poll`]).
+struct PassOn<'a> {
+    line: &'a Notify,
+    armed: bool,
+}
+
+impl Drop for PassOn<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.line.notify_one();
+        }
     }
 }
 
@@ -513,6 +539,37 @@ mod tests {
         let (offered, polls) = settle(polls).await;
         assert_eq!(offered, ["a"]);
         assert!(polls.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_reopening_known_to_a_poll_that_leaves_is_handed_to_the_next_in_line() {
+        // Only the poll woken by the job's arrival knows when its notBefore passes; it leaves
+        // before that, and the poll behind it, never woken by a change, must get the job.
+        let d = leading();
+        let short = tokio::spawn({
+            let d = Arc::clone(&d);
+            async move { d.poll(&q(), "short", Duration::from_millis(100)).await }
+        });
+        tokio::task::yield_now().await;
+        let long = tokio::spawn({
+            let d = Arc::clone(&d);
+            async move { d.poll(&q(), "long", Duration::from_secs(10)).await }
+        });
+        tokio::task::yield_now().await;
+        let mut later = queued("later");
+        later.spec.not_before = Some(Time(
+            Timestamp::now() + k8s_openapi::jiff::SignedDuration::from_millis(400),
+        ));
+        d.observe(&watcher::Event::Apply(later));
+        assert_eq!(short.await.unwrap(), Answer::Empty);
+        let answer = tokio::time::timeout(Duration::from_secs(3), long)
+            .await
+            .expect("offered once its notBefore passes, not at the end of the wait")
+            .unwrap();
+        assert!(
+            matches!(&answer, Answer::Offer(h) if h.name == "later"),
+            "{answer:?}"
+        );
     }
 
     #[tokio::test]

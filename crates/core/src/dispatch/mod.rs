@@ -411,8 +411,8 @@ impl Dispatch {
 
     /// When a worker of `queue` that got no offer at `now` should ask again, if before its
     /// wait ends: when a job not claimable yet becomes claimable (notBefore, retryAfter), or
-    /// when an offer to another worker lapses. New jobs are not foreseen: the caller wakes its
-    /// waiting workers on every change of the queue.
+    /// when an offer to another worker lapses. New jobs are not foreseen: the caller has a
+    /// waiting worker look again on every change of the queue.
     pub fn next_offer_at(&self, queue: &QueueKey, now: Timestamp) -> Option<Timestamp> {
         let view = self.queues.get(queue)?;
         let lapse = view
