@@ -435,14 +435,22 @@ mod tests {
     async fn waiting(d: &Arc<Dispatcher>, n: usize) -> Vec<tokio::task::JoinHandle<Answer>> {
         let mut polls = Vec::new();
         for i in 0..n {
-            let d = Arc::clone(d);
-            polls.push(tokio::spawn(async move {
-                d.poll(&q(), &format!("w{i}"), Duration::from_secs(20))
-                    .await
-            }));
-            tokio::task::yield_now().await;
+            polls.push(spawned(d, &format!("w{i}"), Duration::from_secs(20)).await);
         }
         polls
+    }
+
+    /// A poll of `q()` by `worker` waiting up to `wait`, as its own task, in line once this
+    /// returns.
+    async fn spawned(
+        d: &Arc<Dispatcher>,
+        worker: &str,
+        wait: Duration,
+    ) -> tokio::task::JoinHandle<Answer> {
+        let (d, worker) = (Arc::clone(d), worker.to_string());
+        let poll = tokio::spawn(async move { d.poll(&q(), &worker, wait).await });
+        tokio::task::yield_now().await;
+        poll
     }
 
     /// The names offered to the polls that have answered, and the polls still waiting.
@@ -546,16 +554,8 @@ mod tests {
         // Only the poll woken by the job's arrival knows when its notBefore passes; it leaves
         // before that, and the poll behind it, never woken by a change, must get the job.
         let d = leading();
-        let short = tokio::spawn({
-            let d = Arc::clone(&d);
-            async move { d.poll(&q(), "short", Duration::from_millis(100)).await }
-        });
-        tokio::task::yield_now().await;
-        let long = tokio::spawn({
-            let d = Arc::clone(&d);
-            async move { d.poll(&q(), "long", Duration::from_secs(10)).await }
-        });
-        tokio::task::yield_now().await;
+        let short = spawned(&d, "short", Duration::from_millis(100)).await;
+        let long = spawned(&d, "long", Duration::from_secs(10)).await;
         let mut later = queued("later");
         later.spec.not_before = Some(Time(
             Timestamp::now() + k8s_openapi::jiff::SignedDuration::from_millis(400),
@@ -575,11 +575,7 @@ mod tests {
     #[tokio::test]
     async fn a_waiting_poll_ends_stale_when_the_path_check_fails_and_offers_after_it_passes() {
         let d = leading();
-        let waiting = tokio::spawn({
-            let d = Arc::clone(&d);
-            async move { d.poll(&q(), "w", Duration::from_secs(20)).await }
-        });
-        tokio::task::yield_now().await;
+        let waiting = spawned(&d, "w", Duration::from_secs(20)).await;
         assert!(d.polls_wait());
         assert!(d.set_fresh(false));
         assert!(!d.set_fresh(false), "no change, no news");

@@ -112,9 +112,10 @@ impl Due {
             .flatten()
     }
 
-    /// True when there is a time and it is after `now`.
-    fn is_after(self, now: Timestamp) -> bool {
-        self > Due::of(Some(now))
+    /// True when there is a time and it is after `now` (a time, as [`Due::of`] keeps it:
+    /// made once per walk of the index, not once per job).
+    fn is_after(self, now: Due) -> bool {
+        self > now
     }
 }
 
@@ -384,6 +385,7 @@ impl ClaimIndex {
     ) -> Vec<&str> {
         let mut out = Vec::new();
         let mut top = None;
+        let now = Due::of(Some(now));
         for (place, slot) in &self.order {
             if out.len() >= limit {
                 break;
@@ -417,6 +419,7 @@ impl ClaimIndex {
 
     /// True when more than `n` jobs of the queue are claimable at `now` (any priority).
     pub fn claimable_more_than(&self, now: Timestamp, n: usize) -> bool {
+        let now = Due::of(Some(now));
         self.order
             .values()
             .filter(|s| !s.claimable_at.is_after(now))
@@ -548,9 +551,13 @@ mod tests {
             Timestamp::MAX,
         ];
         for t in times {
-            assert_eq!(Due::of(Some(t)).is_after(now), t > now, "{t}");
+            assert_eq!(
+                Due::of(Some(t)).is_after(Due::of(Some(now))),
+                t > now,
+                "{t}"
+            );
         }
-        assert!(!Due::NONE.is_after(Timestamp::MIN));
+        assert!(!Due::NONE.is_after(Due::of(Some(Timestamp::MIN))));
         assert_eq!(Due::of(Some(now)).time(), Some(now));
         assert_eq!(Due::NONE.time(), None);
     }
