@@ -352,21 +352,149 @@ where
                     if matches!(event, watcher::Event::InitDone) {
                         crate::memory::release_freed();
                     }
-                    let (event, skipped) = decode_event(event);
-                    if let Some(s) = skipped {
-                        warn!(kind = %s.kind, object = %s.reference, error = %s.error,
-                            "Skipped {} {}: it cannot be decoded ({}); other objects are handled as usual",
-                            s.kind, s.reference, s.error);
-                        metrics.undecodable(&s.kind);
-                        on_skip(s);
-                    }
-                    event.map(Ok)
+                    decoded(event, &*metrics, &mut on_skip).map(Ok)
                 }
                 Err(e) => Some(Err(e)),
             };
             futures::future::ready(out)
         })
         .modify(|o| o.managed_fields_mut().clear())
+}
+
+/// [`decode_event`], logging and reporting what it skipped (see [`watch`]).
+fn decoded<K>(
+    event: watcher::Event<Raw<K>>,
+    metrics: &dyn Recorder,
+    on_skip: &mut impl FnMut(Undecodable),
+) -> Option<watcher::Event<K>>
+where
+    K: Resource<DynamicType = ()> + FromParts + Default,
+{
+    let (event, skipped) = decode_event(event);
+    if let Some(s) = skipped {
+        warn!(kind = %s.kind, object = %s.reference, error = %s.error,
+            "Skipped {} {}: it cannot be decoded ({}); other objects are handled as usual",
+            s.kind, s.reference, s.error);
+        metrics.undecodable(&s.kind);
+        on_skip(s);
+    }
+    event
+}
+
+/// Watches `api` for the objects matching `fields` (a field selector) from `resource_version`
+/// on, without listing first, in slices: only `Apply` and `Delete` events, for the changes
+/// after that version, decoded and stripped of managedFields as [`watch`] does.
+///
+/// For a cache seeded with an object as a write answered it (a sidecar's claim, whose
+/// resourceVersion is `resource_version`): a LIST with a field selector that no index serves
+/// makes the API server walk every object of the namespace, and this needs none.
+///
+/// Each slice is one WATCH request that the API server ends after the seconds `slice()`
+/// returns when it is sent (its `timeoutSeconds`); the next goes on from the last version
+/// seen. `slice()` returning `None` ends the stream instead. A watch ended by the server, not
+/// dropped by the client, leaves its connection open for the client's next request: a watch
+/// that comes and goes costs no new TLS connection. Asks for bookmarks, so that the version it
+/// goes on from stays recent while nothing matches. Ends after the first error, which it
+/// yields (a 410 Gone among them: the version was compacted away): the caller lists instead
+/// ([`watch`]).
+pub fn watch_from<K>(
+    api: &Api<K>,
+    fields: &str,
+    resource_version: &str,
+    slice: impl FnMut() -> Option<u32> + Send + 'static,
+    metrics: Arc<dyn Recorder>,
+) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + FromParts
+        + Default
+        + Clone
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    use kube::api::{WatchEvent, WatchParams};
+    type Events<K> = futures::stream::BoxStream<'static, kube::Result<WatchEvent<Raw<K>>>>;
+    struct From<K, S> {
+        api: Api<Raw<K>>,
+        slice: S,
+        fields: String,
+        version: String,
+        current: Option<Events<K>>,
+        ended: bool,
+    }
+    let client: kube::Client = api.clone().into();
+    let raw: Api<Raw<K>> = match api.namespace() {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    };
+    let from = From {
+        api: raw,
+        slice,
+        fields: fields.to_string(),
+        version: resource_version.to_string(),
+        current: None,
+        ended: false,
+    };
+    futures::stream::unfold(from, move |mut from| {
+        let metrics = Arc::clone(&metrics);
+        async move {
+            loop {
+                if from.ended {
+                    return None;
+                }
+                let current = match &mut from.current {
+                    Some(current) => current,
+                    None => {
+                        let secs = (from.slice)()?;
+                        let params = WatchParams::default().fields(&from.fields).timeout(secs);
+                        match from.api.watch(&params, &from.version).await {
+                            Ok(events) => from.current.insert(events.boxed()),
+                            Err(e) => {
+                                from.ended = true;
+                                return Some((Err(watcher::Error::WatchStartFailed(e)), from));
+                            }
+                        }
+                    }
+                };
+                let event = match current.next().await {
+                    // The API server ended the slice: the next goes on from the last version seen.
+                    None => {
+                        from.current = None;
+                        continue;
+                    }
+                    Some(Err(e)) => {
+                        from.ended = true;
+                        return Some((Err(watcher::Error::WatchFailed(e)), from));
+                    }
+                    Some(Ok(WatchEvent::Error(status))) => {
+                        from.ended = true;
+                        return Some((Err(watcher::Error::WatchError(status)), from));
+                    }
+                    Some(Ok(WatchEvent::Bookmark(b))) => {
+                        from.version = b.metadata.resource_version;
+                        continue;
+                    }
+                    Some(Ok(WatchEvent::Added(o) | WatchEvent::Modified(o))) => {
+                        watcher::Event::Apply(o)
+                    }
+                    Some(Ok(WatchEvent::Deleted(o))) => watcher::Event::Delete(o),
+                };
+                if let watcher::Event::Apply(o) | watcher::Event::Delete(o) = &event {
+                    if let Some(v) = &o.metadata.resource_version {
+                        from.version.clone_from(v);
+                    }
+                }
+                if let Some(mut event) = decoded(event, &*metrics, &mut |_| {}) {
+                    if let watcher::Event::Apply(o) | watcher::Event::Delete(o) = &mut event {
+                        o.managed_fields_mut().clear();
+                    }
+                    return Some((Ok(event), from));
+                }
+            }
+        }
+    })
 }
 
 /// Whether a watch's cache has had its first complete listing: set when the watch yields its
@@ -1181,6 +1309,92 @@ mod tests {
             an_error(&mut events).await;
             assert_eq!(listed(&mut events).await, ["b"]);
             finish(events, server).await;
+        }
+
+        /// [`watch_from`] "9", in slices of 3 s and then 4 s, then no more.
+        fn watched_from_9() -> (Events, ApiHandle) {
+            let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+            let api: Api<LeasedJob> = Api::namespaced(kube::Client::new(service, "ns"), "ns");
+            let mut slices = vec![4, 3];
+            let events = watch_from(
+                &api,
+                "status.holder=w",
+                "9",
+                move || slices.pop(),
+                Arc::new(NoRecorder),
+            );
+            (Box::pin(events), handle)
+        }
+
+        /// A watch from "9" (as [`is_watch_from_9`]) with bookmarks, the selector and a
+        /// 3-second slice.
+        fn is_selected_watch_from_9(query: &str) -> bool {
+            is_watch_from_9(query)
+                && query.contains("allowWatchBookmarks=true")
+                && query.contains("fieldSelector=status.holder%3Dw")
+                && query.contains("timeoutSeconds=3")
+        }
+
+        fn is_watch_from_15(query: &str) -> bool {
+            query.contains("watch=true")
+                && query.contains("resourceVersion=15")
+                && query.contains("timeoutSeconds=4")
+                && !query.contains("sendInitialEvents=true")
+        }
+
+        async fn applied(events: &mut Events) -> String {
+            let event = tokio::time::timeout(Duration::from_secs(10), events.next())
+                .await
+                .expect("an event within 10 s")
+                .expect("the stream goes on");
+            match event.expect("no error") {
+                watcher::Event::Apply(job) => job.name_any(),
+                other => panic!("expected an Apply, got {other:?}"),
+            }
+        }
+
+        #[tokio::test]
+        async fn a_watch_from_a_version_lists_nothing_and_slices_go_on_from_the_last_version_seen()
+        {
+            let (mut events, api) = watched_from_9();
+            let changed =
+                job_json("a", "1").replace(r#""resourceVersion":"7""#, r#""resourceVersion":"12""#);
+            let answer = format!(
+                "{{\"type\":\"MODIFIED\",\"object\":{changed}}}\n{}\n",
+                r#"{"type":"BOOKMARK","object":{"apiVersion":"leasehold.dev/v1alpha1","kind":"LeasedJob","metadata":{"resourceVersion":"15"}}}"#
+            );
+            let server = serve(
+                api,
+                vec![
+                    answered(WATCH_FROM_9, is_selected_watch_from_9, 200, answer),
+                    // The API server ended the slice: the next goes on from the bookmark's
+                    // version; it ends too, and no slice follows.
+                    answered("a watch from 15", is_watch_from_15, 200, String::new()),
+                ],
+            );
+            assert_eq!(applied(&mut events).await, "a");
+            let end = tokio::time::timeout(Duration::from_secs(10), events.next()).await;
+            assert!(matches!(end, Ok(None)), "expected the end, got {end:?}");
+            server.await.unwrap();
+        }
+
+        #[tokio::test]
+        async fn a_watch_from_a_version_ends_after_its_first_error() {
+            let (mut events, api) = watched_from_9();
+            let gone = r#"{"type":"ERROR","object":{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure","message":"too old resource version: 9 (20)","reason":"Expired","code":410}}"#;
+            let server = serve(
+                api,
+                vec![answered(
+                    WATCH_FROM_9,
+                    is_selected_watch_from_9,
+                    200,
+                    format!("{gone}\n"),
+                )],
+            );
+            an_error(&mut events).await;
+            let end = tokio::time::timeout(Duration::from_secs(10), events.next()).await;
+            assert!(matches!(end, Ok(None)), "expected the end, got {end:?}");
+            server.await.unwrap();
         }
     }
 }
