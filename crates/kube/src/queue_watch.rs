@@ -14,9 +14,9 @@
 //! afresh for every claim. A watch caching more than [`MAX_RELIST_JOBS`] never stops: the
 //! price of buying is also the next claim's wait, and a list of a long queue takes seconds.
 //!
-//! The jobs a sidecar holds are watched apart from this one, all the time (the field selector
-//! `status.holder=<identity>`: see [`held_selector`]), so stopping this watch never hides a
-//! cancel, an expiry or a deletion of a held job from its heartbeats.
+//! The jobs a sidecar holds are watched apart from this one, whenever it holds one (the field
+//! selector `status.holder=<identity>`: see [`held_selector`]), so stopping this watch never
+//! hides a cancel, an expiry or a deletion of a held job from its heartbeats.
 //!
 //! [`Interest`] is the rule, a plain value; [`QueueWatch`] shares it between the claims and
 //! the watch task ([`run`]), which does the IO.

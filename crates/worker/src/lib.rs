@@ -40,6 +40,7 @@
 pub mod dispatched;
 mod end;
 mod heartbeat;
+pub mod held_watch;
 mod limited;
 mod listed;
 mod paused;
@@ -56,11 +57,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{watcher, WatchStreamExt};
 use kube::Api;
 use serde::Serialize;
 use serde_json::Value;
@@ -276,6 +275,12 @@ impl Held {
     fn lease_taken(&self) -> bool {
         self.state.lock().unwrap().lease_taken
     }
+
+    /// Whether the attempt is held still: neither ended nor declared lost.
+    fn is_held(&self) -> bool {
+        let st = self.state.lock().unwrap();
+        !st.ended && st.lost.is_none()
+    }
 }
 
 struct HeldState {
@@ -306,12 +311,14 @@ struct Inner {
     /// The copy of the queue claims choose from; `None` with a dispatcher: then the sidecar
     /// keeps no copy of its queue (see [`listed`]).
     queue: Option<QueueCopy>,
-    /// The jobs this process's identity holds or last held, in any phase: what heartbeats and
-    /// ends of attempts check.
+    /// The jobs this process's identity holds or last held, in any phase, while it holds one:
+    /// what heartbeats and ends of attempts check ([`held_watch`]).
     held_store: Store<LeasedJob>,
-    /// Set once `held_store` has listed them.
+    /// True while `held_store` is complete ([`held_watch`]).
     held_synced: leasehold_kube::watch::Synced,
-    held: Mutex<HashMap<String, Arc<Held>>>,
+    /// Starts the watch behind `held_store` when an attempt is held.
+    held_watch: held_watch::HeldWatch,
+    held: Arc<Mutex<HashMap<String, Arc<Held>>>>,
     /// The latest attempt this process ended per job name, with the refusal its token now
     /// earns: its Lease still names it (see the module doc), so a heartbeat with it must be
     /// refused here.
@@ -405,8 +412,9 @@ impl Worker {
             queue_object_tx.clone(),
         );
         // Two watches, both filtered by the API server on selectable fields of the CRD: the
-        // jobs this process holds, always, and, only without a dispatcher, the queue's jobs for
-        // claiming, kept while claims come (leasehold_kube::queue_watch). With a dispatcher
+        // jobs this process holds, while it holds one (held_watch), and, only without a
+        // dispatcher, the queue's jobs for claiming, kept while claims come
+        // (leasehold_kube::queue_watch). With a dispatcher
         // the sidecar keeps no copy of its queue: it claims what it is offered, and falls back
         // to a bounded list (listed.rs).
         let (queue, queue_task) = if dispatched.is_some() {
@@ -437,36 +445,26 @@ impl Worker {
             };
             (Some(copy), futures::future::Either::Right(task))
         };
-        let (held_store, held_writer) = reflector::store();
-        let held_stream = leasehold_kube::watch::watch(
-            &watched,
-            watcher::Config::default()
-                .fields(&queue_watch::held_selector(&config.queue, &config.identity)),
-            Arc::clone(&metrics),
-            |_| {},
-        )
-        .modify(leasehold_core::crd::LeasedJob::drop_payload_and_result)
-        .reflect(held_writer);
-        let held_synced = leasehold_kube::watch::Synced::default();
-        let held_stream = held_synced.track(held_stream);
-        let held_task = async move {
-            let mut stream = std::pin::pin!(held_stream);
-            while let Some(event) = stream.next().await {
-                if let Err(e) = event {
-                    leasehold_kube::watch::log_error("LeasedJob", &e);
-                }
-            }
+        let held: Arc<Mutex<HashMap<String, Arc<Held>>>> = Arc::default();
+        let holding = {
+            let held = Arc::clone(&held);
+            move || held.lock().unwrap().values().any(|h| h.is_held())
         };
+        let (held_watch, held_task) = held_watch::HeldWatch::start(
+            watched,
+            &config.queue,
+            &config.identity,
+            Arc::clone(&metrics),
+            holding,
+        );
         let health = Health::new();
         let ready = {
-            let (health, held_synced, queue_watch, mut known) = (
+            let (health, queue_watch, mut known) = (
                 Arc::clone(&health),
-                held_synced.clone(),
                 queue.as_ref().map(|q| Arc::clone(&q.watch)),
                 queue_object.clone(),
             );
             async move {
-                held_synced.wait().await;
                 let _ = known.wait_for(|k| k.paused().is_some()).await;
                 if let Some(queue_watch) = queue_watch {
                     queue_watch.wait_ever_synced().await;
@@ -491,9 +489,10 @@ impl Worker {
             jobs,
             leases,
             queue,
-            held_store,
-            held_synced,
-            held: Mutex::default(),
+            held_store: held_watch.store.clone(),
+            held_synced: held_watch.synced.clone(),
+            held_watch,
+            held,
             ended_here: Mutex::default(),
             metrics,
             health,
@@ -521,11 +520,12 @@ impl Worker {
         &self.inner.config
     }
 
-    /// True once the watch of the jobs this process holds has listed them, and (without a
+    /// True once the queue's LeasedQueue is known (or known to be absent) and (without a
     /// dispatcher) the queue's watch has listed the queue once (it may have stopped since:
-    /// [`leasehold_kube::queue_watch`]).
+    /// [`leasehold_kube::queue_watch`]). The held jobs are not listed: their watch runs only
+    /// while this process holds one ([`held_watch`]).
     pub fn is_ready(&self) -> bool {
-        self.inner.held_synced.is_synced()
+        self.inner.queue_object.borrow().paused().is_some()
             && self
                 .inner
                 .queue
@@ -561,10 +561,7 @@ impl Worker {
             .lock()
             .unwrap()
             .values()
-            .filter(|h| {
-                let st = h.state.lock().unwrap();
-                !st.ended && st.lost.is_none()
-            })
+            .filter(|h| h.is_held())
             .count()
     }
 

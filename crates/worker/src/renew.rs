@@ -74,6 +74,7 @@ impl Worker {
         if let Some(p) = previous {
             mark_ended(&p);
         }
+        self.inner.held_watch.held(held.claimed.as_ref());
         let worker = self.clone();
         let task = format!("renewer of {}", self.job_ref(name));
         let name = name.to_string();

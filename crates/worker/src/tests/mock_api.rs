@@ -43,7 +43,9 @@ const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/default/leases";
 /// answered; kept so that they stay pending rather than fail).
 struct Cluster {
     api: ApiHandle,
-    _watches: ApiHandle,
+    watches: ApiHandle,
+    /// The watches seen so far, left open.
+    open: Vec<SendResponse<Response<Body>>>,
 }
 
 fn worker(spread: usize) -> (Worker, Cluster) {
@@ -71,7 +73,8 @@ fn worker(spread: usize) -> (Worker, Cluster) {
         worker,
         Cluster {
             api,
-            _watches: watch_handle,
+            watches: watch_handle,
+            open: Vec::new(),
         },
     )
 }
@@ -91,6 +94,23 @@ impl Cluster {
         send
     }
 
+    /// The query of the worker's next watch of the jobs it holds, and the way to answer it;
+    /// its other watches are left open as they come.
+    async fn expect_held_watch(&mut self) -> (String, SendResponse<Response<Body>>) {
+        loop {
+            let (req, send) =
+                tokio::time::timeout(Duration::from_secs(30), self.watches.next_request())
+                    .await
+                    .expect("no watch of the held jobs came")
+                    .expect("the worker's client is gone");
+            let query = req.uri().query().unwrap_or_default().to_string();
+            if query.contains("status.holder%3Dw-1") {
+                return (query, send);
+            }
+            self.open.push(send);
+        }
+    }
+
     /// Asserts that the worker sends no request (within a second of the paused clock).
     async fn expect_none(&mut self) {
         if let Ok(Some((req, _))) =
@@ -107,6 +127,16 @@ fn answer(send: SendResponse<Response<Body>>, code: u16, body: &impl Serialize) 
         Response::builder()
             .status(code)
             .body(Body::from(body))
+            .unwrap(),
+    );
+}
+
+/// Answers 200 with `body` as it is (a watch's stream of events).
+fn answer_raw(send: SendResponse<Response<Body>>, body: &str) {
+    send.send_response(
+        Response::builder()
+            .status(200)
+            .body(Body::from(body.as_bytes().to_vec()))
             .unwrap(),
     );
 }
@@ -413,4 +443,84 @@ async fn renewals_failing_for_a_whole_lease_duration_declare_the_lease_lost() {
         );
         cluster.expect_none().await;
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_held_jobs_are_watched_from_a_claim_until_a_slice_passes_with_nothing_held() {
+    let (w, mut cluster) = worker(16);
+    let cached = |name: &str| {
+        let key = kube::runtime::reflector::ObjectRef::new(name).within("default");
+        w.inner.held_store.get(&key).is_some()
+    };
+    let claimed = |name: &str, version: &str| {
+        let mut j = job(name, Phase::Leased, 1, Some(&Token::issue(1)));
+        j.metadata.resource_version = Some(version.into());
+        j
+    };
+    // The API server ends a slice of the watch.
+    let end_slice = |send: SendResponse<Response<Body>>| answer_raw(send, "");
+    // Nothing held: nothing watched, the cache empty.
+    assert!(!w.inner.held_synced.is_synced());
+    w.hold(
+        "j1",
+        Token::issue(1),
+        30,
+        Some(claimed("j1", "41")),
+        Instant::now(),
+    );
+    // The claim's answer seeds the cache, and the watch goes on from its version: no list,
+    // a first slice of a second.
+    let (query, _first) = cluster.expect_held_watch().await;
+    assert!(
+        query.contains("watch=true")
+            && query.contains("resourceVersion=41")
+            && query.contains("timeoutSeconds=1")
+            && !query.contains("sendInitialEvents"),
+        "{query}"
+    );
+    assert!(w.inner.held_synced.is_synced() && cached("j1"));
+    // A claim answered before the watch's start starts it over from that claim.
+    w.hold(
+        "j2",
+        Token::issue(1),
+        30,
+        Some(claimed("j2", "40")),
+        Instant::now(),
+    );
+    let (query, slice) = cluster.expect_held_watch().await;
+    assert!(query.contains("resourceVersion=40"), "{query}");
+    assert!(cached("j1") && cached("j2"));
+    // One answered after it does not: the watch sends its change.
+    w.hold(
+        "j3",
+        Token::issue(1),
+        30,
+        Some(claimed("j3", "45")),
+        Instant::now(),
+    );
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(!cached("j3"));
+    // Every attempt ends. The slice they were held in ends: one more follows, from the last
+    // version seen, twice as long.
+    for h in w.inner.held.lock().unwrap().values() {
+        crate::renew::mark_ended(h);
+    }
+    end_slice(slice);
+    let (query, slice) = cluster.expect_held_watch().await;
+    assert!(query.contains("resourceVersion=40"), "{query}");
+    assert!(w.inner.held_synced.is_synced());
+    // That one passes with nothing held: the watch stops and its cache empties.
+    end_slice(slice);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(!w.inner.held_synced.is_synced() && !cached("j1"));
+    // The next claim watches again, from its own version.
+    w.hold(
+        "j4",
+        Token::issue(1),
+        30,
+        Some(claimed("j4", "50")),
+        Instant::now(),
+    );
+    let (query, _slice) = cluster.expect_held_watch().await;
+    assert!(query.contains("resourceVersion=50"), "{query}");
 }
