@@ -330,20 +330,9 @@ pub fn watch<K>(
     mut on_skip: impl FnMut(Undecodable) + Send + 'static,
 ) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
 where
-    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-        + FromParts
-        + Default
-        + Clone
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
+    K: Watched,
 {
-    let client: kube::Client = api.clone().into();
-    let raw: Api<Raw<K>> = match api.namespace() {
-        Some(ns) => Api::namespaced(client, ns),
-        None => Api::all(client),
-    };
+    let raw = raw_api(api);
     relisting_watcher(raw, config)
         .backoff(crate::api::WatchBackoff::default())
         .filter_map(move |event| {
@@ -359,6 +348,40 @@ where
             futures::future::ready(out)
         })
         .modify(|o| o.managed_fields_mut().clear())
+}
+
+/// What [`watch`] and [`watch_from`] watch: a namespaced kind that decodes from its parts.
+pub trait Watched:
+    Resource<DynamicType = (), Scope = NamespaceResourceScope>
+    + FromParts
+    + Default
+    + Clone
+    + std::fmt::Debug
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Watched for K where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + FromParts
+        + Default
+        + Clone
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+/// `api`'s namespace (or all), read as [`Raw<K>`].
+fn raw_api<K: Watched>(api: &Api<K>) -> Api<Raw<K>> {
+    let client: kube::Client = api.clone().into();
+    match api.namespace() {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    }
 }
 
 /// [`decode_event`], logging and reporting what it skipped (see [`watch`]).
@@ -405,14 +428,7 @@ pub fn watch_from<K>(
     metrics: Arc<dyn Recorder>,
 ) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
 where
-    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-        + FromParts
-        + Default
-        + Clone
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
+    K: Watched,
 {
     use kube::api::{WatchEvent, WatchParams};
     type Events<K> = futures::stream::BoxStream<'static, kube::Result<WatchEvent<Raw<K>>>>;
@@ -424,13 +440,8 @@ where
         current: Option<Events<K>>,
         ended: bool,
     }
-    let client: kube::Client = api.clone().into();
-    let raw: Api<Raw<K>> = match api.namespace() {
-        Some(ns) => Api::namespaced(client, ns),
-        None => Api::all(client),
-    };
     let from = From {
-        api: raw,
+        api: raw_api(api),
         slice,
         fields: fields.to_string(),
         version: resource_version.to_string(),
