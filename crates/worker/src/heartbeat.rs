@@ -433,13 +433,16 @@ impl Worker {
     }
 
     /// The job `name` as the API server has it now (`Some(None)`: deleted), read when the
-    /// synced held-jobs cache does not show it: a job claimed by another holder since has left
-    /// that cache (its `status.holder` changed), and only a fresh read tells this process its
-    /// attempt was superseded. `None` when the cache shows the job, has not listed yet, or the
-    /// read failed: nothing is known beyond the cache, and the Lease decides.
+    /// held-jobs cache does not show it: a job claimed by another holder since has left that
+    /// cache (its `status.holder` changed), and only a fresh read tells this process its
+    /// attempt was superseded. The cache may also lack it for want of a watch (none runs, one
+    /// is listing, or the claim was answered before the running watch began:
+    /// [`crate::held_watch`]); the read then costs a request and nothing else. `None` when the
+    /// cache shows the job, or the read failed: nothing is known beyond the cache, and the
+    /// Lease decides.
     pub(crate) async fn read_if_uncached(&self, name: &str) -> Option<Option<LeasedJob>> {
         let key = ObjectRef::new(name).within(&self.inner.config.namespace);
-        if self.inner.held_store.get(&key).is_some() || !self.inner.held_synced.is_synced() {
+        if self.inner.held_store.get(&key).is_some() {
             return None;
         }
         self.inner.jobs.get_opt(name).await.ok()

@@ -18,17 +18,19 @@
 //! client dropped would cost a new TLS connection for every claim of a sidecar that waits long
 //! between jobs.
 //!
-//! A claim answered with a version older than the one the running watch started from (two
-//! claims whose answers came back out of order) starts the watch over from it, so that no
-//! change after either claim is missed. Started for an attempt this process did not claim (the
-//! first heartbeat after a restart), or after the watch failed (a 410 Gone, a lost
-//! connection), it lists as every other watch does ([`leasehold_kube::watch::watch`]); until
-//! that list ends the cache is not synced, and the Lease alone decides a heartbeat, as at
-//! start-up before. A watch that lists never ends by itself: it is dropped once nothing has
-//! been held for about [`LINGER`].
+//! The cache is never made to go back: a claim made while the watch runs adds nothing to it.
+//! Its change comes through the watch when it is newer than the watch's start; when it is
+//! older (two claims whose answers came back out of order), the job stays out of the cache
+//! until its next change. A job the cache does not show is read afresh wherever the cache
+//! would have been asked (`read_if_uncached` in heartbeat.rs): that costs a read, never a
+//! missed change. Started for an attempt this process did not claim (the first heartbeat
+//! after a restart), or after the watch failed (a 410 Gone, a lost connection), the watch
+//! lists as every other watch does ([`leasehold_kube::watch::watch`]); the cache keeps what it
+//! had until that list ends. A watch that lists never ends by itself: it is dropped once
+//! nothing has been held for 1.5 to 2 s ([`LINGER`] and two checks).
 //!
-//! While no watch runs the cache is empty and not synced: nothing is held, and a heartbeat of a
-//! token this process does not hold reads the job ([`crate::Worker`]'s `check_unheld`).
+//! While no watch runs the cache is empty: nothing is held, and a heartbeat of a token this
+//! process does not hold reads the job ([`crate::Worker`]'s `check_unheld`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,10 +46,9 @@ use tokio::sync::mpsc;
 use leasehold_core::crd::LeasedJob;
 use leasehold_kube::queue_watch;
 use leasehold_kube::recorder::Recorder;
-use leasehold_kube::watch::Synced;
 
-/// How long a watch that lists runs on after the last held attempt ended: about this long,
-/// checked every half of it.
+/// How long a watch that lists runs on after the last held attempt ended: at least this long,
+/// checked every half of it (three checks in a row with nothing held end it).
 pub const LINGER: Duration = Duration::from_secs(1);
 
 /// The first slice of a watch from a claim, in seconds.
@@ -61,10 +62,8 @@ pub const MAX_SLICE: u32 = 64;
 #[derive(Clone)]
 pub(crate) struct HeldWatch {
     /// The jobs of the queue whose `status.holder` is this process's identity, in any phase,
-    /// while the watch runs; empty while it does not.
+    /// as far as the watch has seen them while it runs; empty while it does not.
     pub(crate) store: Store<LeasedJob>,
-    /// True while the watch runs and `store` shows every change up to its last event.
-    pub(crate) synced: Synced,
     starts: mpsc::UnboundedSender<Option<LeasedJob>>,
 }
 
@@ -84,25 +83,16 @@ impl HeldWatch {
     ) {
         let (store, writer) = reflector::store();
         let (starts, rx) = mpsc::unbounded_channel();
-        let synced = Synced::default();
         let watched = Watched {
             api,
             selector: queue_watch::held_selector(queue, identity),
             metrics,
             writer,
-            synced: synced.clone(),
             holding: Arc::new(holding),
             slices: Arc::default(),
         };
         let task = watched.run(rx);
-        (
-            HeldWatch {
-                store,
-                synced,
-                starts,
-            },
-            task,
-        )
+        (HeldWatch { store, starts }, task)
     }
 
     /// Tells the watch this process now holds an attempt: claimed with the answer `claimed`
@@ -120,7 +110,6 @@ struct Watched {
     selector: String,
     metrics: Arc<dyn Recorder>,
     writer: Writer<LeasedJob>,
-    synced: Synced,
     /// Whether this process holds an attempt now.
     holding: Arc<dyn Fn() -> bool + Send + Sync>,
     /// The slices of the watch from a claim, shared with that watch.
@@ -134,8 +123,8 @@ impl Watched {
     async fn run(mut self, mut starts: mpsc::UnboundedReceiver<Option<LeasedJob>>) {
         while let Some(seed) = starts.recv().await {
             *self.slices.lock().unwrap() = Slices::started();
-            // The version the watch went on from, while it did not list.
-            let (mut events, mut from) = self.begin(seed);
+            // Whether the watch goes on from a version (else it lists).
+            let (mut events, mut from_version) = self.begin(seed);
             let mut tick = tokio::time::interval(LINGER / 2);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut idle_ticks = 0;
@@ -145,34 +134,24 @@ impl Watched {
             loop {
                 tokio::select! {
                     event = events.next() => match event {
-                        Some(Ok(event)) => {
-                            self.writer.apply_watcher_event(&event);
-                            if matches!(event, watcher::Event::InitDone) {
-                                self.synced.set(true);
-                            }
-                        }
+                        Some(Ok(event)) => self.writer.apply_watcher_event(&event),
                         Some(Err(e)) => {
                             leasehold_kube::watch::log_error("LeasedJob", &e);
-                            if from.take().is_some() {
-                                (events, from) = self.begin(None);
+                            if std::mem::replace(&mut from_version, false) {
+                                (events, from_version) = self.begin(None);
                             }
                         }
                         // A watch from a version whose last slice passed with nothing held (one
                         // that failed was replaced at its error).
                         None => break,
                     },
-                    Some(seed) = starts.recv() => {
+                    // A claim while the watch runs: its change comes through the watch, or
+                    // (answered before the watch's start) the job is read until its next one.
+                    Some(_) = starts.recv() => {
                         held_since_tick = true;
                         self.slices.lock().unwrap().held = true;
-                        let older = match (&from, seed.as_ref().and_then(|j| j.resource_version())) {
-                            (Some(from), Some(version)) => starts_over(from, &version),
-                            _ => false,
-                        };
-                        if older {
-                            (events, from) = self.begin_more(seed);
-                        }
                     }
-                    _ = tick.tick(), if from.is_none() => {
+                    _ = tick.tick(), if !from_version => {
                         let held = std::mem::replace(&mut held_since_tick, false);
                         idle_ticks = if held || (self.holding)() { 0 } else { idle_ticks + 1 };
                         if idle_ticks > 2 {
@@ -181,41 +160,25 @@ impl Watched {
                     }
                 }
             }
-            self.synced.set(false);
             self.writer.apply_watcher_event(&watcher::Event::Init);
             self.writer.apply_watcher_event(&watcher::Event::InitDone);
         }
     }
 
-    /// A watch starting now: from `seed`'s version with the cache holding only `seed`, or
-    /// listing (`seed` `None`, or one without a version). Returns it and the version it went on
-    /// from, if it did.
-    fn begin(&mut self, seed: Option<LeasedJob>) -> (Events, Option<String>) {
+    /// A watch starting now: from `seed`'s version with the cache holding only `seed` (true),
+    /// or listing (`seed` `None`, or one without a version), the cache kept as it is until the
+    /// list ends (false).
+    fn begin(&mut self, seed: Option<LeasedJob>) -> (Events, bool) {
         match seed.and_then(|job| Some((job.resource_version()?, job))) {
             Some((version, job)) => {
                 self.writer.apply_watcher_event(&watcher::Event::Init);
                 self.writer
                     .apply_watcher_event(&watcher::Event::InitApply(job));
                 self.writer.apply_watcher_event(&watcher::Event::InitDone);
-                self.synced.set(true);
-                (self.from(&version), Some(version))
+                (self.from(&version), true)
             }
-            None => {
-                self.synced.set(false);
-                (self.listing(), None)
-            }
+            None => (self.listing(), false),
         }
-    }
-
-    /// A watch starting over from `seed`'s version, older than the running one's, with `seed`
-    /// added to the cache: the changes since `seed` are sent again, and the cache ends as
-    /// current as before.
-    fn begin_more(&mut self, seed: Option<LeasedJob>) -> (Events, Option<String>) {
-        let Some((version, job)) = seed.and_then(|job| Some((job.resource_version()?, job))) else {
-            return self.begin(None);
-        };
-        self.writer.apply_watcher_event(&watcher::Event::Apply(job));
-        (self.from(&version), Some(version))
     }
 
     fn from(&self, version: &str) -> Events {
@@ -280,20 +243,9 @@ impl Slices {
     }
 }
 
-/// Whether a claim answered at `version` must start the watch over, the watch having gone on
-/// from `from`: when it is older (its claim's change was before the watch's start, so the
-/// watch never sends it), or when either is not an etcd revision (a decimal number), which
-/// cannot be compared.
-fn starts_over(from: &str, version: &str) -> bool {
-    match (from.parse::<u64>(), version.parse::<u64>()) {
-        (Ok(from), Ok(version)) => version < from,
-        _ => true,
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{starts_over, Slices, MAX_SLICE};
+    use super::{Slices, MAX_SLICE};
 
     #[test]
     fn slices_double_while_attempts_are_held_and_stop_after_one_without() {
@@ -312,15 +264,5 @@ mod tests {
         assert_eq!(s.next(true), Some(MAX_SLICE));
         // A slice with nothing held: no more.
         assert_eq!(s.next(false), None);
-    }
-
-    #[test]
-    fn a_claim_older_than_the_watch_starts_it_over() {
-        assert!(starts_over("100", "99"));
-        assert!(!starts_over("100", "100"));
-        assert!(!starts_over("100", "101"));
-        // Not comparable: start over, which costs a watch and misses nothing.
-        assert!(starts_over("100", "abc"));
-        assert!(starts_over("x", "101"));
     }
 }

@@ -314,8 +314,6 @@ struct Inner {
     /// The jobs this process's identity holds or last held, in any phase, while it holds one:
     /// what heartbeats and ends of attempts check ([`held_watch`]).
     held_store: Store<LeasedJob>,
-    /// True while `held_store` is complete ([`held_watch`]).
-    held_synced: leasehold_kube::watch::Synced,
     /// Starts the watch behind `held_store` when an attempt is held.
     held_watch: held_watch::HeldWatch,
     held: Arc<Mutex<HashMap<String, Arc<Held>>>>,
@@ -490,7 +488,6 @@ impl Worker {
             leases,
             queue,
             held_store: held_watch.store.clone(),
-            held_synced: held_watch.synced.clone(),
             held_watch,
             held,
             ended_here: Mutex::default(),
