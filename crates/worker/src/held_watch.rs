@@ -21,13 +21,13 @@
 //! The cache is never made to go back: a claim made while the watch runs adds nothing to it.
 //! Its change comes through the watch when it is newer than the watch's start; when it is
 //! older (two claims whose answers came back out of order), the job stays out of the cache
-//! until its next change. A job the cache does not show is read afresh wherever the cache
-//! would have been asked (`read_if_uncached` in heartbeat.rs): that costs a read, never a
-//! missed change. Started for an attempt this process did not claim (the first heartbeat
+//! until its next change. A held job the cache does not show is read afresh after a
+//! heartbeat's renewal and before each background renewal (`read_if_uncached` in
+//! heartbeat.rs): that costs a read, never a missed change. Started for an attempt this process did not claim (the first heartbeat
 //! after a restart), or after the watch failed (a 410 Gone, a lost connection), the watch
 //! lists as every other watch does ([`leasehold_kube::watch::watch`]); the cache keeps what it
 //! had until that list ends. A watch that lists never ends by itself: it is dropped once
-//! nothing has been held for 1.5 to 2 s ([`LINGER`] and two checks).
+//! nothing has been held for 1 to 2 s (three checks half a [`LINGER`] apart).
 //!
 //! While no watch runs the cache is empty: nothing is held, and a heartbeat of a token this
 //! process does not hold reads the job ([`crate::Worker`]'s `check_unheld`).
@@ -68,9 +68,10 @@ pub(crate) struct HeldWatch {
 }
 
 impl HeldWatch {
-    /// The cache, and the task that runs its watch whenever `holding()` (whether this process
-    /// holds an attempt now) has been true within about [`LINGER`]. The task runs until
-    /// aborted.
+    /// The cache, and the task that runs its watch from each claim (or attempt found) until a
+    /// slice (from a claim) or three checks half a [`LINGER`] apart (listing) pass with
+    /// `holding()` (whether this process holds an attempt now) false and no claim. The task
+    /// runs until aborted.
     pub(crate) fn start(
         api: Api<LeasedJob>,
         queue: &str,

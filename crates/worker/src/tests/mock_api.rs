@@ -529,3 +529,29 @@ async fn the_held_jobs_are_watched_from_a_claim_until_a_slice_passes_with_nothin
     assert!(query.contains("resourceVersion=50"), "{query}");
     assert!(cached("j4"));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_held_job_the_cache_does_not_show_is_read_after_a_renewal_even_with_no_watch_synced() {
+    // Held with its Lease written, as after a restart: the held-jobs watch lists, and its list
+    // (never answered here) has not ended.
+    let (w, mut cluster) = worker(16);
+    let t1 = Token::issue(1);
+    let t2 = Token::issue(2);
+    w.hold("j1", t1.clone(), 30, None, Instant::now());
+    let heartbeat = tokio::spawn({
+        let (w, t1) = (w.clone(), t1.clone());
+        async move {
+            w.heartbeat("j1", t1.as_str(), None, Progress::default())
+                .await
+        }
+    });
+    // The Lease still names t1 (its new holder has not taken it over yet) and accepts...
+    let send = cluster.expect("PATCH", &format!("{LEASES}/ljob-j1")).await;
+    answer(send, 200, &lease("j1", &t1));
+    // ...but the job, read because the cache does not show it, was claimed by t2.
+    let send = cluster.expect("GET", &format!("{JOBS}/j1")).await;
+    answer(send, 200, &job("j1", Phase::Leased, 2, Some(&t2)));
+    let e = heartbeat.await.unwrap().unwrap_err();
+    assert!(matches!(e, WorkerError::Refused(_)), "{e:?}");
+    assert_eq!(w.held_count(), 0);
+}
