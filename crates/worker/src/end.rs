@@ -302,7 +302,11 @@ impl Worker {
         };
         let outcome = outcome(checkpoint);
         let ns = &self.inner.config.namespace;
-        let cached = self.inner.held_store.get(&ObjectRef::new(name).within(ns));
+        let cached = self
+            .inner
+            .held_watch
+            .store
+            .get(&ObjectRef::new(name).within(ns));
         // The watch cache once it shows this attempt (it may be newer than the claim), else
         // the claim's own answer; either way the write tests the token and phase, and a stale
         // snapshot costs a read and nothing else.

@@ -428,7 +428,7 @@ impl Worker {
         let key = ObjectRef::new(name).within(&self.inner.config.namespace);
         // Not in the cache: deleted, or claimed by another holder since; the caller asks the
         // API server.
-        let job = self.inner.held_store.get(&key)?;
+        let job = self.inner.held_watch.store.get(&key)?;
         moved_on(&job, token)
     }
 
@@ -442,7 +442,7 @@ impl Worker {
     /// Lease decides.
     pub(crate) async fn read_if_uncached(&self, name: &str) -> Option<Option<LeasedJob>> {
         let key = ObjectRef::new(name).within(&self.inner.config.namespace);
-        if self.inner.held_store.get(&key).is_some() {
+        if self.inner.held_watch.store.get(&key).is_some() {
             return None;
         }
         self.inner.jobs.get_opt(name).await.ok()

@@ -23,24 +23,25 @@
 //! older (two claims whose answers came back out of order), the job stays out of the cache
 //! until its next change. A held job the cache does not show is read afresh after a
 //! heartbeat's renewal and before each background renewal (`read_if_uncached` in
-//! heartbeat.rs): that costs a read, never a missed change. Started for an attempt this process did not claim (the first heartbeat
-//! after a restart), or after the watch failed (a 410 Gone, a lost connection), the watch
-//! lists as every other watch does ([`leasehold_kube::watch::watch`]); the cache keeps what it
-//! had until that list ends. A watch that lists never ends by itself: it is dropped once
-//! nothing has been held for 1 to 2 s (three checks half a [`LINGER`] apart).
+//! heartbeat.rs): that costs a read, never a missed change.
+//!
+//! Started for an attempt this process did not claim (the first heartbeat after a restart), or
+//! after the watch failed (a 410 Gone, a lost connection), the watch lists as every other watch
+//! does ([`leasehold_kube::watch::watch`]); the cache keeps what it had until that list ends. A
+//! watch that lists never ends by itself: it is dropped once nothing has been held for 1 to
+//! 2 s (three checks half a [`LINGER`] apart).
 //!
 //! While no watch runs the cache is empty: nothing is held, and a heartbeat of a token this
 //! process does not hold reads the job ([`crate::Worker`]'s `check_unheld`).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::{Stream, StreamExt};
+use futures::StreamExt;
 use kube::runtime::reflector::store::Writer;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, ResourceExt};
-use std::sync::Mutex;
 use tokio::sync::mpsc;
 
 use leasehold_core::crd::LeasedJob;
@@ -129,9 +130,6 @@ impl Watched {
             let mut tick = tokio::time::interval(LINGER / 2);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut idle_ticks = 0;
-            // Whether an attempt was held since the last tick: one that began and ended between
-            // two ticks counts.
-            let mut held_since_tick = true;
             loop {
                 tokio::select! {
                     event = events.next() => match event {
@@ -148,12 +146,11 @@ impl Watched {
                     },
                     // A claim while the watch runs: its change comes through the watch, or
                     // (answered before the watch's start) the job is read until its next one.
-                    Some(_) = starts.recv() => {
-                        held_since_tick = true;
-                        self.slices.lock().unwrap().held = true;
-                    }
+                    Some(_) = starts.recv() => self.slices.lock().unwrap().held = true,
+                    // A listing watch: an attempt that began and ended between two ticks counts
+                    // as held.
                     _ = tick.tick(), if !from_version => {
-                        let held = std::mem::replace(&mut held_since_tick, false);
+                        let held = std::mem::take(&mut self.slices.lock().unwrap().held);
                         idle_ticks = if held || (self.holding)() { 0 } else { idle_ticks + 1 };
                         if idle_ticks > 2 {
                             break;
@@ -178,7 +175,11 @@ impl Watched {
                 self.writer.apply_watcher_event(&watcher::Event::InitDone);
                 (self.from(&version), true)
             }
-            None => (self.listing(), false),
+            None => {
+                // The attempt that made it list counts as held at the first check.
+                self.slices.lock().unwrap().held = true;
+                (self.listing(), false)
+            }
         }
     }
 
@@ -195,24 +196,17 @@ impl Watched {
         .boxed()
     }
 
+    /// The held jobs' watch that lists first.
     fn listing(&self) -> Events {
-        listing(&self.api, &self.selector, Arc::clone(&self.metrics)).boxed()
+        leasehold_kube::watch::watch(
+            &self.api,
+            watcher::Config::default().fields(&self.selector),
+            Arc::clone(&self.metrics),
+            |_| {},
+        )
+        .modify(LeasedJob::drop_payload_and_result)
+        .boxed()
     }
-}
-
-/// The held jobs' watch that lists first.
-fn listing(
-    api: &Api<LeasedJob>,
-    selector: &str,
-    metrics: Arc<dyn Recorder>,
-) -> impl Stream<Item = Result<watcher::Event<LeasedJob>, watcher::Error>> + Send + 'static {
-    leasehold_kube::watch::watch(
-        api,
-        watcher::Config::default().fields(selector),
-        metrics,
-        |_| {},
-    )
-    .modify(LeasedJob::drop_payload_and_result)
 }
 
 /// The slices of a watch from a claim: how long the next one lasts, or that none follows.
@@ -220,7 +214,8 @@ fn listing(
 struct Slices {
     /// The last slice's length in seconds; 0 before the first.
     last: u32,
-    /// Whether a claim came since the last slice began.
+    /// Whether a claim came since the last slice began (from a claim), or since the last check
+    /// (listing).
     held: bool,
 }
 

@@ -311,10 +311,9 @@ struct Inner {
     /// The copy of the queue claims choose from; `None` with a dispatcher: then the sidecar
     /// keeps no copy of its queue (see [`listed`]).
     queue: Option<QueueCopy>,
-    /// The jobs this process's identity holds or last held, in any phase, while it holds one:
-    /// what heartbeats and ends of attempts check ([`held_watch`]).
-    held_store: Store<LeasedJob>,
-    /// Starts the watch behind `held_store` when an attempt is held.
+    /// The jobs this process's identity holds or last held, in any phase, while it holds one
+    /// (its `store`): what heartbeats and ends of attempts check; and the way to start the
+    /// watch behind them when an attempt is held ([`held_watch`]).
     held_watch: held_watch::HeldWatch,
     held: Arc<Mutex<HashMap<String, Arc<Held>>>>,
     /// The latest attempt this process ended per job name, with the refusal its token now
@@ -487,7 +486,6 @@ impl Worker {
             jobs,
             leases,
             queue,
-            held_store: held_watch.store.clone(),
             held_watch,
             held,
             ended_here: Mutex::default(),
@@ -604,7 +602,8 @@ impl Worker {
         let key = ObjectRef::new(name).within(&self.inner.config.namespace);
         let secs = self
             .inner
-            .held_store
+            .held_watch
+            .store
             .get(&key)
             .or_else(|| self.inner.queue.as_ref()?.store.get(&key))
             .map_or(5, |j| j.policy().lease_duration_seconds.max(1));

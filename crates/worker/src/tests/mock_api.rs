@@ -142,6 +142,19 @@ fn answer_raw(send: SendResponse<Response<Body>>, body: &str) {
 }
 
 /// An API server's refusal with `code`.
+/// A heartbeat of `name` with `token` (no progress), running while the test answers its requests.
+fn spawn_heartbeat(
+    w: &Worker,
+    name: &'static str,
+    token: &Token,
+) -> tokio::task::JoinHandle<Result<crate::Renewal, WorkerError>> {
+    let (w, token) = (w.clone(), token.clone());
+    tokio::spawn(async move {
+        w.heartbeat(name, token.as_str(), None, Progress::default())
+            .await
+    })
+}
+
 fn status(code: u16, reason: &str) -> Value {
     json!({
         "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
@@ -281,13 +294,7 @@ async fn a_refused_lease_renewal_makes_every_later_call_lease_lost_without_askin
         let t2 = Token::issue(2);
         // Held with its Lease written (as after a restart's first renewal).
         w.hold("j1", t1.clone(), 30, None, Instant::now());
-        let heartbeat = tokio::spawn({
-            let (w, t1) = (w.clone(), t1.clone());
-            async move {
-                w.heartbeat("j1", t1.as_str(), None, Progress::default())
-                    .await
-            }
-        });
+        let heartbeat = spawn_heartbeat(&w, "j1", &t1);
         let send = cluster.expect("PATCH", &format!("{LEASES}/ljob-j1")).await;
         answer(send, refused, &status(refused, "Invalid"));
         // The renewal's refusal is told from a passing fault by a fresh read of the Lease...
@@ -456,7 +463,7 @@ async fn the_held_jobs_are_watched_from_a_claim_until_a_slice_passes_with_nothin
     let (w, mut cluster) = worker(16);
     let cached = |name: &str| {
         let key = kube::runtime::reflector::ObjectRef::new(name).within("default");
-        w.inner.held_store.get(&key).is_some()
+        w.inner.held_watch.store.get(&key).is_some()
     };
     let claimed = |name: &str, version: &str| {
         let mut j = job(name, Phase::Leased, 1, Some(&Token::issue(1)));
@@ -538,13 +545,7 @@ async fn a_held_job_the_cache_does_not_show_is_read_after_a_renewal_even_with_no
     let t1 = Token::issue(1);
     let t2 = Token::issue(2);
     w.hold("j1", t1.clone(), 30, None, Instant::now());
-    let heartbeat = tokio::spawn({
-        let (w, t1) = (w.clone(), t1.clone());
-        async move {
-            w.heartbeat("j1", t1.as_str(), None, Progress::default())
-                .await
-        }
-    });
+    let heartbeat = spawn_heartbeat(&w, "j1", &t1);
     // The Lease still names t1 (its new holder has not taken it over yet) and accepts...
     let send = cluster.expect("PATCH", &format!("{LEASES}/ljob-j1")).await;
     answer(send, 200, &lease("j1", &t1));
