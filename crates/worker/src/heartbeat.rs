@@ -435,8 +435,8 @@ impl Worker {
     /// The job `name` as the API server has it now (`Some(None)`: deleted), read when the
     /// held-jobs cache does not show it: a job claimed by another holder since has left that
     /// cache (its `status.holder` changed), and only a fresh read tells this process its
-    /// attempt was superseded. The cache may also lack it for want of a watch (none runs, one
-    /// is listing, or the claim was answered before the running watch began:
+    /// attempt was superseded. The cache may also lack it for want of a watch (none runs: this
+    /// starts one; one is listing; or the claim was answered before the running watch began:
     /// [`crate::held_watch`]); the read then costs a request and nothing else. `None` when the
     /// cache shows the job, or the read failed: nothing is known beyond the cache, and the
     /// Lease decides.
@@ -445,7 +445,16 @@ impl Worker {
         if self.inner.held_watch.store.get(&key).is_some() {
             return None;
         }
-        self.inner.jobs.get_opt(name).await.ok()
+        let read = self.inner.jobs.get_opt(name).await.ok();
+        // No watch may run: an attempt's first renewal starts it, seeded with what was just
+        // read when this process holds the job there.
+        let identity = Some(self.inner.config.identity.as_str());
+        let held_here = read
+            .as_ref()
+            .and_then(Option::as_ref)
+            .filter(|job| job.status.as_ref().and_then(|s| s.holder.as_deref()) == identity);
+        self.inner.held_watch.renewing(held_here);
+        read
     }
 
     /// After the Lease refused a renewal: the refusal as the job explains it.

@@ -447,12 +447,17 @@ impl Worker {
             let held = Arc::clone(&held);
             move || held.lock().unwrap().values().any(|h| h.is_held())
         };
+        let holds = {
+            let held = Arc::clone(&held);
+            move |name: &str| held.lock().unwrap().get(name).is_some_and(|h| h.is_held())
+        };
         let (held_watch, held_task) = held_watch::HeldWatch::start(
             watched,
             &config.queue,
             &config.identity,
             Arc::clone(&metrics),
             holding,
+            holds,
         );
         let health = Health::new();
         let ready = {

@@ -74,7 +74,10 @@ impl Worker {
         if let Some(p) = previous {
             mark_ended(&p);
         }
-        self.inner.held_watch.held(held.claimed.as_ref());
+        match held.claimed.as_ref() {
+            Some(answer) => self.inner.held_watch.claimed(answer),
+            None => self.inner.held_watch.found(),
+        }
         let worker = self.clone();
         let task = format!("renewer of {}", self.job_ref(name));
         let name = name.to_string();

@@ -111,6 +111,22 @@ impl Cluster {
         }
     }
 
+    /// Asserts that no watch of the jobs held starts (within a second of the paused clock);
+    /// its other watches are left open as they come.
+    async fn expect_no_held_watch(&mut self) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        while let Ok(Some((req, send))) =
+            tokio::time::timeout_at(deadline, self.watches.next_request()).await
+        {
+            let query = req.uri().query().unwrap_or_default().to_string();
+            assert!(
+                !query.contains("status.holder%3Dw-1"),
+                "unexpected watch: {query}"
+            );
+            self.open.push(send);
+        }
+    }
+
     /// Asserts that the worker sends no request (within a second of the paused clock).
     async fn expect_none(&mut self) {
         if let Ok(Some((req, _))) =
@@ -141,7 +157,6 @@ fn answer_raw(send: SendResponse<Response<Body>>, body: &str) {
     );
 }
 
-/// An API server's refusal with `code`.
 /// A heartbeat of `name` with `token` (no progress), running while the test answers its requests.
 fn spawn_heartbeat(
     w: &Worker,
@@ -155,6 +170,7 @@ fn spawn_heartbeat(
     })
 }
 
+/// An API server's refusal with `code`.
 fn status(code: u16, reason: &str) -> Value {
     json!({
         "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
@@ -459,11 +475,11 @@ async fn renewals_failing_for_a_whole_lease_duration_declare_the_lease_lost() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn the_held_jobs_are_watched_from_a_claim_until_a_slice_passes_with_nothing_held() {
+async fn the_held_jobs_are_watched_from_a_first_renewal_until_a_slice_passes_with_nothing_held() {
     let (w, mut cluster) = worker(16);
     let cached = |name: &str| {
         let key = kube::runtime::reflector::ObjectRef::new(name).within("default");
-        w.inner.held_watch.store.get(&key).is_some()
+        w.inner.held_watch.store.get(&key)
     };
     let claimed = |name: &str, version: &str| {
         let mut j = job(name, Phase::Leased, 1, Some(&Token::issue(1)));
@@ -479,8 +495,12 @@ async fn the_held_jobs_are_watched_from_a_claim_until_a_slice_passes_with_nothin
         Some(claimed("j1", "41")),
         Instant::now(),
     );
-    // The claim's answer seeds the cache, and the watch goes on from its version: no list,
-    // a first slice of a second.
+    // A claim starts no watch: a job that ends before its first renewal costs none.
+    cluster.expect_no_held_watch().await;
+    assert!(cached("j1").is_none());
+    // Its first renewal does. The claim's answer seeds the cache, and the watch goes on from
+    // its version: no list, a first slice of a second.
+    w.inner.held_watch.renewing(None);
     let (query, slice) = cluster.expect_held_watch().await;
     assert!(
         query.contains("watch=true")
@@ -489,7 +509,7 @@ async fn the_held_jobs_are_watched_from_a_claim_until_a_slice_passes_with_nothin
             && !query.contains("sendInitialEvents"),
         "{query}"
     );
-    assert!(cached("j1"));
+    assert!(cached("j1").is_some());
     // Claims while it runs add nothing to the cache, newer (the watch sends their change) or
     // older (answered before its start: read until their next change), and do not restart it.
     w.hold(
@@ -506,8 +526,9 @@ async fn the_held_jobs_are_watched_from_a_claim_until_a_slice_passes_with_nothin
         Some(claimed("j3", "45")),
         Instant::now(),
     );
+    w.inner.held_watch.renewing(None);
     tokio::time::sleep(Duration::from_millis(10)).await;
-    assert!(cached("j1") && !cached("j2") && !cached("j3"));
+    assert!(cached("j1").is_some() && cached("j2").is_none() && cached("j3").is_none());
     // Every attempt ends. The slice the claims came in ends: one more follows, from the last
     // version seen, twice as long.
     for h in w.inner.held.lock().unwrap().values() {
@@ -519,22 +540,88 @@ async fn the_held_jobs_are_watched_from_a_claim_until_a_slice_passes_with_nothin
         query.contains("resourceVersion=41") && query.contains("timeoutSeconds=2"),
         "{query}"
     );
-    assert!(cached("j1"));
+    assert!(cached("j1").is_some());
     // That one passes with nothing held and no claim: the watch stops and its cache empties.
     end_slice(slice);
     tokio::time::sleep(Duration::from_millis(10)).await;
-    assert!(!cached("j1"));
-    // The next claim watches again, from its own version.
-    w.hold(
-        "j4",
-        Token::issue(1),
-        30,
-        Some(claimed("j4", "50")),
-        Instant::now(),
+    assert!(cached("j1").is_none());
+    // Two claims while none runs: the first renewal watches from the older one's version, and
+    // a replayed change no newer than a job's own seed is passed over.
+    for (name, version) in [("j4", "60"), ("j5", "55")] {
+        w.hold(
+            name,
+            Token::issue(1),
+            30,
+            Some(claimed(name, version)),
+            Instant::now(),
+        );
+    }
+    cluster.expect_no_held_watch().await;
+    w.inner.held_watch.renewing(None);
+    let (query, slice) = cluster.expect_held_watch().await;
+    assert!(query.contains("resourceVersion=55"), "{query}");
+    let event = |name: &str, version: &str, phase: Phase| {
+        let mut j = job(name, phase, 1, Some(&Token::issue(1)));
+        j.metadata.resource_version = Some(version.into());
+        // "type" first, as the API server writes it.
+        let object = serde_json::to_string(&j).unwrap();
+        format!(r#"{{"type":"MODIFIED","object":{object}}}"#)
+    };
+    let version = |name: &str| cached(name).and_then(|j| j.metadata.resource_version.clone());
+    answer_raw(
+        slice,
+        &format!(
+            "{}\n{}\n",
+            // j4's state before its claim (an earlier attempt of this process ending): older
+            // than its seed, so the cache keeps the seed.
+            event("j4", "50", Phase::Failed),
+            event("j5", "57", Phase::Leased),
+        ),
     );
+    let (query, slice) = cluster.expect_held_watch().await;
+    assert!(query.contains("resourceVersion=57"), "{query}");
+    assert_eq!(version("j4").as_deref(), Some("60"));
+    assert_eq!(version("j5").as_deref(), Some("57"));
+    // A change of j4 newer than its seed is applied.
+    answer_raw(slice, &format!("{}\n", event("j4", "62", Phase::Succeeded)));
     let (query, _slice) = cluster.expect_held_watch().await;
-    assert!(query.contains("resourceVersion=50"), "{query}");
-    assert!(cached("j4"));
+    assert!(query.contains("resourceVersion=62"), "{query}");
+    assert_eq!(version("j4").as_deref(), Some("62"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_first_renewal_seeds_the_watch_with_the_job_it_read_when_this_process_holds_it() {
+    for (holder, from) in [("w-1", "70"), ("w-2", "41")] {
+        let (w, mut cluster) = worker(16);
+        let mut claimed = job("j1", Phase::Leased, 1, Some(&Token::issue(1)));
+        claimed.metadata.resource_version = Some("41".into());
+        w.hold(
+            "j1",
+            Token::issue(1),
+            30,
+            Some(claimed.clone()),
+            Instant::now(),
+        );
+        let read = tokio::spawn({
+            let w = w.clone();
+            async move { w.read_if_uncached("j1").await }
+        });
+        // The cache is empty (no watch runs): the renewal reads the job...
+        let send = cluster.expect("GET", &format!("{JOBS}/j1")).await;
+        let mut now = claimed.clone();
+        now.metadata.resource_version = Some("70".into());
+        now.status.as_mut().unwrap().holder = Some(holder.into());
+        answer(send, 200, &now);
+        assert!(read.await.unwrap().is_some());
+        // ...and the watch starts from what it read when this process holds the job there (no
+        // replay from the claim, which the API server may no longer keep), else from the
+        // claim's answer.
+        let (query, _slice) = cluster.expect_held_watch().await;
+        assert!(
+            query.contains(&format!("resourceVersion={from}")),
+            "{holder}: {query}"
+        );
+    }
 }
 
 #[tokio::test(start_paused = true)]
