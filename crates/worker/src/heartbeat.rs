@@ -435,9 +435,10 @@ impl Worker {
     /// The job `name` as the API server has it now (`Some(None)`: deleted), read when the
     /// held-jobs cache does not show it: a job claimed by another holder since has left that
     /// cache (its `status.holder` changed), and only a fresh read tells this process its
-    /// attempt was superseded. The cache may also lack it for want of a watch (none runs: this
-    /// starts one; one is listing; or the claim was answered before the running watch began:
-    /// [`crate::held_watch`]); the read then costs a request and nothing else. `None` when the
+    /// attempt was superseded. The cache may also lack it for want of a watch (none runs: the
+    /// read starts one; one is listing; or the job was claimed before the running watch began
+    /// and not read since: the read is cached; [`crate::held_watch`]); the read then costs a
+    /// request and nothing else. `None` when the
     /// cache shows the job, or the read failed: nothing is known beyond the cache, and the
     /// Lease decides.
     pub(crate) async fn read_if_uncached(&self, name: &str) -> Option<Option<LeasedJob>> {
@@ -446,14 +447,16 @@ impl Worker {
             return None;
         }
         let read = self.inner.jobs.get_opt(name).await.ok();
-        // No watch may run: an attempt's first renewal starts it, seeded with what was just
-        // read when this process holds the job there.
+        // No watch may run (an attempt's first renewal starts it), or it may not show this
+        // job yet: what was read goes to it when this process holds the job there.
         let identity = Some(self.inner.config.identity.as_str());
-        let held_here = read
+        if let Some(job) = read
             .as_ref()
             .and_then(Option::as_ref)
-            .filter(|job| job.status.as_ref().and_then(|s| s.holder.as_deref()) == identity);
-        self.inner.held_watch.renewing(held_here);
+            .filter(|job| job.status.as_ref().and_then(|s| s.holder.as_deref()) == identity)
+        {
+            self.inner.held_watch.renewing(job);
+        }
         read
     }
 

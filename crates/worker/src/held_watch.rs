@@ -1,4 +1,4 @@
-//! The watch of the jobs this process holds, run only while an attempt is renewed.
+//! The watch of the jobs this process holds, run only while attempts are renewed.
 //!
 //! Heartbeats and ends of attempts check what this watch caches (the held-jobs cache: a job
 //! expired, cancelled or claimed by another holder since). A watch costs the API server on
@@ -6,47 +6,38 @@
 //! event against every open watch of the resource, since no index serves a field selector of a
 //! custom resource. With 500 sidecars waiting for work, their 500 watches of nothing made each
 //! claimed job cost the API server 1.42 times the CPU it cost with 8 sidecars
-//! (docs/benchmarks.md, row 11b). So a sidecar watches only while it renews an attempt, until a
-//! slice of the watch passes with nothing held and no new claim.
+//! (docs/benchmarks.md, row 11b). So a sidecar watches only from an attempt's first renewal
+//! until a slice of the watch passes with nothing held and no new claim.
 //!
-//! A claim does not start the watch: its answer is kept as a seed. The first renewal of an
-//! attempt (a heartbeat's, or the sidecar's own in the background) that finds no watch running
-//! starts one (`HeldWatch::renewing`). A job that ends before its first renewal costs no
-//! watch at all, and so no connection: a WATCH holds an HTTP/1.1 connection of its own, and a
-//! sidecar that claimed after waiting long (its last connection closed by the API server's idle
-//! timeout) would open a new TLS connection for it. That renewal reads the job afresh, since
-//! the cache was empty when it looked (`read_if_uncached` in heartbeat.rs), and what it read
-//! replaces the claim's answer as that job's seed when this process still holds it there: the
-//! watch then need not replay from the claim, which the API server may no longer keep when the
-//! first renewal comes late (a third of a long lease).
+//! A claim does not start the watch. A held job the cache does not show is read afresh after
+//! a heartbeat's renewal and before each background renewal (`read_if_uncached` in
+//! heartbeat.rs), and that read, when it shows this process as the holder, goes to the watch
+//! (`HeldWatch::renewing`): it starts the watch when none runs, from the read's
+//! resourceVersion ([`leasehold_kube::watch::watch_from`]), with no LIST (a LIST with this
+//! selector makes the API server walk every job of the namespace). A job that ends before its
+//! first renewal costs no watch, and so no connection: a WATCH holds an HTTP/1.1 connection of
+//! its own, and a sidecar that waited long for its claim (its other connections busy with its
+//! long watches) would open a new TLS connection for it.
 //!
-//! A watch starts from the seeds: every held attempt's seed goes into the cache, and the watch
-//! goes on from the oldest of their resourceVersions
-//! ([`leasehold_kube::watch::watch_from`]), with no LIST (a LIST with this selector makes the
-//! API server walk every job of the namespace). Changes of a job no newer than its own seed are
-//! passed over, so the cache never goes back while the watch replays from the oldest. It runs
-//! in slices that the API server ends (`Slices`): the first of [`FIRST_SLICE`], each next one
-//! twice as long up to [`MAX_SLICE`] while attempts are held or claims come, none after a
-//! slice without either. A watch the server ends leaves its connection to the client's next
-//! request, where one the client dropped would cost a new TLS connection.
+//! While the watch runs, a read of a job it has sent no change of goes into the cache: every
+//! change after the read is still to come, and one no newer than the read is passed over (per
+//! job, the read's resourceVersion is its floor), so the cache never goes back. A job the
+//! watch has sent a change of is not cached from a read (the read may be older than that
+//! change); it is read at each renewal until its next change. The watch runs in slices that
+//! the API server ends (`Slices`): the first of [`FIRST_SLICE`], each next one twice as long up
+//! to [`MAX_SLICE`] while attempts are held or claims come, none after a slice without either.
+//! A watch the server ends leaves its connection to the client's next request, where one the
+//! client dropped would cost a new TLS connection.
 //!
-//! A claim made while the watch runs adds nothing to the cache. Its change comes through the
-//! watch when it is newer than the watch's start; when it is older (two claims whose answers
-//! came back out of order), the job stays out of the cache until its next change. A held job
-//! the cache does not show is read afresh after a heartbeat's renewal and before each
-//! background renewal (`read_if_uncached` in heartbeat.rs): that costs a read, never a missed
-//! change.
-//!
-//! Started for an attempt this process did not claim (the first heartbeat after a restart), or
-//! after the watch failed (a 410 Gone, a lost connection), or from seeds whose versions are not
-//! numbers, the watch lists as every other watch does ([`leasehold_kube::watch::watch`]); the
+//! After the watch failed (a 410 Gone, a lost connection), or from a read whose version is not
+//! a number, the watch lists as every other watch does ([`leasehold_kube::watch::watch`]); the
 //! cache keeps what it had until that list ends. A watch that lists never ends by itself: it
 //! is dropped once nothing has been held for 1 to 2 s (three checks half a [`LINGER`] apart).
 //!
 //! While no watch runs the cache is empty: a renewal reads the job, and a heartbeat of a token
 //! this process does not hold reads the job ([`crate::Worker`]'s `check_unheld`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -65,7 +56,7 @@ use leasehold_kube::recorder::Recorder;
 /// checked every half of it (three checks in a row with nothing held end it).
 pub const LINGER: Duration = Duration::from_secs(1);
 
-/// The first slice of a watch from the seeds, in seconds.
+/// The first slice of a watch from a read, in seconds.
 pub const FIRST_SLICE: u32 = 1;
 
 /// The longest slice, in seconds: after a long stretch of held attempts, the watch may run on
@@ -83,21 +74,18 @@ pub(crate) struct HeldWatch {
 
 /// What the worker tells the watch task.
 enum Said {
-    /// An attempt was claimed here; the claim's answer (payload and result dropped).
-    Claimed(Box<LeasedJob>),
-    /// An attempt this process did not claim is held (found at a heartbeat after a restart).
-    Found,
-    /// A held attempt is being renewed and the cache does not show it; the job as just read,
-    /// when it was read and this process holds it (payload and result dropped).
-    Renewing(Option<Box<LeasedJob>>),
+    /// An attempt is held (claimed here, or found at a heartbeat after a restart).
+    Held,
+    /// A held job the cache did not show, as just read, showing this process as its holder
+    /// (payload and result dropped).
+    Read(Box<LeasedJob>),
 }
 
 impl HeldWatch {
-    /// The cache, and the task that runs its watch from an attempt's first renewal (or an
-    /// attempt found) until a slice (from the seeds) or three checks half a [`LINGER`] apart
-    /// (listing) pass with `holding()` (whether this process holds an attempt now) false and
-    /// no claim. `holds(name)` tells whether the attempt on job `name` is held still: a seed
-    /// of one that ended is dropped. The task runs until aborted.
+    /// The cache, and the task that runs its watch from a renewal's read until a slice (from a
+    /// read) or three checks half a [`LINGER`] apart (listing) pass with `holding()` (whether
+    /// this process holds an attempt now) false and no claim. `holds(name)` tells whether the
+    /// attempt on job `name` is held still. The task runs until aborted.
     pub(crate) fn start(
         api: Api<LeasedJob>,
         queue: &str,
@@ -115,40 +103,31 @@ impl HeldWatch {
             api,
             selector: queue_watch::held_selector(queue, identity),
             metrics,
+            store: store.clone(),
             writer,
             holding: Arc::new(holding),
             holds: Box::new(holds),
             slices: Arc::default(),
             floors: HashMap::new(),
+            changed: HashSet::new(),
         };
         let task = watched.run(rx);
         (HeldWatch { store, said }, task)
     }
 
-    /// Tells the watch an attempt was claimed here with the answer `claimed` (payload and
-    /// result dropped): a seed for the next watch, or, while one runs, a claim that keeps it
-    /// running.
-    pub(crate) fn claimed(&self, claimed: &LeasedJob) {
-        self.say(Said::Claimed(Box::new(claimed.clone())));
+    /// Tells the watch an attempt is held (claimed here, or found): while one runs, it keeps
+    /// running. Starts none.
+    pub(crate) fn held(&self) {
+        self.say(Said::Held);
     }
 
-    /// Tells the watch this process holds an attempt it did not claim: a watch that lists
-    /// starts if none runs.
-    pub(crate) fn found(&self) {
-        self.say(Said::Found);
-    }
-
-    /// Tells the watch a held attempt is being renewed and the cache does not show it: a
-    /// watch starts if none runs. `read`: the job as the renewal just read it, if this process
-    /// holds it there; a fresher seed than the claim's answer, so that the watch need not
-    /// replay from the claim (which the API server may no longer keep after a long lease).
-    pub(crate) fn renewing(&self, read: Option<&LeasedJob>) {
-        let read = read.map(|job| {
-            let mut job = job.clone();
-            LeasedJob::drop_payload_and_result(&mut job);
-            Box::new(job)
-        });
-        self.say(Said::Renewing(read));
+    /// Tells the watch a held job the cache does not show was just read, as `read`, which
+    /// shows this process as its holder: a watch starts from it if none runs, and one that
+    /// runs caches it if it has sent no change of that job.
+    pub(crate) fn renewing(&self, read: &LeasedJob) {
+        let mut read = read.clone();
+        LeasedJob::drop_payload_and_result(&mut read);
+        self.say(Said::Read(Box::new(read)));
     }
 
     fn say(&self, said: Said) {
@@ -157,22 +136,28 @@ impl HeldWatch {
     }
 }
 
+/// At most this many names of jobs the running watch sent a change of are kept beyond the
+/// held ones: past it, those of jobs no longer held are forgotten.
+const CHANGED_KEPT: usize = 4096;
+
 /// What the watch task owns.
 struct Watched {
     api: Api<LeasedJob>,
     selector: String,
     metrics: Arc<dyn Recorder>,
+    store: Store<LeasedJob>,
     writer: Writer<LeasedJob>,
     /// Whether this process holds an attempt now.
     holding: Arc<dyn Fn() -> bool + Send + Sync>,
     /// Whether the attempt on a job (by name) is held still.
     holds: Box<dyn Fn(&str) -> bool + Send + Sync>,
-    /// The slices of the watch from the seeds, shared with that watch.
+    /// The slices of the watch from a read, shared with that watch.
     slices: Arc<Mutex<Slices>>,
-    /// Per seeded job, its seed's resourceVersion: the watch replays from the oldest seed, and
-    /// a change of a job no newer than its own seed is passed over. A job's entry goes once a
-    /// newer change of it came.
+    /// Per job cached from a read, the read's resourceVersion: a change of the job no newer is
+    /// passed over. A job's entry goes once a newer change of it came.
     floors: HashMap<String, u64>,
+    /// The jobs the running watch sent a change of: a read of one of them is not cached.
+    changed: HashSet<String>,
 }
 
 type Events =
@@ -180,31 +165,12 @@ type Events =
 
 impl Watched {
     async fn run(mut self, mut said: mpsc::UnboundedReceiver<Said>) {
-        // The answers of the claims made while no watch runs: the next watch's seeds.
-        let mut seeds: HashMap<String, LeasedJob> = HashMap::new();
         while let Some(what) = said.recv().await {
+            // An attempt held while none runs starts nothing: its first renewal reads it.
+            let Said::Read(read) = what else { continue };
             *self.slices.lock().unwrap() = Slices::started();
-            seeds.retain(|name, _| (self.holds)(name));
             // Whether the watch goes on from a version (else it lists).
-            let (mut events, mut from_version) = match what {
-                Said::Claimed(answer) => {
-                    seeds.insert(answer.name_any(), *answer);
-                    continue;
-                }
-                Said::Renewing(read) => {
-                    if let Some(job) = read {
-                        seeds.insert(job.name_any(), *job);
-                    }
-                    if seeds.is_empty() && !(self.holding)() {
-                        continue;
-                    }
-                    self.begin(seeds.drain().map(|(_, job)| job).collect())
-                }
-                Said::Found => {
-                    seeds.clear();
-                    self.begin(Vec::new())
-                }
-            };
+            let (mut events, mut from_version) = self.begin(*read);
             let mut tick = tokio::time::interval(LINGER / 2);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut idle_ticks = 0;
@@ -215,18 +181,20 @@ impl Watched {
                         Some(Err(e)) => {
                             leasehold_kube::watch::log_error("LeasedJob", &e);
                             if std::mem::replace(&mut from_version, false) {
-                                (events, from_version) = self.begin(Vec::new());
+                                (events, from_version) = (self.listing(), false);
                             }
                         }
                         // A watch from a version whose last slice passed with nothing held (one
                         // that failed was replaced at its error).
                         None => break,
                     },
-                    // A claim while the watch runs: its change comes through the watch, or
-                    // (answered before the watch's start) the job is read until its next one.
-                    // Renewals and attempts found change nothing while it runs.
-                    Some(what) = said.recv() => if let Said::Claimed(_) = what {
-                        self.slices.lock().unwrap().held = true;
+                    Some(what) = said.recv() => match what {
+                        // A claim while the watch runs: its change comes through the watch
+                        // when newer than the watch's start, else its first renewal reads it.
+                        Said::Held => self.slices.lock().unwrap().held = true,
+                        // A listing watch brings every held job itself.
+                        Said::Read(read) if from_version => self.cache_read(*read),
+                        Said::Read(_) => {}
                     },
                     // A listing watch: an attempt that began and ended between two ticks counts
                     // as held.
@@ -240,55 +208,65 @@ impl Watched {
                 }
             }
             self.floors.clear();
+            self.changed.clear();
             self.writer.apply_watcher_event(&watcher::Event::Init);
             self.writer.apply_watcher_event(&watcher::Event::InitDone);
         }
     }
 
-    /// A watch starting now: from the oldest of the `seeds`' versions with the cache holding
-    /// only the seeds (true), or listing (no seeds, or one without a numeric version), the
-    /// cache kept as it is until the list ends (false).
-    fn begin(&mut self, seeds: Vec<LeasedJob>) -> (Events, bool) {
+    /// A watch starting now for a renewal's `read`: from its version with the cache holding
+    /// only it (true), or listing when its version is not a number, the cache kept as it is
+    /// until the list ends (false).
+    fn begin(&mut self, read: LeasedJob) -> (Events, bool) {
         self.floors.clear();
-        let versions: Option<Vec<u64>> = seeds
-            .iter()
-            .map(|job| job.resource_version()?.parse().ok())
-            .collect();
-        match versions.as_deref().and_then(|v| v.iter().min()) {
-            Some(&oldest) => {
-                self.writer.apply_watcher_event(&watcher::Event::Init);
-                for (job, version) in seeds.into_iter().zip(versions.unwrap_or_default()) {
-                    self.floors.insert(job.name_any(), version);
-                    self.writer
-                        .apply_watcher_event(&watcher::Event::InitApply(job));
-                }
-                self.writer.apply_watcher_event(&watcher::Event::InitDone);
-                (self.from(&oldest.to_string()), true)
-            }
-            None => {
-                // The attempt that made it list counts as held at the first check.
-                self.slices.lock().unwrap().held = true;
-                (self.listing(), false)
-            }
-        }
+        self.changed.clear();
+        let Some(version) = numeric_version(&read) else {
+            return (self.listing(), false);
+        };
+        self.floors.insert(read.name_any(), version);
+        self.writer.apply_watcher_event(&watcher::Event::Init);
+        self.writer
+            .apply_watcher_event(&watcher::Event::InitApply(read));
+        self.writer.apply_watcher_event(&watcher::Event::InitDone);
+        (self.from(&version.to_string()), true)
     }
 
-    /// Applies a watch event to the cache, but a change of a seeded job no newer than its
-    /// seed (the watch replays from the oldest seed).
-    fn apply(&mut self, event: &watcher::Event<LeasedJob>) {
-        let job = match event {
-            watcher::Event::Apply(job) | watcher::Event::Delete(job) => Some(job),
-            _ => None,
+    /// Caches a renewal's `read` while the watch runs from a version, when the watch sent no
+    /// change of that job and the cache does not show it: every change after the read is
+    /// still to come, and the floor passes over those no newer.
+    fn cache_read(&mut self, read: LeasedJob) {
+        let name = read.name_any();
+        let shown = self
+            .store
+            .get(&reflector::ObjectRef::new(&name).within(&read.namespace().unwrap_or_default()))
+            .is_some();
+        if shown || self.changed.contains(&name) {
+            return;
+        }
+        let Some(version) = numeric_version(&read) else {
+            return;
         };
-        if let Some(job) = job.filter(|_| !self.floors.is_empty()) {
+        self.floors.insert(name, version);
+        self.writer
+            .apply_watcher_event(&watcher::Event::Apply(read));
+    }
+
+    /// Applies a watch event to the cache, but a change of a job cached from a read no newer
+    /// than that read; notes the job as changed.
+    fn apply(&mut self, event: &watcher::Event<LeasedJob>) {
+        if let watcher::Event::Apply(job) | watcher::Event::Delete(job) = event {
             let name = job.name_any();
             if let Some(&floor) = self.floors.get(&name) {
-                let version = job.resource_version().and_then(|v| v.parse::<u64>().ok());
-                if version.is_some_and(|v| v <= floor) {
+                if numeric_version(job).is_some_and(|v| v <= floor) {
                     return;
                 }
                 self.floors.remove(&name);
             }
+            if self.changed.len() >= CHANGED_KEPT {
+                let holds = &self.holds;
+                self.changed.retain(|n| holds(n));
+            }
+            self.changed.insert(name);
         }
         self.writer.apply_watcher_event(event);
     }
@@ -306,8 +284,12 @@ impl Watched {
         .boxed()
     }
 
-    /// The held jobs' watch that lists first.
-    fn listing(&self) -> Events {
+    /// The held jobs' watch that lists first. The attempt that made it list counts as held at
+    /// the first check.
+    fn listing(&mut self) -> Events {
+        self.floors.clear();
+        self.changed.clear();
+        self.slices.lock().unwrap().held = true;
         leasehold_kube::watch::watch(
             &self.api,
             watcher::Config::default().fields(&self.selector),
@@ -319,13 +301,19 @@ impl Watched {
     }
 }
 
-/// The slices of a watch from the seeds: how long the next one lasts, or that none follows.
+/// A job's resourceVersion as a number (the API server's are; their order is only defined
+/// for those), if it is one.
+fn numeric_version(job: &LeasedJob) -> Option<u64> {
+    job.resource_version()?.parse().ok()
+}
+
+/// The slices of a watch from a read: how long the next one lasts, or that none follows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Slices {
     /// The last slice's length in seconds; 0 before the first.
     last: u32,
-    /// Whether a claim came since the last slice began (from the seeds), or since the last
-    /// check (listing).
+    /// Whether a claim came since the last slice began (from a read), or since the last check
+    /// (listing).
     held: bool,
 }
 

@@ -311,9 +311,9 @@ struct Inner {
     /// The copy of the queue claims choose from; `None` with a dispatcher: then the sidecar
     /// keeps no copy of its queue (see [`listed`]).
     queue: Option<QueueCopy>,
-    /// The jobs this process's identity holds or last held, in any phase, while it holds one
-    /// (its `store`): what heartbeats and ends of attempts check; and the way to start the
-    /// watch behind them when an attempt is held ([`held_watch`]).
+    /// The jobs this process's identity holds or last held, in any phase, from an attempt's
+    /// first renewal while attempts are held (its `store`): what heartbeats and ends of
+    /// attempts check; and the way to start the watch behind them ([`held_watch`]).
     held_watch: held_watch::HeldWatch,
     held: Arc<Mutex<HashMap<String, Arc<Held>>>>,
     /// The latest attempt this process ended per job name, with the refusal its token now
@@ -409,7 +409,7 @@ impl Worker {
             queue_object_tx.clone(),
         );
         // Two watches, both filtered by the API server on selectable fields of the CRD: the
-        // jobs this process holds, while it holds one (held_watch), and, only without a
+        // jobs this process holds, from a first renewal while it holds one (held_watch), and, only without a
         // dispatcher, the queue's jobs for claiming, kept while claims come
         // (leasehold_kube::queue_watch). With a dispatcher
         // the sidecar keeps no copy of its queue: it claims what it is offered, and falls back
@@ -523,7 +523,7 @@ impl Worker {
     /// True once the queue's LeasedQueue is known (or known to be absent) and (without a
     /// dispatcher) the queue's watch has listed the queue once (it may have stopped since:
     /// [`leasehold_kube::queue_watch`]). The held jobs are not listed: their watch runs only
-    /// while this process holds one ([`held_watch`]).
+    /// from an attempt's first renewal while this process holds one ([`held_watch`]).
     pub fn is_ready(&self) -> bool {
         self.inner.queue_object.borrow().paused().is_some()
             && self

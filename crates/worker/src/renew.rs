@@ -74,10 +74,7 @@ impl Worker {
         if let Some(p) = previous {
             mark_ended(&p);
         }
-        match held.claimed.as_ref() {
-            Some(answer) => self.inner.held_watch.claimed(answer),
-            None => self.inner.held_watch.found(),
-        }
+        self.inner.held_watch.held();
         let worker = self.clone();
         let task = format!("renewer of {}", self.job_ref(name));
         let name = name.to_string();

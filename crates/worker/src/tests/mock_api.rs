@@ -481,117 +481,97 @@ async fn the_held_jobs_are_watched_from_a_first_renewal_until_a_slice_passes_wit
         let key = kube::runtime::reflector::ObjectRef::new(name).within("default");
         w.inner.held_watch.store.get(&key)
     };
-    let claimed = |name: &str, version: &str| {
+    let version = |name: &str| cached(name).and_then(|j| j.metadata.resource_version.clone());
+    let at = |name: &str, version: &str| {
         let mut j = job(name, Phase::Leased, 1, Some(&Token::issue(1)));
         j.metadata.resource_version = Some(version.into());
         j
     };
-    // The API server ends a slice of the watch.
-    let end_slice = |send: SendResponse<Response<Body>>| answer_raw(send, "");
-    w.hold(
-        "j1",
-        Token::issue(1),
-        30,
-        Some(claimed("j1", "41")),
-        Instant::now(),
-    );
-    // A claim starts no watch: a job that ends before its first renewal costs none.
-    cluster.expect_no_held_watch().await;
-    assert!(cached("j1").is_none());
-    // Its first renewal does. The claim's answer seeds the cache, and the watch goes on from
-    // its version: no list, a first slice of a second.
-    w.inner.held_watch.renewing(None);
-    let (query, slice) = cluster.expect_held_watch().await;
-    assert!(
-        query.contains("watch=true")
-            && query.contains("resourceVersion=41")
-            && query.contains("timeoutSeconds=1")
-            && !query.contains("sendInitialEvents"),
-        "{query}"
-    );
-    assert!(cached("j1").is_some());
-    // Claims while it runs add nothing to the cache, newer (the watch sends their change) or
-    // older (answered before its start: read until their next change), and do not restart it.
-    w.hold(
-        "j2",
-        Token::issue(1),
-        30,
-        Some(claimed("j2", "40")),
-        Instant::now(),
-    );
-    w.hold(
-        "j3",
-        Token::issue(1),
-        30,
-        Some(claimed("j3", "45")),
-        Instant::now(),
-    );
-    w.inner.held_watch.renewing(None);
-    tokio::time::sleep(Duration::from_millis(10)).await;
-    assert!(cached("j1").is_some() && cached("j2").is_none() && cached("j3").is_none());
-    // Every attempt ends. The slice the claims came in ends: one more follows, from the last
-    // version seen, twice as long.
-    for h in w.inner.held.lock().unwrap().values() {
-        crate::renew::mark_ended(h);
-    }
-    end_slice(slice);
-    let (query, slice) = cluster.expect_held_watch().await;
-    assert!(
-        query.contains("resourceVersion=41") && query.contains("timeoutSeconds=2"),
-        "{query}"
-    );
-    assert!(cached("j1").is_some());
-    // That one passes with nothing held and no claim: the watch stops and its cache empties.
-    end_slice(slice);
-    tokio::time::sleep(Duration::from_millis(10)).await;
-    assert!(cached("j1").is_none());
-    // Two claims while none runs: the first renewal watches from the older one's version, and
-    // a replayed change no newer than a job's own seed is passed over.
-    for (name, version) in [("j4", "60"), ("j5", "55")] {
+    let hold = |name: &str, version: &str| {
         w.hold(
             name,
             Token::issue(1),
             30,
-            Some(claimed(name, version)),
+            Some(at(name, version)),
             Instant::now(),
         );
-    }
-    cluster.expect_no_held_watch().await;
-    w.inner.held_watch.renewing(None);
-    let (query, slice) = cluster.expect_held_watch().await;
-    assert!(query.contains("resourceVersion=55"), "{query}");
+    };
+    // A watch event, "type" first as the API server writes it.
     let event = |name: &str, version: &str, phase: Phase| {
         let mut j = job(name, phase, 1, Some(&Token::issue(1)));
         j.metadata.resource_version = Some(version.into());
-        // "type" first, as the API server writes it.
         let object = serde_json::to_string(&j).unwrap();
-        format!(r#"{{"type":"MODIFIED","object":{object}}}"#)
+        format!("{{\"type\":\"MODIFIED\",\"object\":{object}}}\n")
     };
-    let version = |name: &str| cached(name).and_then(|j| j.metadata.resource_version.clone());
+    // The API server ends a slice of the watch.
+    let end_slice = |send: SendResponse<Response<Body>>| answer_raw(send, "");
+    hold("j1", "41");
+    // A claim starts no watch: a job that ends before its first renewal costs none.
+    cluster.expect_no_held_watch().await;
+    assert!(cached("j1").is_none());
+    // Its first renewal reads it, and the read starts the watch: cached, and watched from its
+    // version, with no list and a first slice of a second.
+    w.inner.held_watch.renewing(&at("j1", "43"));
+    let (query, slice) = cluster.expect_held_watch().await;
+    assert!(
+        query.contains("watch=true")
+            && query.contains("resourceVersion=43")
+            && query.contains("timeoutSeconds=1")
+            && !query.contains("sendInitialEvents"),
+        "{query}"
+    );
+    assert_eq!(version("j1").as_deref(), Some("43"));
+    // Claims while it runs add nothing to the cache; the read of one the watch sent no change
+    // of does (its older changes are then passed over), and of one it did, does not.
+    hold("j2", "40");
+    hold("j3", "45");
     answer_raw(
         slice,
-        &format!(
-            "{}\n{}\n",
-            // j4's state before its claim (an earlier attempt of this process ending): older
-            // than its seed, so the cache keeps the seed.
-            event("j4", "50", Phase::Failed),
-            event("j5", "57", Phase::Leased),
-        ),
+        &(event("j3", "45", Phase::Leased) + &event("j1", "42", Phase::Failed)),
     );
     let (query, slice) = cluster.expect_held_watch().await;
-    assert!(query.contains("resourceVersion=57"), "{query}");
-    assert_eq!(version("j4").as_deref(), Some("60"));
-    assert_eq!(version("j5").as_deref(), Some("57"));
-    // A change of j4 newer than its seed is applied.
-    answer_raw(slice, &format!("{}\n", event("j4", "62", Phase::Succeeded)));
+    assert!(
+        query.contains("resourceVersion=42") && query.contains("timeoutSeconds=2"),
+        "{query}"
+    );
+    // j1's change older than its read was passed over.
+    assert_eq!(version("j1").as_deref(), Some("43"));
+    assert!(cached("j2").is_none());
+    assert_eq!(version("j3").as_deref(), Some("45"));
+    w.inner.held_watch.renewing(&at("j2", "40"));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(version("j2").as_deref(), Some("40"));
+    // j3 left the cache (claimed by another holder, say): a read of it, answered before that
+    // change, is not cached.
+    answer_raw(
+        slice,
+        &event("j3", "47", Phase::Leased).replace("MODIFIED", "DELETED"),
+    );
+    let (_, slice) = cluster.expect_held_watch().await;
+    assert!(cached("j3").is_none());
+    w.inner.held_watch.renewing(&at("j3", "45"));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(cached("j3").is_none());
+    // Every attempt ends, and the slice passes with nothing held and no claim: the watch
+    // stops and its cache empties.
+    for h in w.inner.held.lock().unwrap().values() {
+        crate::renew::mark_ended(h);
+    }
+    assert!(cached("j1").is_some());
+    end_slice(slice);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(cached("j1").is_none() && cached("j2").is_none());
+    // The next first renewal watches again, from its own read.
+    hold("j4", "50");
+    w.inner.held_watch.renewing(&at("j4", "52"));
     let (query, _slice) = cluster.expect_held_watch().await;
-    assert!(query.contains("resourceVersion=62"), "{query}");
-    assert_eq!(version("j4").as_deref(), Some("62"));
+    assert!(query.contains("resourceVersion=52"), "{query}");
+    assert!(cached("j4").is_some());
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_first_renewal_seeds_the_watch_with_the_job_it_read_when_this_process_holds_it() {
-    for (holder, from) in [("w-1", "70"), ("w-2", "41")] {
+async fn a_first_renewal_starts_the_watch_only_with_a_read_that_shows_this_process_holding() {
+    for (holder, watched) in [("w-1", true), ("w-2", false)] {
         let (w, mut cluster) = worker(16);
         let mut claimed = job("j1", Phase::Leased, 1, Some(&Token::issue(1)));
         claimed.metadata.resource_version = Some("41".into());
@@ -613,14 +593,14 @@ async fn a_first_renewal_seeds_the_watch_with_the_job_it_read_when_this_process_
         now.status.as_mut().unwrap().holder = Some(holder.into());
         answer(send, 200, &now);
         assert!(read.await.unwrap().is_some());
-        // ...and the watch starts from what it read when this process holds the job there (no
-        // replay from the claim, which the API server may no longer keep), else from the
-        // claim's answer.
-        let (query, _slice) = cluster.expect_held_watch().await;
-        assert!(
-            query.contains(&format!("resourceVersion={from}")),
-            "{holder}: {query}"
-        );
+        // ...and the watch starts from what it read, when that shows this process holding the
+        // job (else the attempt is lost, and nothing is watched for it).
+        if watched {
+            let (query, _slice) = cluster.expect_held_watch().await;
+            assert!(query.contains("resourceVersion=70"), "{query}");
+        } else {
+            cluster.expect_no_held_watch().await;
+        }
     }
 }
 
