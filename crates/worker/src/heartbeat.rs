@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::ListParams;
 use kube::runtime::reflector::ObjectRef;
 use kube::ResourceExt;
 use serde_json::Value;
@@ -446,18 +447,25 @@ impl Worker {
         if self.inner.held_watch.store.get(&key).is_some() {
             return None;
         }
-        let read = self.inner.jobs.get_opt(name).await.ok();
+        // A LIST by name: the API server reads the one key, and the list's resourceVersion is
+        // the revision it read at, from which a watch misses nothing of this job.
+        let by_name = ListParams::default().fields(&format!("metadata.name={name}"));
+        let list = self.inner.jobs.list(&by_name).await.ok()?;
+        let revision = list
+            .metadata
+            .resource_version
+            .as_deref()
+            .and_then(|v| v.parse::<u64>().ok());
+        let read = list.items.into_iter().find(|j| j.name_any() == name);
         // No watch may run (an attempt's first renewal starts it), or it may not show this
         // job yet: what was read goes to it when this process holds the job there.
         let identity = Some(self.inner.config.identity.as_str());
-        if let Some(job) = read
-            .as_ref()
-            .and_then(Option::as_ref)
-            .filter(|job| job.status.as_ref().and_then(|s| s.holder.as_deref()) == identity)
-        {
-            self.inner.held_watch.renewing(job);
+        if let (Some(job), Some(revision)) = (&read, revision) {
+            if job.status.as_ref().and_then(|s| s.holder.as_deref()) == identity {
+                self.inner.held_watch.renewing(job, revision);
+            }
         }
-        read
+        Some(read)
     }
 
     /// After the Lease refused a renewal: the refusal as the job explains it.

@@ -11,17 +11,19 @@
 //!
 //! A claim does not start the watch. A held job the cache does not show is read afresh after
 //! a heartbeat's renewal and before each background renewal (`read_if_uncached` in
-//! heartbeat.rs), and that read, when it shows this process as the holder, goes to the watch
-//! (`HeldWatch::renewing`): it starts the watch when none runs, from the read's
-//! resourceVersion ([`leasehold_kube::watch::watch_from`]), with no LIST (a LIST with this
-//! selector makes the API server walk every job of the namespace). A job that ends before its
-//! first renewal costs no watch, and so no connection: a WATCH holds an HTTP/1.1 connection of
-//! its own, and a sidecar that waited long for its claim (its other connections busy with its
-//! long watches) would open a new TLS connection for it.
+//! heartbeat.rs), as a LIST by name, which the API server answers from the one key with the
+//! revision it read at. That read, when it shows this process as the holder, goes to the watch
+//! (`HeldWatch::renewing`): it starts the watch when none runs, from that revision
+//! ([`leasehold_kube::watch::watch_from`]), so the watch replays nothing, with no LIST of the
+//! queue (a LIST with this selector makes the API server walk every job of the namespace). A
+//! job that ends before its first renewal costs no watch, and so no connection: a WATCH holds
+//! an HTTP/1.1 connection of its own, and a sidecar that waited long for its claim (its other
+//! connections busy with its long watches) would open a new TLS connection for it.
 //!
-//! While the watch runs, a read of a job it has sent no change of goes into the cache: every
-//! change after the read is still to come, and one no newer than the read is passed over (per
-//! job, the read's resourceVersion is its floor), so the cache never goes back. A job the
+//! While the watch runs, a read goes into the cache when the cache does not show its job, it
+//! was read no earlier than the watch's start, and the watch has sent no change of its job:
+//! every change after the read is then still to come, and one no newer than the read is passed
+//! over (per job, the read's revision is its floor), so the cache never goes back. A job the
 //! watch has sent a change of is not cached from a read (the read may be older than that
 //! change); it is read at each renewal until its next change. The watch runs in slices that
 //! the API server ends (`Slices`): the first of [`FIRST_SLICE`], each next one twice as long up
@@ -29,10 +31,10 @@
 //! A watch the server ends leaves its connection to the client's next request, where one the
 //! client dropped would cost a new TLS connection.
 //!
-//! After the watch failed (a 410 Gone, a lost connection), or from a read whose version is not
-//! a number, the watch lists as every other watch does ([`leasehold_kube::watch::watch`]); the
-//! cache keeps what it had until that list ends. A watch that lists never ends by itself: it
-//! is dropped once nothing has been held for 1 to 2 s (three checks half a [`LINGER`] apart).
+//! After the watch failed (a 410 Gone, a lost connection), the watch lists as every other
+//! watch does ([`leasehold_kube::watch::watch`]); the cache keeps what it had until that list
+//! ends. A watch that lists never ends by itself: it is dropped once nothing has been held for
+//! 1 to 2 s (three checks half a [`LINGER`] apart).
 //!
 //! While no watch runs the cache is empty: a renewal reads the job, and a heartbeat of a token
 //! this process does not hold reads the job ([`crate::Worker`]'s `check_unheld`).
@@ -77,8 +79,8 @@ enum Said {
     /// An attempt is held (claimed here, or found at a heartbeat after a restart).
     Held,
     /// A held job the cache did not show, as just read, showing this process as its holder
-    /// (payload and result dropped).
-    Read(Box<LeasedJob>),
+    /// (payload and result dropped), and the revision it was read at.
+    Read(Box<LeasedJob>, u64),
 }
 
 impl HeldWatch {
@@ -110,6 +112,9 @@ impl HeldWatch {
             slices: Arc::default(),
             floors: HashMap::new(),
             changed: HashSet::new(),
+            started_at: 0,
+            trimmed_at: 0,
+            seen: 0,
         };
         let task = watched.run(rx);
         (HeldWatch { store, said }, task)
@@ -121,13 +126,15 @@ impl HeldWatch {
         self.say(Said::Held);
     }
 
-    /// Tells the watch a held job the cache does not show was just read, as `read`, which
-    /// shows this process as its holder: a watch starts from it if none runs, and one that
-    /// runs caches it if it has sent no change of that job.
-    pub(crate) fn renewing(&self, read: &LeasedJob) {
+    /// Tells the watch a held job the cache does not show was just read, as `read`, at the
+    /// API server's `revision` (the resourceVersion of the list that answered the read), and
+    /// that it shows this process as its holder: a watch starts from that revision if none
+    /// runs, and one that runs caches the read if it started no later and has sent no change of
+    /// that job.
+    pub(crate) fn renewing(&self, read: &LeasedJob, revision: u64) {
         let mut read = read.clone();
         LeasedJob::drop_payload_and_result(&mut read);
-        self.say(Said::Read(Box::new(read)));
+        self.say(Said::Read(Box::new(read), revision));
     }
 
     fn say(&self, said: Said) {
@@ -153,11 +160,19 @@ struct Watched {
     holds: Box<dyn Fn(&str) -> bool + Send + Sync>,
     /// The slices of the watch from a read, shared with that watch.
     slices: Arc<Mutex<Slices>>,
-    /// Per job cached from a read, the read's resourceVersion: a change of the job no newer is
-    /// passed over. A job's entry goes once a newer change of it came.
+    /// Per job cached from a read, the revision it was read at: a change of the job no newer
+    /// is passed over. A job's entry goes once a newer change of it came.
     floors: HashMap<String, u64>,
     /// The jobs the running watch sent a change of: a read of one of them is not cached.
     changed: HashSet<String>,
+    /// The revision the running watch started from: an older read is not cached (changes
+    /// between the two would never come).
+    started_at: u64,
+    /// The newest version the running watch had sent when `changed` was last trimmed: an
+    /// older read is not cached (a change of its job may have been forgotten).
+    trimmed_at: u64,
+    /// The newest version the running watch sent.
+    seen: u64,
 }
 
 type Events =
@@ -167,10 +182,12 @@ impl Watched {
     async fn run(mut self, mut said: mpsc::UnboundedReceiver<Said>) {
         while let Some(what) = said.recv().await {
             // An attempt held while none runs starts nothing: its first renewal reads it.
-            let Said::Read(read) = what else { continue };
+            let Said::Read(read, revision) = what else {
+                continue;
+            };
             *self.slices.lock().unwrap() = Slices::started();
             // Whether the watch goes on from a version (else it lists).
-            let (mut events, mut from_version) = self.begin(*read);
+            let (mut events, mut from_version) = self.begin(*read, revision);
             let mut tick = tokio::time::interval(LINGER / 2);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut idle_ticks = 0;
@@ -193,8 +210,10 @@ impl Watched {
                         // when newer than the watch's start, else its first renewal reads it.
                         Said::Held => self.slices.lock().unwrap().held = true,
                         // A listing watch brings every held job itself.
-                        Said::Read(read) if from_version => self.cache_read(*read),
-                        Said::Read(_) => {}
+                        Said::Read(read, revision) if from_version => {
+                            self.cache_read(*read, revision);
+                        }
+                        Said::Read(..) => {}
                     },
                     // A listing watch: an attempt that began and ended between two ticks counts
                     // as held.
@@ -214,41 +233,43 @@ impl Watched {
         }
     }
 
-    /// A watch starting now for a renewal's `read`: from its version with the cache holding
-    /// only it (true), or listing when its version is not a number, the cache kept as it is
-    /// until the list ends (false).
-    fn begin(&mut self, read: LeasedJob) -> (Events, bool) {
+    /// A watch starting now for a renewal's `read` at `revision`: from that revision, with
+    /// the cache holding only the read (true). The read's attempt counts as held at the first
+    /// slice (it may not be registered as held yet: the first heartbeat after a restart).
+    fn begin(&mut self, read: LeasedJob, revision: u64) -> (Events, bool) {
         self.floors.clear();
         self.changed.clear();
-        let Some(version) = numeric_version(&read) else {
-            return (self.listing(), false);
-        };
-        self.floors.insert(read.name_any(), version);
+        (self.started_at, self.trimmed_at, self.seen) = (revision, 0, revision);
+        self.floors.insert(read.name_any(), revision);
         self.writer.apply_watcher_event(&watcher::Event::Init);
         self.writer
             .apply_watcher_event(&watcher::Event::InitApply(read));
         self.writer.apply_watcher_event(&watcher::Event::InitDone);
-        (self.from(&version.to_string()), true)
+        self.slices.lock().unwrap().held = true;
+        (self.from(&revision.to_string()), true)
     }
 
-    /// Caches a renewal's `read` while the watch runs from a version, when the watch sent no
-    /// change of that job and the cache does not show it: every change after the read is
-    /// still to come, and the floor passes over those no newer.
-    fn cache_read(&mut self, read: LeasedJob) {
+    /// Caches a renewal's `read` at `revision` while the watch runs from a version, when the
+    /// cache does not show the job, the read is no older than the watch's start nor than the
+    /// last trim of `changed`, and the watch sent no change of that job: every change after
+    /// the read is then still to come, and its floor passes over those no newer.
+    fn cache_read(&mut self, read: LeasedJob, revision: u64) {
         let name = read.name_any();
         let shown = self
             .store
             .get(&reflector::ObjectRef::new(&name).within(&read.namespace().unwrap_or_default()))
             .is_some();
-        if shown || self.changed.contains(&name) {
+        if shown
+            || revision < self.started_at
+            || revision < self.trimmed_at
+            || self.changed.contains(&name)
+        {
             return;
         }
-        let Some(version) = numeric_version(&read) else {
-            return;
-        };
-        self.floors.insert(name, version);
+        self.floors.insert(name, revision);
         self.writer
             .apply_watcher_event(&watcher::Event::Apply(read));
+        self.slices.lock().unwrap().held = true;
     }
 
     /// Applies a watch event to the cache, but a change of a job cached from a read no newer
@@ -256,8 +277,10 @@ impl Watched {
     fn apply(&mut self, event: &watcher::Event<LeasedJob>) {
         if let watcher::Event::Apply(job) | watcher::Event::Delete(job) = event {
             let name = job.name_any();
+            let version = numeric_version(job);
+            self.seen = self.seen.max(version.unwrap_or_default());
             if let Some(&floor) = self.floors.get(&name) {
-                if numeric_version(job).is_some_and(|v| v <= floor) {
+                if version.is_some_and(|v| v <= floor) {
                     return;
                 }
                 self.floors.remove(&name);
@@ -265,6 +288,7 @@ impl Watched {
             if self.changed.len() >= CHANGED_KEPT {
                 let holds = &self.holds;
                 self.changed.retain(|n| holds(n));
+                self.trimmed_at = self.seen;
             }
             self.changed.insert(name);
         }

@@ -170,6 +170,14 @@ fn spawn_heartbeat(
     })
 }
 
+/// A list of LeasedJobs read at `revision` (a LIST's answer).
+fn job_list(revision: &str, items: &[LeasedJob]) -> Value {
+    json!({
+        "kind": "LeasedJobList", "apiVersion": "leasehold.dev/v1alpha1",
+        "metadata": {"resourceVersion": revision}, "items": items,
+    })
+}
+
 /// An API server's refusal with `code`.
 fn status(code: u16, reason: &str) -> Value {
     json!({
@@ -424,8 +432,12 @@ async fn fail_renewals(
     while let Ok(Some((req, send))) =
         tokio::time::timeout(Duration::from_secs(60), cluster.api.next_request()).await
     {
-        if (req.method().as_str(), req.uri().path()) == ("GET", &format!("{JOBS}/j1")) {
-            answer(send, 200, &job("j1", Phase::Leased, 1, Some(t1)));
+        if (req.method().as_str(), req.uri().path()) == ("GET", JOBS) {
+            answer(
+                send,
+                200,
+                &job_list("9", &[job("j1", Phase::Leased, 1, Some(t1))]),
+            );
             continue;
         }
         assert_eq!(req.uri().path(), format!("{LEASES}/ljob-j1"));
@@ -509,47 +521,54 @@ async fn the_held_jobs_are_watched_from_a_first_renewal_until_a_slice_passes_wit
     // A claim starts no watch: a job that ends before its first renewal costs none.
     cluster.expect_no_held_watch().await;
     assert!(cached("j1").is_none());
-    // Its first renewal reads it, and the read starts the watch: cached, and watched from its
-    // version, with no list and a first slice of a second.
-    w.inner.held_watch.renewing(&at("j1", "43"));
+    // Its first renewal reads it (at revision 44), and the read starts the watch: cached, and
+    // watched from that revision, with no list and a first slice of a second.
+    w.inner.held_watch.renewing(&at("j1", "41"), 44);
     let (query, slice) = cluster.expect_held_watch().await;
     assert!(
         query.contains("watch=true")
-            && query.contains("resourceVersion=43")
+            && query.contains("resourceVersion=44")
             && query.contains("timeoutSeconds=1")
             && !query.contains("sendInitialEvents"),
         "{query}"
     );
-    assert_eq!(version("j1").as_deref(), Some("43"));
-    // Claims while it runs add nothing to the cache; the read of one the watch sent no change
-    // of does (its older changes are then passed over), and of one it did, does not.
+    assert_eq!(version("j1").as_deref(), Some("41"));
+    // Claims while it runs add nothing to the cache. j2 was claimed at 40, before the watch
+    // began, and is read at 48: cached, and its change at 46 (older than the read, still on
+    // its way) is passed over, while its change at 50 is applied.
     hold("j2", "40");
     hold("j3", "45");
+    w.inner.held_watch.renewing(&at("j2", "40"), 48);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(version("j2").as_deref(), Some("40"));
     answer_raw(
         slice,
-        &(event("j3", "45", Phase::Leased) + &event("j1", "42", Phase::Failed)),
+        &(event("j3", "45", Phase::Leased) + &event("j2", "46", Phase::Failed)),
     );
     let (query, slice) = cluster.expect_held_watch().await;
     assert!(
-        query.contains("resourceVersion=42") && query.contains("timeoutSeconds=2"),
+        query.contains("resourceVersion=46") && query.contains("timeoutSeconds=2"),
         "{query}"
     );
-    // j1's change older than its read was passed over.
-    assert_eq!(version("j1").as_deref(), Some("43"));
-    assert!(cached("j2").is_none());
-    assert_eq!(version("j3").as_deref(), Some("45"));
-    w.inner.held_watch.renewing(&at("j2", "40"));
-    tokio::time::sleep(Duration::from_millis(10)).await;
     assert_eq!(version("j2").as_deref(), Some("40"));
-    // j3 left the cache (claimed by another holder, say): a read of it, answered before that
-    // change, is not cached.
+    assert_eq!(version("j3").as_deref(), Some("45"));
+    // A read from before the watch's start is not cached: a change between the two would never
+    // come.
+    hold("j5", "42");
+    w.inner.held_watch.renewing(&at("j5", "42"), 43);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(cached("j5").is_none());
+    // j3 left the cache (claimed by another holder, say): a read of it, even a later one, is
+    // not cached (it may be older than that change).
     answer_raw(
         slice,
-        &event("j3", "47", Phase::Leased).replace("MODIFIED", "DELETED"),
+        &(event("j2", "50", Phase::Leased)
+            + &event("j3", "47", Phase::Leased).replace("MODIFIED", "DELETED")),
     );
     let (_, slice) = cluster.expect_held_watch().await;
+    assert_eq!(version("j2").as_deref(), Some("50"));
     assert!(cached("j3").is_none());
-    w.inner.held_watch.renewing(&at("j3", "45"));
+    w.inner.held_watch.renewing(&at("j3", "45"), 49);
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert!(cached("j3").is_none());
     // Every attempt ends, and the slice passes with nothing held and no claim: the watch
@@ -563,7 +582,7 @@ async fn the_held_jobs_are_watched_from_a_first_renewal_until_a_slice_passes_wit
     assert!(cached("j1").is_none() && cached("j2").is_none());
     // The next first renewal watches again, from its own read.
     hold("j4", "50");
-    w.inner.held_watch.renewing(&at("j4", "52"));
+    w.inner.held_watch.renewing(&at("j4", "50"), 52);
     let (query, _slice) = cluster.expect_held_watch().await;
     assert!(query.contains("resourceVersion=52"), "{query}");
     assert!(cached("j4").is_some());
@@ -586,12 +605,12 @@ async fn a_first_renewal_starts_the_watch_only_with_a_read_that_shows_this_proce
             let w = w.clone();
             async move { w.read_if_uncached("j1").await }
         });
-        // The cache is empty (no watch runs): the renewal reads the job...
-        let send = cluster.expect("GET", &format!("{JOBS}/j1")).await;
+        // The cache is empty (no watch runs): the renewal reads the job, by name, at the
+        // revision the list names...
+        let send = cluster.expect("GET", JOBS).await;
         let mut now = claimed.clone();
-        now.metadata.resource_version = Some("70".into());
         now.status.as_mut().unwrap().holder = Some(holder.into());
-        answer(send, 200, &now);
+        answer(send, 200, &job_list("70", &[now]));
         assert!(read.await.unwrap().is_some());
         // ...and the watch starts from what it read, when that shows this process holding the
         // job (else the attempt is lost, and nothing is watched for it).
@@ -617,8 +636,12 @@ async fn a_held_job_the_cache_does_not_show_is_read_after_a_renewal_even_with_no
     let send = cluster.expect("PATCH", &format!("{LEASES}/ljob-j1")).await;
     answer(send, 200, &lease("j1", &t1));
     // ...but the job, read because the cache does not show it, was claimed by t2.
-    let send = cluster.expect("GET", &format!("{JOBS}/j1")).await;
-    answer(send, 200, &job("j1", Phase::Leased, 2, Some(&t2)));
+    let send = cluster.expect("GET", JOBS).await;
+    answer(
+        send,
+        200,
+        &job_list("9", &[job("j1", Phase::Leased, 2, Some(&t2))]),
+    );
     let e = heartbeat.await.unwrap().unwrap_err();
     assert!(matches!(e, WorkerError::Refused(_)), "{e:?}");
     assert_eq!(w.held_count(), 0);
