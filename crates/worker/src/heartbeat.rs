@@ -68,19 +68,22 @@ impl Worker {
 
     /// One renewal of `held`'s Lease, waiting at most [`call_bound`] of its lease duration. It
     /// carries the latest progress the worker sent for the attempt. The attempt's first
-    /// renewal writes the Lease ([`Worker::take_lease`]).
+    /// renewal writes the Lease ([`Worker::take_lease`]) and then reads the job; the answer's
+    /// flag says whether this renewal did (so the job, read after the write, was still Leased
+    /// to the token).
     pub(crate) async fn renew_bounded(
         &self,
         held: &Held,
         checkpoint: Option<&Value>,
-    ) -> Result<Lease, LeaseError> {
+    ) -> Result<(Lease, bool), LeaseError> {
         let after = call_bound(held.duration);
         let (progress, taken) = {
             let st = held.state.lock().unwrap();
             (st.progress.clone(), st.lease_taken)
         };
         if let (false, Some(job)) = (taken, &held.claimed) {
-            return self.take_lease(held, job, checkpoint, &progress).await;
+            let lease = self.take_lease(held, job, checkpoint, &progress).await?;
+            return Ok((lease, true));
         }
         let renew = leasehold_kube::lease::renew(
             &self.inner.leases,
@@ -89,9 +92,10 @@ impl Worker {
             checkpoint,
             Some(&progress),
         );
-        tokio::time::timeout(after, renew)
+        let lease = tokio::time::timeout(after, renew)
             .await
-            .unwrap_or(Err(LeaseError::Timeout { after }))
+            .unwrap_or(Err(LeaseError::Timeout { after }))?;
+        Ok((lease, false))
     }
 
     /// The first renewal of an attempt this process claimed (`job`, the claim's answer): writes
@@ -170,12 +174,7 @@ impl Worker {
     /// [`LeaseError::Ended`] when the attempt ended (the Lease cleared, or left to a newer
     /// attempt); [`LeaseError::Api`] when the job could not be read (the renewal is retried).
     async fn confirm_first_renewal(&self, name: &str, token: &Token) -> Result<(), LeaseError> {
-        let job = self
-            .inner
-            .jobs
-            .get_opt(name)
-            .await
-            .map_err(LeaseError::Api)?;
+        let job = self.read_by_name(name).await.map_err(LeaseError::Api)?;
         let Some(refusal) = fence::refusal(&self.job_ref(name), job.as_ref(), token) else {
             return Ok(());
         };
@@ -218,10 +217,19 @@ impl Worker {
             }
             None => unheld = Some(self.check_unheld(name, &token).await?),
         }
+        // A first renewal ends with a read of the job made after its Lease write
+        // ([`Worker::confirm_first_renewal`]): what a read after the renewal would tell, it
+        // told.
+        let mut confirmed = false;
         let renewed = match &held {
             Some(h) => {
                 h.state.lock().unwrap().progress.update(&progress);
-                self.renew_bounded(h, checkpoint.as_ref()).await
+                self.renew_bounded(h, checkpoint.as_ref())
+                    .await
+                    .map(|(lease, first)| {
+                        confirmed = first;
+                        lease
+                    })
             }
             // Not held by this process (it restarted since the claim), and the job says the
             // token holds it: the Lease decides.
@@ -261,6 +269,7 @@ impl Worker {
                                 .map(|()| lease),
                             e => e,
                         };
+                        confirmed = true;
                         if let Err(e @ LeaseError::NotOurs { .. }) = &acquired {
                             let message = self.undo_for_conflict(job, &token, e).await;
                             return Err(WorkerError::LeaseLost {
@@ -286,6 +295,7 @@ impl Worker {
                     return Err(WorkerError::Refused(r));
                 }
                 let moved_on = match self.cached_job_moved_on(name, &token) {
+                    None if confirmed => None,
                     // Not in the held-jobs cache: deleted, or claimed by another holder since
                     // (superseded); a fresh read tells.
                     None => match self.read_if_uncached(name).await {
@@ -436,36 +446,43 @@ impl Worker {
     /// The job `name` as the API server has it now (`Some(None)`: deleted), read when the
     /// held-jobs cache does not show it: a job claimed by another holder since has left that
     /// cache (its `status.holder` changed), and only a fresh read tells this process its
-    /// attempt was superseded. The cache may also lack it for want of a watch (none runs: the
-    /// read starts one; one is listing; or the job was claimed before the running watch began
-    /// and not read since: the read is cached; [`crate::held_watch`]); the read then costs a
-    /// request and nothing else. `None` when the
-    /// cache shows the job, or the read failed: nothing is known beyond the cache, and the
-    /// Lease decides.
+    /// attempt was superseded. The cache may also lack it for want of a watch (none runs, one
+    /// is listing, or the job was claimed before the running watch began and not read since);
+    /// the read then costs one request, and goes to the watch ([`Worker::read_by_name`]).
+    /// `None` when the cache shows the job, or the read failed: nothing is known beyond the
+    /// cache, and the Lease decides.
     pub(crate) async fn read_if_uncached(&self, name: &str) -> Option<Option<LeasedJob>> {
         let key = ObjectRef::new(name).within(&self.inner.config.namespace);
         if self.inner.held_watch.store.get(&key).is_some() {
             return None;
         }
-        // A LIST by name: the API server reads the one key, and the list's resourceVersion is
-        // the revision it read at, from which a watch misses nothing of this job.
+        self.read_by_name(name).await.ok()
+    }
+
+    /// Reads the job `name` afresh (`None`: deleted) as a LIST by name: the API server reads the
+    /// one key, and the list's resourceVersion is the revision it read at, from which a watch
+    /// misses nothing of this job. When the read shows this process as the job's holder, it
+    /// goes to the held-jobs watch ([`crate::held_watch`]): it starts the watch if none runs,
+    /// and is cached if one runs and may take it.
+    ///
+    /// # Errors
+    /// The API server's, when the read failed.
+    async fn read_by_name(&self, name: &str) -> Result<Option<LeasedJob>, kube::Error> {
         let by_name = ListParams::default().fields(&format!("metadata.name={name}"));
-        let list = self.inner.jobs.list(&by_name).await.ok()?;
+        let list = self.inner.jobs.list(&by_name).await?;
         let revision = list
             .metadata
             .resource_version
             .as_deref()
             .and_then(|v| v.parse::<u64>().ok());
         let read = list.items.into_iter().find(|j| j.name_any() == name);
-        // No watch may run (an attempt's first renewal starts it), or it may not show this
-        // job yet: what was read goes to it when this process holds the job there.
         let identity = Some(self.inner.config.identity.as_str());
         if let (Some(job), Some(revision)) = (&read, revision) {
             if job.status.as_ref().and_then(|s| s.holder.as_deref()) == identity {
                 self.inner.held_watch.renewing(job, revision);
             }
         }
-        Some(read)
+        Ok(read)
     }
 
     /// After the Lease refused a renewal: the refusal as the job explains it.

@@ -85,16 +85,15 @@ enum Said {
 
 impl HeldWatch {
     /// The cache, and the task that runs its watch from a renewal's read until a slice (from a
-    /// read) or three checks half a [`LINGER`] apart (listing) pass with `holding()` (whether
-    /// this process holds an attempt now) false and no claim. `holds(name)` tells whether the
-    /// attempt on job `name` is held still. The task runs until aborted.
+    /// read) or three checks half a [`LINGER`] apart (listing) pass with no attempt held and no
+    /// claim. `holds(Some(name))` tells whether the attempt on job `name` is held still,
+    /// `holds(None)` whether any attempt is. The task runs until aborted.
     pub(crate) fn start(
         api: Api<LeasedJob>,
         queue: &str,
         identity: &str,
         metrics: Arc<dyn Recorder>,
-        holding: impl Fn() -> bool + Send + Sync + 'static,
-        holds: impl Fn(&str) -> bool + Send + Sync + 'static,
+        holds: impl Fn(Option<&str>) -> bool + Send + Sync + 'static,
     ) -> (
         HeldWatch,
         impl std::future::Future<Output = ()> + Send + 'static,
@@ -107,8 +106,7 @@ impl HeldWatch {
             metrics,
             store: store.clone(),
             writer,
-            holding: Arc::new(holding),
-            holds: Box::new(holds),
+            holds: Arc::new(holds),
             slices: Arc::default(),
             floors: HashMap::new(),
             changed: HashSet::new(),
@@ -147,6 +145,9 @@ impl HeldWatch {
 /// held ones: past it, those of jobs no longer held are forgotten.
 const CHANGED_KEPT: usize = 4096;
 
+/// Whether the attempt on a job (by name) is held still; with no name, whether any is.
+type Holds = dyn Fn(Option<&str>) -> bool + Send + Sync;
+
 /// What the watch task owns.
 struct Watched {
     api: Api<LeasedJob>,
@@ -154,10 +155,8 @@ struct Watched {
     metrics: Arc<dyn Recorder>,
     store: Store<LeasedJob>,
     writer: Writer<LeasedJob>,
-    /// Whether this process holds an attempt now.
-    holding: Arc<dyn Fn() -> bool + Send + Sync>,
-    /// Whether the attempt on a job (by name) is held still.
-    holds: Box<dyn Fn(&str) -> bool + Send + Sync>,
+    /// Whether the attempt on a job (by name) is held still; with no name, whether any is.
+    holds: Arc<Holds>,
     /// The slices of the watch from a read, shared with that watch.
     slices: Arc<Mutex<Slices>>,
     /// Per job cached from a read, the revision it was read at: a change of the job no newer
@@ -219,7 +218,7 @@ impl Watched {
                     // as held.
                     _ = tick.tick(), if !from_version => {
                         let held = std::mem::take(&mut self.slices.lock().unwrap().held);
-                        idle_ticks = if held || (self.holding)() { 0 } else { idle_ticks + 1 };
+                        idle_ticks = if held || (self.holds)(None) { 0 } else { idle_ticks + 1 };
                         if idle_ticks > 2 {
                             break;
                         }
@@ -287,7 +286,7 @@ impl Watched {
             }
             if self.changed.len() >= CHANGED_KEPT {
                 let holds = &self.holds;
-                self.changed.retain(|n| holds(n));
+                self.changed.retain(|n| holds(Some(n)));
                 self.trimmed_at = self.seen;
             }
             self.changed.insert(name);
@@ -296,12 +295,12 @@ impl Watched {
     }
 
     fn from(&self, version: &str) -> Events {
-        let (slices, holding) = (Arc::clone(&self.slices), Arc::clone(&self.holding));
+        let (slices, holds) = (Arc::clone(&self.slices), Arc::clone(&self.holds));
         leasehold_kube::watch::watch_from(
             &self.api,
             &self.selector,
             version,
-            move || slices.lock().unwrap().next(holding()),
+            move || slices.lock().unwrap().next(holds(None)),
             Arc::clone(&self.metrics),
         )
         .modify(LeasedJob::drop_payload_and_result)

@@ -443,20 +443,21 @@ impl Worker {
             (Some(copy), futures::future::Either::Right(task))
         };
         let held: Arc<Mutex<HashMap<String, Arc<Held>>>> = Arc::default();
-        let holding = {
-            let held = Arc::clone(&held);
-            move || held.lock().unwrap().values().any(|h| h.is_held())
-        };
         let holds = {
             let held = Arc::clone(&held);
-            move |name: &str| held.lock().unwrap().get(name).is_some_and(|h| h.is_held())
+            move |name: Option<&str>| {
+                let held = held.lock().unwrap();
+                match name {
+                    Some(name) => held.get(name).is_some_and(|h| h.is_held()),
+                    None => held.values().any(|h| h.is_held()),
+                }
+            }
         };
         let (held_watch, held_task) = held_watch::HeldWatch::start(
             watched,
             &config.queue,
             &config.identity,
             Arc::clone(&metrics),
-            holding,
             holds,
         );
         let health = Health::new();

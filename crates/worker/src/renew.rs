@@ -128,8 +128,15 @@ impl Worker {
                 return;
             }
             // Not in the held-jobs cache: claimed by another holder since (superseded), or
-            // deleted; a fresh read tells.
-            if let Some(job) = self.read_if_uncached(name).await {
+            // deleted; a fresh read tells. A first renewal reads the job after its Lease write
+            // instead (`take_lease`), and clears a Lease it wrote for an attempt that ended.
+            let first = held.claimed.is_some() && !held.lease_taken();
+            let read = if first {
+                None
+            } else {
+                self.read_if_uncached(name).await
+            };
+            if let Some(job) = read {
                 if let Some(r) = fence::refusal(&job_ref, job.as_ref(), &held.token) {
                     warn!(job = %job_ref, attempt = held.token.attempt(), "Stopped renewing LeasedJob {job_ref}: {r}");
                     self.lose(held, r.category(), r.to_string());
@@ -139,7 +146,7 @@ impl Worker {
             let renewed = self.renew_bounded(held, None).await;
             self.inner.metrics.heartbeat(renewed.is_ok());
             match renewed {
-                Ok(lease) => {
+                Ok((lease, _)) => {
                     let mut st = held.state.lock().unwrap();
                     st.last_renewed = Instant::now();
                     if let Some(t) = lease.spec.as_ref().and_then(|s| s.renew_time.as_ref()) {

@@ -170,6 +170,22 @@ fn spawn_heartbeat(
     })
 }
 
+/// Holds job `j1` for `token` with its Lease written (as after a restart's first renewal),
+/// starts a heartbeat, and answers its renewal (a PATCH of the Lease) with `code` and `body`.
+async fn heartbeat_answered(
+    w: &Worker,
+    cluster: &mut Cluster,
+    token: &Token,
+    code: u16,
+    body: &impl Serialize,
+) -> tokio::task::JoinHandle<Result<crate::Renewal, WorkerError>> {
+    w.hold("j1", token.clone(), 30, None, Instant::now());
+    let heartbeat = spawn_heartbeat(w, "j1", token);
+    let send = cluster.expect("PATCH", &format!("{LEASES}/ljob-j1")).await;
+    answer(send, code, body);
+    heartbeat
+}
+
 /// A list of LeasedJobs read at `revision` (a LIST's answer).
 fn job_list(revision: &str, items: &[LeasedJob]) -> Value {
     json!({
@@ -316,11 +332,8 @@ async fn a_refused_lease_renewal_makes_every_later_call_lease_lost_without_askin
         let (w, mut cluster) = worker(16);
         let t1 = Token::issue(1);
         let t2 = Token::issue(2);
-        // Held with its Lease written (as after a restart's first renewal).
-        w.hold("j1", t1.clone(), 30, None, Instant::now());
-        let heartbeat = spawn_heartbeat(&w, "j1", &t1);
-        let send = cluster.expect("PATCH", &format!("{LEASES}/ljob-j1")).await;
-        answer(send, refused, &status(refused, "Invalid"));
+        let heartbeat =
+            heartbeat_answered(&w, &mut cluster, &t1, refused, &status(refused, "Invalid")).await;
         // The renewal's refusal is told from a passing fault by a fresh read of the Lease...
         let send = cluster.expect("GET", &format!("{LEASES}/ljob-j1")).await;
         answer(send, 200, &lease("j1", &t2));
@@ -630,11 +643,8 @@ async fn a_held_job_the_cache_does_not_show_is_read_after_a_renewal_even_with_no
     let (w, mut cluster) = worker(16);
     let t1 = Token::issue(1);
     let t2 = Token::issue(2);
-    w.hold("j1", t1.clone(), 30, None, Instant::now());
-    let heartbeat = spawn_heartbeat(&w, "j1", &t1);
     // The Lease still names t1 (its new holder has not taken it over yet) and accepts...
-    let send = cluster.expect("PATCH", &format!("{LEASES}/ljob-j1")).await;
-    answer(send, 200, &lease("j1", &t1));
+    let heartbeat = heartbeat_answered(&w, &mut cluster, &t1, 200, &lease("j1", &t1)).await;
     // ...but the job, read because the cache does not show it, was claimed by t2.
     let send = cluster.expect("GET", JOBS).await;
     answer(
@@ -645,4 +655,42 @@ async fn a_held_job_the_cache_does_not_show_is_read_after_a_renewal_even_with_no
     let e = heartbeat.await.unwrap().unwrap_err();
     assert!(matches!(e, WorkerError::Refused(_)), "{e:?}");
     assert_eq!(w.held_count(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_first_renewal_reads_the_job_once_after_its_lease_write_and_watches_from_that_read() {
+    let (w, mut cluster) = worker(16);
+    let t1 = Token::issue(1);
+    let claimed = job("j1", Phase::Leased, 1, Some(&t1));
+    w.hold("j1", t1.clone(), 30, Some(claimed.clone()), Instant::now());
+    let heartbeat = spawn_heartbeat(&w, "j1", &t1);
+    // The first renewal writes the Lease...
+    let send = cluster.expect("POST", LEASES).await;
+    answer(send, 201, &lease("j1", &t1));
+    // ...then reads the job by name, which shows it Leased to the token...
+    let send = cluster.expect("GET", JOBS).await;
+    answer(send, 200, &job_list("80", &[claimed]));
+    heartbeat.await.unwrap().unwrap();
+    // ...and that read is the one read of the heartbeat: it starts the watch, from its revision.
+    let (query, _slice) = cluster.expect_held_watch().await;
+    assert!(query.contains("resourceVersion=80"), "{query}");
+    cluster.expect_none().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_background_first_renewal_reads_the_job_only_after_its_lease_write() {
+    let (w, mut cluster) = worker(16);
+    let t1 = Token::issue(1);
+    let claimed = job("j1", Phase::Leased, 1, Some(&t1));
+    w.hold("j1", t1.clone(), 30, Some(claimed.clone()), Instant::now());
+    // No heartbeat comes: the sidecar renews on its own, first writing the Lease (no read
+    // before it)...
+    let send = cluster.expect("POST", LEASES).await;
+    answer(send, 201, &lease("j1", &t1));
+    // ...then reading the job, which still shows the attempt: it stays held.
+    let send = cluster.expect("GET", JOBS).await;
+    answer(send, 200, &job_list("80", &[claimed]));
+    let (query, _slice) = cluster.expect_held_watch().await;
+    assert!(query.contains("resourceVersion=80"), "{query}");
+    assert_eq!(w.held_count(), 1);
 }
