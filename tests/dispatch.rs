@@ -273,6 +273,61 @@ async fn sidecars_claim_in_the_dispatchers_global_order() {
     );
 }
 
+/// The field managers that wrote the status of job `name`.
+async fn status_writers(client: &kube::Client, ns: &str, name: &str) -> Vec<String> {
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
+    let job = jobs.get(name).await.unwrap();
+    job.metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|f| f.subresource.as_deref() == Some("status"))
+        .filter_map(|f| f.manager)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_job_created_while_a_worker_waits_is_claimed_with_no_initial_status_write() {
+    let Fixture { client, ns } = fixture!("dispatch-hold");
+    let _controller = controller(&ns.name);
+    advertised(&client, &ns.name).await;
+    let token = dispatch_token_file(&ns.name);
+    let sidecar = Sidecar::start(
+        &ns.name,
+        "q",
+        "pod-0",
+        &["--dispatch-token-file", token.to_str().unwrap()],
+    )
+    .await;
+    let controller_wrote = |writers: &[String]| {
+        writers
+            .iter()
+            .any(|m| m.starts_with("leasehold-controller/"))
+    };
+    // A worker waits through the dispatcher when the job is created: the controller holds
+    // its initial status back, and the claim is the job's first status write.
+    let (claimed, ()) = tokio::join!(sidecar.claim_ok(10), async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        create_job(&client, &ns.name, "waited-for", 0).await;
+    });
+    assert_eq!(claimed.0["name"], "waited-for");
+    let writers = status_writers(&client, &ns.name, "waited-for").await;
+    assert!(!controller_wrote(&writers), "status written by {writers:?}");
+    // Nor does the controller write it after the hold: the job has a status.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let writers = status_writers(&client, &ns.name, "waited-for").await;
+    assert!(!controller_wrote(&writers), "status written by {writers:?}");
+    let (status, body) = sidecar
+        .complete("waited-for", &claimed.1, json!("done"))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    // With no worker waiting, the controller initialises a new job at once.
+    create_job(&client, &ns.name, "unwaited", 0).await;
+    wait_queued(&client, &ns.name, &["unwaited"]).await;
+    let writers = status_writers(&client, &ns.name, "unwaited").await;
+    assert!(controller_wrote(&writers), "status written by {writers:?}");
+}
+
 #[tokio::test]
 async fn claims_fall_back_while_the_dispatcher_is_frozen_and_use_it_again_after() {
     let Fixture { client, ns } = fixture!("dispatch-frozen");

@@ -26,6 +26,13 @@ use crate::leader::Leadership;
 /// empty at least this often, so that a sidecar notices a failover in its own time.
 pub const MAX_POLL_WAIT: Duration = Duration::from_secs(30);
 
+/// How long the controller holds back the initial status write of a job that may be claimed
+/// through an offer ([`Dispatcher::may_claim_soon`]): an offer's life
+/// ([`leasehold_core::dispatch::OFFER_TTL_MS`]). A job claimed meanwhile needs no initial
+/// status; one not claimed gets it this late.
+pub const INITIAL_HOLD: Duration =
+    Duration::from_millis(leasehold_core::dispatch::OFFER_TTL_MS.unsigned_abs());
+
 /// A dispatcher and where it is advertised ([`crate::Config::dispatch`]).
 #[derive(Clone)]
 pub struct Setup {
@@ -118,6 +125,39 @@ impl Dispatcher {
             .unwrap()
             .values()
             .any(|line| Arc::strong_count(line) > 1)
+    }
+
+    /// Whether `job`, a job the controller has not initialised yet, may be claimed through an
+    /// offer of this dispatcher in a moment: this replica answers (it leads, its view is
+    /// listed and fresh), and the job stands offered or a poll of its queue waits (and will
+    /// look at the view, which has the job: the controller's watch fed it here before the
+    /// job's reconcile), and the job is claimable now (not cancelled, being deleted, or
+    /// before its notBefore). The controller then holds its initial status write back
+    /// ([`INITIAL_HOLD`]), so that the claim, not that write, is the job's first.
+    ///
+    /// Advice only: a wrong answer costs an initial status written up to [`INITIAL_HOLD`]
+    /// late, or one 409 for the claim or that write (both are guarded by the job's
+    /// resourceVersion).
+    pub fn may_claim_soon(&self, job: &LeasedJob) -> bool {
+        let (Some(queue), Some(name)) = (key_of(job), job.metadata.name.as_deref()) else {
+            return false;
+        };
+        if !self.leading()
+            || !self.is_fresh()
+            || !leasehold_core::claim::claimable(job, &queue.queue, Timestamp::now())
+        {
+            return false;
+        }
+        // A poll holds its place in line until it has recorded its offer: the line is looked
+        // at first, so that a poll leaving between the two looks has left its offer behind.
+        let waiting = self
+            .lines
+            .lock()
+            .unwrap()
+            .get(&queue)
+            .is_some_and(|line| Arc::strong_count(line) > 1);
+        let state = self.state.lock().unwrap();
+        state.has_listed() && (waiting || state.offered(&queue, name, Timestamp::now()))
     }
 
     /// Answers from now on while `leadership` leads (once; later calls are ignored).
@@ -593,5 +633,38 @@ mod tests {
             d.poll(&q(), "w", Duration::ZERO).await,
             Answer::Offer(h) if h.name == "j"
         ));
+    }
+
+    #[tokio::test]
+    async fn a_new_job_may_be_claimed_soon_while_a_poll_waits_or_its_offer_stands() {
+        let d = leading();
+        let mut fresh = queued("a");
+        fresh.status = None;
+        assert!(!d.may_claim_soon(&fresh), "no poll waits");
+        // A poll waits: the job is offered to it, and the offer stands.
+        let poll = spawned(&d, "w", Duration::from_secs(20)).await;
+        assert!(d.may_claim_soon(&fresh));
+        d.observe(&watcher::Event::Apply(fresh.clone()));
+        let (offered, _) = settle(vec![poll]).await;
+        assert_eq!(offered, ["a"]);
+        assert!(d.may_claim_soon(&fresh), "offered, with no poll waiting");
+        let mut other = queued("b");
+        other.status = None;
+        assert!(!d.may_claim_soon(&other), "not offered, no poll waiting");
+        let mut cancelled = other.clone();
+        cancelled.spec.cancel = true;
+        // Offered, but declined: no claim is coming from that offer.
+        d.declined(&q(), "a", "w");
+        assert!(!d.may_claim_soon(&fresh));
+        // Claimed by someone else meanwhile: the next poll waits.
+        let mut claimed = queued("a");
+        claimed.status.as_mut().unwrap().phase = Some(Phase::Leased);
+        d.observe(&watcher::Event::Apply(claimed));
+        // A replica that answers no poll says no.
+        let _poll = spawned(&d, "w", Duration::from_secs(20)).await;
+        assert!(d.may_claim_soon(&other));
+        assert!(!d.may_claim_soon(&cancelled), "not claimable");
+        d.set_fresh(false);
+        assert!(!d.may_claim_soon(&other), "its view may be stale");
     }
 }

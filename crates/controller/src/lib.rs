@@ -202,6 +202,11 @@ pub struct Context {
     /// The slots of limited queues seen pending, and since when: a slot pending for
     /// [`leasehold_core::adoption::PENDING_GRACE`] is freed (`adoption`).
     stalled: Mutex<leasehold_core::adoption::Stalled>,
+    /// The dispatcher this replica feeds, if it runs one.
+    dispatcher: Option<Arc<dispatch::Dispatcher>>,
+    /// Jobs not initialised yet whose initial status write is held back, and since when
+    /// ([`Context::initialise_after`]).
+    held_back: Mutex<HashMap<ObjectRef<LeasedJob>, tokio::time::Instant>>,
 }
 
 /// Reconciles run at once, at most: the workers taking jobs from the queue. With no limit, a
@@ -210,6 +215,10 @@ pub struct Context {
 /// write), so a few dozen keep up with any rate the API server sustains; the rest wait as keys
 /// in the queue.
 pub const RECONCILE_CONCURRENCY: u16 = 32;
+
+/// The number of jobs held back from initialisation ([`Context`]'s `initialise_after`) at which
+/// those whose hold is long over are forgotten.
+const HELD_BACK_PRUNED_AT: usize = 1024;
 
 /// Runs the controller until SIGTERM/SIGINT, reporting into `metrics` and `health` (ready
 /// once both watches have synced).
@@ -303,6 +312,8 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
         observations: Mutex::default(),
         fresh_reads: Mutex::default(),
         stalled: Mutex::default(),
+        dispatcher: config.dispatch.as_ref().map(|d| Arc::clone(&d.dispatcher)),
+        held_back: Mutex::default(),
     });
     let queue: Arc<WorkQueue<JobKey>> = Arc::new(WorkQueue::new());
     let job_stream = watch::watch(
@@ -416,6 +427,37 @@ impl Action {
 }
 
 impl Context {
+    /// How long to hold back the initial status write of `job` (not initialised yet), if at
+    /// all: while it may be claimed through an offer of this replica's dispatcher
+    /// ([`dispatch::Dispatcher::may_claim_soon`]), up to [`dispatch::INITIAL_HOLD`] from the
+    /// first reconcile that found so, once per job. A claim made meanwhile is the job's first
+    /// write, and a waiting worker gets the job without waiting for that write and its watch
+    /// event; its claim changes the job, and the reconcile that change brings finds it
+    /// initialised. None: write it now.
+    fn initialise_after(&self, job: &LeasedJob) -> Option<Duration> {
+        let dispatcher = self.dispatcher.as_ref()?;
+        let key = ObjectRef::from_obj(job);
+        let mut held_back = self.held_back.lock().unwrap();
+        if let Some(since) = held_back.get(&key) {
+            let left = dispatch::INITIAL_HOLD.saturating_sub(since.elapsed());
+            if left.is_zero() {
+                held_back.remove(&key);
+                return None;
+            }
+            return Some(left);
+        }
+        if !dispatcher.may_claim_soon(job) {
+            return None;
+        }
+        // Jobs claimed (or deleted) while held back are not looked at again here: forget
+        // them once their hold is long over.
+        if held_back.len() >= HELD_BACK_PRUNED_AT {
+            held_back.retain(|_, since| since.elapsed() < dispatch::INITIAL_HOLD * 2);
+        }
+        held_back.insert(key, tokio::time::Instant::now());
+        Some(dispatch::INITIAL_HOLD)
+    }
+
     /// Ok while this replica leads; ask immediately before every write.
     fn leading(&self, job: &LeasedJob) -> Result<(), ReconcileError> {
         if self.leadership.is_leader() {
@@ -527,6 +569,9 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
     let leases: Api<Lease> = Api::namespaced(ctx.client.clone(), &ns);
     let Some(status) = job.status.as_ref().filter(|s| s.phase.is_some()) else {
         ctx.leading(&job)?;
+        if let Some(after) = ctx.initialise_after(&job) {
+            return Ok(Action::requeue(after));
+        }
         initialise(&jobs, &job, &ctx.post_params()).await?;
         return Ok(Action::await_change());
     };

@@ -250,12 +250,11 @@ impl Dispatch {
                 let Some(key) = key_of(job) else {
                     return;
                 };
-                // A job the controller has not initialised yet (no status.phase) is not
-                // offered: its initial status write, moments away, would meet the claim and
-                // one of the two would be answered 409. Its next change brings it.
-                if job.status.as_ref().and_then(|s| s.phase).is_none() {
-                    return;
-                }
+                // A job the controller has not initialised yet (no status.phase) is Queued,
+                // and offered at once: the controller holds its initial status write back
+                // while the job may be claimed through an offer (`Dispatch::offered`), so
+                // that a waiting worker gets a new job one write and one watch event sooner,
+                // and the two writes rarely meet (one of them would be answered 409).
                 let relisting = self.relisting;
                 let queued = job.phase() == crate::crd::Phase::Queued;
                 let lane_key = lane_key(job);
@@ -476,6 +475,15 @@ impl Dispatch {
         } else if let Some(l) = self.leased.get_mut(&queue) {
             l.remove(name);
         }
+    }
+
+    /// Whether an offer of the job `name` of `queue` stands at `now` (made, not lapsed,
+    /// declined or ended by a change of the job).
+    pub fn offered(&self, queue: &QueueKey, name: &str, now: Timestamp) -> bool {
+        self.queues
+            .get(queue)
+            .and_then(|v| v.offers.get(name))
+            .is_some_and(|o| o.until > now)
     }
 
     /// Claimable candidates of `queue` (Queued, not cancelled or being deleted), claimable now

@@ -367,19 +367,26 @@ fn not_before_and_retry_after_hold_a_job_back_until_their_time() {
 }
 
 #[test]
-fn a_job_is_offered_only_once_the_controller_has_initialised_it() {
+fn a_job_not_initialised_yet_is_offered_at_once_and_its_offer_outlives_its_initialisation() {
     let mut d = Dispatch::new();
     let mut fresh = job("ns", "fresh", 0, 1, Phase::Queued);
     fresh.status = None;
     d.observe(Change::Applied(&fresh));
     let now = at_ms(10_000);
-    assert_eq!(
-        d.offer(&q("ns"), "w", now),
-        None,
-        "its initial status is on its way"
-    );
-    d.observe(Change::Applied(&job("ns", "fresh", 0, 1, Phase::Queued)));
+    assert!(!d.offered(&q("ns"), "fresh", now));
     assert_eq!(names(d.offer(&q("ns"), "w", now)), Some("fresh".into()));
+    assert!(d.offered(&q("ns"), "fresh", now));
+    // The controller's initial status, should it come, leaves the offer standing...
+    d.observe(Change::Applied(&job("ns", "fresh", 0, 1, Phase::Queued)));
+    assert!(d.offered(&q("ns"), "fresh", now));
+    assert_eq!(d.offer(&q("ns"), "w2", now), None, "offered to w already");
+    // ...until it lapses.
+    let lapsed = now + SignedDuration::from_millis(OFFER_TTL_MS);
+    assert!(!d.offered(&q("ns"), "fresh", lapsed));
+    // A claim ends it.
+    assert_eq!(names(d.offer(&q("ns"), "w2", lapsed)), Some("fresh".into()));
+    d.observe(Change::Applied(&job("ns", "fresh", 0, 1, Phase::Leased)));
+    assert!(!d.offered(&q("ns"), "fresh", lapsed));
 }
 
 #[test]
