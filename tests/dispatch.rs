@@ -273,6 +273,20 @@ async fn sidecars_claim_in_the_dispatchers_global_order() {
     );
 }
 
+/// Once the dispatcher of `ns` is advertised, a sidecar of queue "q" (pod-0) that claims
+/// through it.
+async fn dispatched_sidecar(client: &kube::Client, ns: &str) -> Sidecar {
+    advertised(client, ns).await;
+    let token = dispatch_token_file(ns);
+    Sidecar::start(
+        ns,
+        "q",
+        "pod-0",
+        &["--dispatch-token-file", token.to_str().unwrap()],
+    )
+    .await
+}
+
 /// The field managers that wrote the status of job `name`.
 async fn status_writers(client: &kube::Client, ns: &str, name: &str) -> Vec<String> {
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
@@ -290,20 +304,24 @@ async fn status_writers(client: &kube::Client, ns: &str, name: &str) -> Vec<Stri
 async fn a_job_created_while_a_worker_waits_is_claimed_with_no_initial_status_write() {
     let Fixture { client, ns } = fixture!("dispatch-hold");
     let _controller = controller(&ns.name);
-    advertised(&client, &ns.name).await;
-    let token = dispatch_token_file(&ns.name);
-    let sidecar = Sidecar::start(
-        &ns.name,
-        "q",
-        "pod-0",
-        &["--dispatch-token-file", token.to_str().unwrap()],
-    )
-    .await;
+    let sidecar = dispatched_sidecar(&client, &ns.name).await;
     let controller_wrote = |writers: &[String]| {
         writers
             .iter()
             .any(|m| m.starts_with("leasehold-controller/"))
     };
+    // The sidecar claims through the dispatcher (it has found it).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for i in 0.. {
+        let warm = format!("warm-{i}");
+        create_job(&client, &ns.name, &warm, 0).await;
+        wait_queued(&client, &ns.name, &[&warm]).await;
+        assert_eq!(claim_name(&sidecar).await, warm);
+        if claim_counts(&sidecar).await.1 > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never offered a job");
+    }
     // A worker waits through the dispatcher when the job is created: the controller holds
     // its initial status back, and the claim is the job's first status write.
     let (claimed, ()) = tokio::join!(sidecar.claim_ok(10), async {
@@ -332,15 +350,7 @@ async fn a_job_created_while_a_worker_waits_is_claimed_with_no_initial_status_wr
 async fn claims_fall_back_while_the_dispatcher_is_frozen_and_use_it_again_after() {
     let Fixture { client, ns } = fixture!("dispatch-frozen");
     let controller = controller(&ns.name);
-    advertised(&client, &ns.name).await;
-    let token = dispatch_token_file(&ns.name);
-    let sidecar = Sidecar::start(
-        &ns.name,
-        "q",
-        "pod-0",
-        &["--dispatch-token-file", token.to_str().unwrap()],
-    )
-    .await;
+    let sidecar = dispatched_sidecar(&client, &ns.name).await;
     create_job(&client, &ns.name, "before", 0).await;
     wait_queued(&client, &ns.name, &["before"]).await;
     assert_eq!(claim_name(&sidecar).await, "before");
@@ -419,15 +429,7 @@ async fn claims_fall_back_while_the_dispatchers_path_to_the_api_server_stalls() 
         std::process::Stdio::null(),
         &relay.kubeconfig(&format!("{}-stale-controller", ns.name)),
     );
-    advertised(&client, &ns.name).await;
-    let token = dispatch_token_file(&ns.name);
-    let sidecar = Sidecar::start(
-        &ns.name,
-        "q",
-        "pod-0",
-        &["--dispatch-token-file", token.to_str().unwrap()],
-    )
-    .await;
+    let sidecar = dispatched_sidecar(&client, &ns.name).await;
     create_job(&client, &ns.name, "before", 0).await;
     wait_queued(&client, &ns.name, &["before"]).await;
     assert_eq!(claim_name(&sidecar).await, "before");

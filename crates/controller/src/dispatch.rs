@@ -129,10 +129,11 @@ impl Dispatcher {
 
     /// Whether `job`, a job the controller has not initialised yet, may be claimed through an
     /// offer of this dispatcher in a moment: this replica answers (it leads, its view is
-    /// listed and fresh), and the job stands offered or a poll of its queue waits (and will
-    /// look at the view, which has the job: the controller's watch fed it here before the
-    /// job's reconcile), and the job is claimable now (not cancelled, being deleted, or
-    /// before its notBefore). The controller then holds its initial status write back
+    /// listed and fresh), the job is claimable now (not cancelled, being deleted, or before
+    /// its notBefore), and it stands offered, or a poll of its queue waits and the job is the
+    /// one the next poll to look would be offered (the controller's watch fed it here before
+    /// the job's reconcile, and woke that poll). A job behind others in claim order, or in a
+    /// scope at its limit, is not: a claim of it may be far off. The controller then holds its initial status write back
     /// ([`INITIAL_HOLD`]), so that the claim, not that write, is the job's first.
     ///
     /// Advice only: a wrong answer costs an initial status written up to [`INITIAL_HOLD`]
@@ -157,7 +158,9 @@ impl Dispatcher {
             .get(&queue)
             .is_some_and(|line| Arc::strong_count(line) > 1);
         let state = self.state.lock().unwrap();
-        state.has_listed() && (waiting || state.offered(&queue, name, Timestamp::now()))
+        let now = Timestamp::now();
+        state.has_listed()
+            && (state.offered(&queue, name, now) || waiting && state.offers_next(&queue, name, now))
     }
 
     /// Answers from now on while `leadership` leads (once; later calls are ignored).
@@ -636,35 +639,45 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_new_job_may_be_claimed_soon_while_a_poll_waits_or_its_offer_stands() {
+    async fn a_new_job_may_be_claimed_soon_while_a_poll_waits_for_it_or_its_offer_stands() {
         let d = leading();
-        let mut fresh = queued("a");
-        fresh.status = None;
-        assert!(!d.may_claim_soon(&fresh), "no poll waits");
-        // A poll waits: the job is offered to it, and the offer stands.
+        let unqueued = |name: &str| {
+            let mut j = queued(name);
+            j.status = None;
+            j
+        };
+        let (a, b) = (unqueued("a"), unqueued("b"));
+        d.observe(&watcher::Event::Apply(a.clone()));
+        assert!(!d.may_claim_soon(&a), "no poll waits");
+        // A poll waits when a job comes: it is the one that poll is to be offered (the poll,
+        // woken, has not looked yet)...
         let poll = spawned(&d, "w", Duration::from_secs(20)).await;
-        assert!(d.may_claim_soon(&fresh));
-        d.observe(&watcher::Event::Apply(fresh.clone()));
+        d.observe(&watcher::Event::Apply(b.clone()));
+        assert!(d.may_claim_soon(&a));
+        // ...and a job behind it in claim order is not.
+        assert!(!d.may_claim_soon(&b), "behind a");
         let (offered, _) = settle(vec![poll]).await;
         assert_eq!(offered, ["a"]);
-        assert!(d.may_claim_soon(&fresh), "offered, with no poll waiting");
-        let mut other = queued("b");
-        other.status = None;
-        assert!(!d.may_claim_soon(&other), "not offered, no poll waiting");
-        let mut cancelled = other.clone();
-        cancelled.spec.cancel = true;
+        assert!(d.may_claim_soon(&a), "offered, with no poll waiting");
+        assert!(!d.may_claim_soon(&b), "not offered, no poll waiting");
         // Offered, but declined: no claim is coming from that offer.
         d.declined(&q(), "a", "w");
-        assert!(!d.may_claim_soon(&fresh));
-        // Claimed by someone else meanwhile: the next poll waits.
+        assert!(!d.may_claim_soon(&a));
         let mut claimed = queued("a");
         claimed.status.as_mut().unwrap().phase = Some(Phase::Leased);
         d.observe(&watcher::Event::Apply(claimed));
-        // A replica that answers no poll says no.
+        let poll = spawned(&d, "w", Duration::from_secs(20)).await;
+        let (offered, _) = settle(vec![poll]).await;
+        assert_eq!(offered, ["b"]);
+        // A job not claimable now is not held for, nor is any by a replica whose view may be
+        // stale.
+        let c = unqueued("c");
+        d.observe(&watcher::Event::Apply(c.clone()));
         let _poll = spawned(&d, "w", Duration::from_secs(20)).await;
-        assert!(d.may_claim_soon(&other));
+        let mut cancelled = c.clone();
+        cancelled.spec.cancel = true;
         assert!(!d.may_claim_soon(&cancelled), "not claimable");
         d.set_fresh(false);
-        assert!(!d.may_claim_soon(&other), "its view may be stale");
+        assert!(!d.may_claim_soon(&c), "its view may be stale");
     }
 }

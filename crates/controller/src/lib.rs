@@ -218,7 +218,7 @@ pub const RECONCILE_CONCURRENCY: u16 = 32;
 
 /// The number of jobs held back from initialisation ([`Context`]'s `initialise_after`) at which
 /// those whose hold is long over are forgotten.
-const HELD_BACK_PRUNED_AT: usize = 1024;
+const HELD_BACK_PRUNED_AT: usize = 4096;
 
 /// Runs the controller until SIGTERM/SIGINT, reporting into `metrics` and `health` (ready
 /// once both watches have synced).
@@ -430,14 +430,20 @@ impl Context {
     /// How long to hold back the initial status write of `job` (not initialised yet), if at
     /// all: while it may be claimed through an offer of this replica's dispatcher
     /// ([`dispatch::Dispatcher::may_claim_soon`]), up to [`dispatch::INITIAL_HOLD`] from the
-    /// first reconcile that found so, once per job. A claim made meanwhile is the job's first
-    /// write, and a waiting worker gets the job without waiting for that write and its watch
-    /// event; its claim changes the job, and the reconcile that change brings finds it
-    /// initialised. None: write it now.
+    /// first reconcile that found so; a job no longer claimable (cancelled, say) is not held
+    /// any longer. A claim made meanwhile is the job's first write, and a waiting worker gets
+    /// the job without waiting for that write and its watch event; its claim changes the job,
+    /// and the reconcile that change brings finds it initialised. None: write it now. A job
+    /// is held again only if its initial write failed after its hold (an error, or a 409 from
+    /// a change that left it without status) and a worker may claim it again.
     fn initialise_after(&self, job: &LeasedJob) -> Option<Duration> {
         let dispatcher = self.dispatcher.as_ref()?;
         let key = ObjectRef::from_obj(job);
         let mut held_back = self.held_back.lock().unwrap();
+        if !leasehold_core::claim::claimable(job, &job.spec.queue, Timestamp::now()) {
+            held_back.remove(&key);
+            return None;
+        }
         if let Some(since) = held_back.get(&key) {
             let left = dispatch::INITIAL_HOLD.saturating_sub(since.elapsed());
             if left.is_zero() {

@@ -322,6 +322,54 @@ impl Dispatch {
         self.listed
     }
 
+    /// What [`Dispatch::offer`] would offer at `now` from `queue`, recording nothing: the
+    /// concurrency key, the job's name and the key's pass.
+    fn next_offer(&self, queue: &QueueKey, now: Timestamp) -> Option<(String, String, u64)> {
+        let policy = self.policies.get(queue);
+        let leased = self.leased.get(queue);
+        let view = self.queues.get(queue)?;
+        let offers = &view.offers;
+        let taken = |name: &str, _rv: &str| offers.get(name).is_some_and(|o| o.until > now);
+        let vtime = view.vtime;
+        // Within the limits, counting the offers that stand as claims to come: a scope
+        // at its limit is not offered (its sidecars would find no free slot). Counted
+        // once per offer, by key, and only for a queue with limits.
+        let (max, per_key) = policy.map_or((None, None), |p| (p.max_leased, p.max_leased_per_key));
+        let mut used: HashMap<&str, usize> = HashMap::new();
+        if max.is_some() || per_key.is_some() {
+            let leased_keys = leased.into_iter().flat_map(|l| l.values().map(|h| &h.key));
+            let offered_keys = offers.values().filter(|o| o.until > now).map(|o| &o.key);
+            for key in leased_keys.chain(offered_keys) {
+                *used.entry(key).or_default() += 1;
+            }
+        }
+        let room = |max: Option<u32>, n: usize| max.is_none_or(|m| n < m as usize);
+        if !room(max, used.values().sum()) {
+            return None;
+        }
+        // The key whose turn it is: the lowest pass (a key back from idle at the queue's
+        // vtime), ties going to the head first in claim order (priority, then age), so a
+        // queue of one key is offered in plain claim order.
+        view.lanes
+            .iter()
+            .filter(|(key, _)| {
+                key.is_empty() || room(per_key, used.get(key.as_str()).copied().unwrap_or(0))
+            })
+            .filter_map(|(key, lane)| {
+                let (name, place) = lane.index.head(now, taken)?;
+                Some((lane.pass.max(vtime), place, key, name))
+            })
+            .min_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
+            .map(|(pass, _, key, name)| (key.clone(), name.to_string(), pass))
+    }
+
+    /// Whether the next offer from `queue` at `now` would be the job `name` (a worker that asks
+    /// now gets it).
+    pub fn offers_next(&self, queue: &QueueKey, name: &str, now: Timestamp) -> bool {
+        self.next_offer(queue, now)
+            .is_some_and(|(_, next, _)| next == name)
+    }
+
     /// The job to offer `worker` from `queue` at `now`, and the offer recorded: the first
     /// claimable job in claim order on which no offer stands. Not even the worker a job stands
     /// offered to gets it again: a worker asks again right after claiming its offer, before
@@ -329,45 +377,10 @@ impl Dispatch {
     /// claimed. (An offer whose answer was lost lapses after [`OFFER_TTL_MS`].) `None` when
     /// every claimable job stands offered, or none is claimable.
     pub fn offer(&mut self, queue: &QueueKey, worker: &str, now: Timestamp) -> Option<Hint> {
+        let (key, name, pass) = self.next_offer(queue, now)?;
         let policy = self.policies.get(queue);
         let leased = self.leased.get(queue);
         let view = self.queues.get_mut(queue)?;
-        let (key, name, pass) = {
-            let offers = &view.offers;
-            let taken = |name: &str, _rv: &str| offers.get(name).is_some_and(|o| o.until > now);
-            let vtime = view.vtime;
-            // Within the limits, counting the offers that stand as claims to come: a scope
-            // at its limit is not offered (its sidecars would find no free slot). Counted
-            // once per offer, by key, and only for a queue with limits.
-            let (max, per_key) =
-                policy.map_or((None, None), |p| (p.max_leased, p.max_leased_per_key));
-            let mut used: HashMap<&str, usize> = HashMap::new();
-            if max.is_some() || per_key.is_some() {
-                let leased_keys = leased.into_iter().flat_map(|l| l.values().map(|h| &h.key));
-                let offered_keys = offers.values().filter(|o| o.until > now).map(|o| &o.key);
-                for key in leased_keys.chain(offered_keys) {
-                    *used.entry(key).or_default() += 1;
-                }
-            }
-            let room = |max: Option<u32>, n: usize| max.is_none_or(|m| n < m as usize);
-            if !room(max, used.values().sum()) {
-                return None;
-            }
-            // The key whose turn it is: the lowest pass (a key back from idle at the queue's
-            // vtime), ties going to the head first in claim order (priority, then age), so a
-            // queue of one key is offered in plain claim order.
-            view.lanes
-                .iter()
-                .filter(|(key, _)| {
-                    key.is_empty() || room(per_key, used.get(key.as_str()).copied().unwrap_or(0))
-                })
-                .filter_map(|(key, lane)| {
-                    let (name, place) = lane.index.head(now, taken)?;
-                    Some((lane.pass.max(vtime), place, key, name))
-                })
-                .min_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
-                .map(|(pass, _, key, name)| (key.clone(), name.to_string(), pass))?
-        };
         let weight = policy.map_or(1, |p| queue::weight_of(&p.weights, &key));
         let lane = view.lanes.get_mut(&key)?;
         lane.pass = pass + STRIDE / u64::from(weight.max(1));

@@ -436,3 +436,32 @@ fn a_queue_emptied_by_a_relist_is_forgotten() {
     assert_eq!(d.queued(&q("ns")), 0);
     assert!(d.queues.is_empty());
 }
+
+#[test]
+fn the_next_offer_is_told_without_being_made() {
+    let mut d = Dispatch::new();
+    let now = at_ms(1_000_000);
+    d.observe(Change::Applied(&keyed("a0", "a", 1)));
+    d.observe(Change::Applied(&keyed("a1", "a", 2)));
+    assert!(d.offers_next(&q("ns"), "a0", now));
+    assert!(!d.offers_next(&q("ns"), "a1", now), "behind a0");
+    assert!(
+        d.offers_next(&q("ns"), "a0", now),
+        "telling recorded nothing"
+    );
+    assert_eq!(names(d.offer(&q("ns"), "w", now)), Some("a0".into()));
+    assert!(d.offers_next(&q("ns"), "a1", now));
+    // A key at its limit offers nothing, so nothing of it is next.
+    d.set_policy(
+        &q("ns"),
+        Some(Policy {
+            max_leased_per_key: Some(1),
+            ..Policy::default()
+        }),
+    );
+    assert!(
+        !d.offers_next(&q("ns"), "a1", now),
+        "a0's offer fills the key"
+    );
+    assert!(!d.offers_next(&q("other"), "a1", now), "no such queue");
+}
