@@ -325,7 +325,8 @@ async fn a_job_created_while_a_worker_waits_is_claimed_with_no_initial_status_wr
     // A worker waits through the dispatcher when the job is created: the controller holds
     // its initial status back, and the claim is the job's first status write.
     let (claimed, ()) = tokio::join!(sidecar.claim_ok(10), async {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Time for the claim's poll to reach the dispatcher (one request on loopback).
+        tokio::time::sleep(Duration::from_secs(1)).await;
         create_job(&client, &ns.name, "waited-for", 0).await;
     });
     assert_eq!(claimed.0["name"], "waited-for");
@@ -339,7 +340,7 @@ async fn a_job_created_while_a_worker_waits_is_claimed_with_no_initial_status_wr
         .complete("waited-for", &claimed.1, json!("done"))
         .await;
     assert_eq!(status, 200, "{body}");
-    // With no worker waiting, the controller initialises a new job at once.
+    // With no worker waiting, the controller initialises a new job itself.
     create_job(&client, &ns.name, "unwaited", 0).await;
     wait_queued(&client, &ns.name, &["unwaited"]).await;
     let writers = status_writers(&client, &ns.name, "unwaited").await;

@@ -33,6 +33,11 @@ pub const MAX_POLL_WAIT: Duration = Duration::from_secs(30);
 pub const INITIAL_HOLD: Duration =
     Duration::from_millis(leasehold_core::dispatch::OFFER_TTL_MS.unsigned_abs());
 
+/// The most waiting polls [`Dispatcher::may_claim_soon`] counts: a job further back than this
+/// many offers is initialised at once (telling the next offers costs about their number
+/// squared).
+pub const HELD_FOR_AT_MOST: usize = 64;
+
 /// A dispatcher and where it is advertised ([`crate::Config::dispatch`]).
 #[derive(Clone)]
 pub struct Setup {
@@ -130,10 +135,11 @@ impl Dispatcher {
     /// Whether `job`, a job the controller has not initialised yet, may be claimed through an
     /// offer of this dispatcher in a moment: this replica answers (it leads, its view is
     /// listed and fresh), the job is claimable now (not cancelled, being deleted, or before
-    /// its notBefore), and it stands offered, or a poll of its queue waits and the job is the
-    /// one the next poll to look would be offered (the controller's watch fed it here before
-    /// the job's reconcile, and woke that poll). A job behind others in claim order, or in a
-    /// scope at its limit, is not: a claim of it may be far off. The controller then holds its initial status write back
+    /// its notBefore), and it stands offered, or it is among the next W offers, W being the
+    /// polls of its queue that wait (at most [`HELD_FOR_AT_MOST`]): the controller's watch fed
+    /// it here before the job's reconcile, and woke a poll, which wakes the next when it gets
+    /// an offer, so jobs created together go to as many waiting polls. A job behind those in
+    /// claim order, or in a scope at its limit, is not: a claim of it may be far off. The controller then holds its initial status write back
     /// ([`INITIAL_HOLD`]), so that the claim, not that write, is the job's first.
     ///
     /// Advice only: a wrong answer costs an initial status written up to [`INITIAL_HOLD`]
@@ -156,11 +162,12 @@ impl Dispatcher {
             .lock()
             .unwrap()
             .get(&queue)
-            .is_some_and(|line| Arc::strong_count(line) > 1);
+            .map_or(0, |line| Arc::strong_count(line) - 1)
+            .min(HELD_FOR_AT_MOST);
         let state = self.state.lock().unwrap();
         let now = Timestamp::now();
         state.has_listed()
-            && (state.offered(&queue, name, now) || waiting && state.offers_next(&queue, name, now))
+            && (state.offered(&queue, name, now) || state.offers_within(&queue, name, now, waiting))
     }
 
     /// Answers from now on while `leadership` leads (once; later calls are ignored).
@@ -646,38 +653,34 @@ mod tests {
             j.status = None;
             j
         };
-        let (a, b) = (unqueued("a"), unqueued("b"));
-        d.observe(&watcher::Event::Apply(a.clone()));
-        assert!(!d.may_claim_soon(&a), "no poll waits");
-        // A poll waits when a job comes: it is the one that poll is to be offered (the poll,
-        // woken, has not looked yet)...
-        let poll = spawned(&d, "w", Duration::from_secs(20)).await;
-        d.observe(&watcher::Event::Apply(b.clone()));
+        let (a, b, c) = (unqueued("a"), unqueued("b"), unqueued("c"));
+        // Two polls wait when three jobs come together: the first two are the ones those polls
+        // are to be offered (woken, they have not looked yet); the third is not.
+        let polls = waiting(&d, 2).await;
+        for job in [&a, &b, &c] {
+            d.observe(&watcher::Event::Apply(job.clone()));
+        }
         assert!(d.may_claim_soon(&a));
-        // ...and a job behind it in claim order is not.
-        assert!(!d.may_claim_soon(&b), "behind a");
+        assert!(d.may_claim_soon(&b));
+        assert!(!d.may_claim_soon(&c), "behind what the waiting polls get");
+        let (offered, _) = settle(polls).await;
+        assert_eq!(offered, ["a", "b"]);
+        // Offered, with no poll waiting: the offers stand.
+        assert!(d.may_claim_soon(&a) && d.may_claim_soon(&b));
+        assert!(!d.may_claim_soon(&c), "no poll waits");
+        // Offered, but declined: no claim is coming from that offer.
+        d.declined(&q(), "a", "w0");
+        assert!(!d.may_claim_soon(&a));
+        // Offered again; but not held for once not claimable (a copy cancelled), nor by a
+        // replica whose view may be stale.
+        let poll = spawned(&d, "w", Duration::from_secs(20)).await;
         let (offered, _) = settle(vec![poll]).await;
         assert_eq!(offered, ["a"]);
-        assert!(d.may_claim_soon(&a), "offered, with no poll waiting");
-        assert!(!d.may_claim_soon(&b), "not offered, no poll waiting");
-        // Offered, but declined: no claim is coming from that offer.
-        d.declined(&q(), "a", "w");
-        assert!(!d.may_claim_soon(&a));
-        let mut claimed = queued("a");
-        claimed.status.as_mut().unwrap().phase = Some(Phase::Leased);
-        d.observe(&watcher::Event::Apply(claimed));
-        let poll = spawned(&d, "w", Duration::from_secs(20)).await;
-        let (offered, _) = settle(vec![poll]).await;
-        assert_eq!(offered, ["b"]);
-        // A job not claimable now is not held for, nor is any by a replica whose view may be
-        // stale.
-        let c = unqueued("c");
-        d.observe(&watcher::Event::Apply(c.clone()));
-        let _poll = spawned(&d, "w", Duration::from_secs(20)).await;
-        let mut cancelled = c.clone();
+        assert!(d.may_claim_soon(&a));
+        let mut cancelled = a.clone();
         cancelled.spec.cancel = true;
         assert!(!d.may_claim_soon(&cancelled), "not claimable");
         d.set_fresh(false);
-        assert!(!d.may_claim_soon(&c), "its view may be stale");
+        assert!(!d.may_claim_soon(&a), "its view may be stale");
     }
 }

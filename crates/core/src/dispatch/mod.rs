@@ -325,18 +325,34 @@ impl Dispatch {
     /// What [`Dispatch::offer`] would offer at `now` from `queue`, recording nothing: the
     /// concurrency key, the job's name and the key's pass.
     fn next_offer(&self, queue: &QueueKey, now: Timestamp) -> Option<(String, String, u64)> {
+        self.next_offers(queue, now, 1, None).pop()
+    }
+
+    /// The next `n` offers (at most) that [`Dispatch::offer`] would make at `now` from `queue`
+    /// to `n` workers asking one after another, each offer standing when the next is made,
+    /// recording nothing: (concurrency key, job name, the key's pass) of each, in order. Stops
+    /// early after the job `until` when given.
+    fn next_offers(
+        &self,
+        queue: &QueueKey,
+        now: Timestamp,
+        n: usize,
+        until: Option<&str>,
+    ) -> Vec<(String, String, u64)> {
+        let mut next = Vec::new();
+        let Some(view) = self.queues.get(queue) else {
+            return next;
+        };
         let policy = self.policies.get(queue);
         let leased = self.leased.get(queue);
-        let view = self.queues.get(queue)?;
         let offers = &view.offers;
-        let taken = |name: &str, _rv: &str| offers.get(name).is_some_and(|o| o.until > now);
-        let vtime = view.vtime;
         // Within the limits, counting the offers that stand as claims to come: a scope
         // at its limit is not offered (its sidecars would find no free slot). Counted
         // once per offer, by key, and only for a queue with limits.
         let (max, per_key) = policy.map_or((None, None), |p| (p.max_leased, p.max_leased_per_key));
+        let limited = max.is_some() || per_key.is_some();
         let mut used: HashMap<&str, usize> = HashMap::new();
-        if max.is_some() || per_key.is_some() {
+        if limited {
             let leased_keys = leased.into_iter().flat_map(|l| l.values().map(|h| &h.key));
             let offered_keys = offers.values().filter(|o| o.until > now).map(|o| &o.key);
             for key in leased_keys.chain(offered_keys) {
@@ -344,30 +360,55 @@ impl Dispatch {
             }
         }
         let room = |max: Option<u32>, n: usize| max.is_none_or(|m| n < m as usize);
-        if !room(max, used.values().sum()) {
-            return None;
+        // The offers told so far, as `offer` would have recorded them.
+        let mut told: HashSet<String> = HashSet::new();
+        let mut passes: HashMap<&str, u64> = HashMap::new();
+        let mut vtime = view.vtime;
+        while next.len() < n && room(max, used.values().sum()) {
+            let taken = |name: &str, _rv: &str| {
+                told.contains(name) || offers.get(name).is_some_and(|o| o.until > now)
+            };
+            // The key whose turn it is: the lowest pass (a key back from idle at the queue's
+            // vtime), ties going to the head first in claim order (priority, then age), so a
+            // queue of one key is offered in plain claim order.
+            let Some((pass, key, name)) = view
+                .lanes
+                .iter()
+                .filter(|(key, _)| {
+                    key.is_empty() || room(per_key, used.get(key.as_str()).copied().unwrap_or(0))
+                })
+                .filter_map(|(key, lane)| {
+                    let (name, place) = lane.index.head(now, taken)?;
+                    let pass = passes.get(key.as_str()).copied().unwrap_or(lane.pass);
+                    Some((pass.max(vtime), place, key, name))
+                })
+                .min_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
+                .map(|(pass, _, key, name)| (pass, key, name.to_string()))
+            else {
+                break;
+            };
+            let weight = policy.map_or(1, |p| queue::weight_of(&p.weights, key));
+            passes.insert(key.as_str(), pass + STRIDE / u64::from(weight.max(1)));
+            vtime = pass;
+            if limited {
+                *used.entry(key.as_str()).or_default() += 1;
+            }
+            let last = until == Some(name.as_str());
+            told.insert(name.clone());
+            next.push((key.clone(), name, pass));
+            if last {
+                break;
+            }
         }
-        // The key whose turn it is: the lowest pass (a key back from idle at the queue's
-        // vtime), ties going to the head first in claim order (priority, then age), so a
-        // queue of one key is offered in plain claim order.
-        view.lanes
-            .iter()
-            .filter(|(key, _)| {
-                key.is_empty() || room(per_key, used.get(key.as_str()).copied().unwrap_or(0))
-            })
-            .filter_map(|(key, lane)| {
-                let (name, place) = lane.index.head(now, taken)?;
-                Some((lane.pass.max(vtime), place, key, name))
-            })
-            .min_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
-            .map(|(pass, _, key, name)| (key.clone(), name.to_string(), pass))
+        next
     }
 
-    /// Whether the next offer from `queue` at `now` would be the job `name` (a worker that asks
-    /// now gets it).
-    pub fn offers_next(&self, queue: &QueueKey, name: &str, now: Timestamp) -> bool {
-        self.next_offer(queue, now)
-            .is_some_and(|(_, next, _)| next == name)
+    /// Whether the job `name` is among the next `n` offers from `queue` at `now`: `n` workers
+    /// asking now, one after another, would be offered it.
+    pub fn offers_within(&self, queue: &QueueKey, name: &str, now: Timestamp, n: usize) -> bool {
+        self.next_offers(queue, now, n, Some(name))
+            .iter()
+            .any(|(_, next, _)| next == name)
     }
 
     /// The job to offer `worker` from `queue` at `now`, and the offer recorded: the first

@@ -438,30 +438,86 @@ fn a_queue_emptied_by_a_relist_is_forgotten() {
 }
 
 #[test]
-fn the_next_offer_is_told_without_being_made() {
+fn the_next_offers_are_told_without_being_made() {
     let mut d = Dispatch::new();
     let now = at_ms(1_000_000);
     d.observe(Change::Applied(&keyed("a0", "a", 1)));
     d.observe(Change::Applied(&keyed("a1", "a", 2)));
-    assert!(d.offers_next(&q("ns"), "a0", now));
-    assert!(!d.offers_next(&q("ns"), "a1", now), "behind a0");
+    d.observe(Change::Applied(&keyed("a2", "a", 3)));
+    assert!(d.offers_within(&q("ns"), "a0", now, 1));
+    assert!(!d.offers_within(&q("ns"), "a1", now, 1), "behind a0");
+    assert!(d.offers_within(&q("ns"), "a1", now, 2));
+    assert!(!d.offers_within(&q("ns"), "a2", now, 2));
+    assert!(!d.offers_within(&q("ns"), "a0", now, 0), "no poll waits");
     assert!(
-        d.offers_next(&q("ns"), "a0", now),
+        d.offers_within(&q("ns"), "a0", now, 1),
         "telling recorded nothing"
     );
     assert_eq!(names(d.offer(&q("ns"), "w", now)), Some("a0".into()));
-    assert!(d.offers_next(&q("ns"), "a1", now));
+    assert!(d.offers_within(&q("ns"), "a1", now, 1));
     // A key at its limit offers nothing, so nothing of it is next.
     d.set_policy(
         &q("ns"),
         Some(Policy {
-            max_leased_per_key: Some(1),
+            max_leased_per_key: Some(2),
             ..Policy::default()
         }),
     );
+    assert!(d.offers_within(&q("ns"), "a1", now, 3));
     assert!(
-        !d.offers_next(&q("ns"), "a1", now),
-        "a0's offer fills the key"
+        !d.offers_within(&q("ns"), "a2", now, 3),
+        "a0's offer and a1's fill the key"
     );
-    assert!(!d.offers_next(&q("other"), "a1", now), "no such queue");
+    assert!(!d.offers_within(&q("other"), "a1", now, 3), "no such queue");
+}
+
+/// A queue with three keys of unequal weights, two priorities and a limit per key, seen the
+/// same way by every dispatcher this makes.
+fn mixed() -> Dispatch {
+    let mut d = Dispatch::new();
+    for i in 0..30 {
+        let key = ["a", "b", "c"][i % 3];
+        let mut j = keyed(&format!("{key}{i:02}"), key, i as i64);
+        j.spec.priority = i32::from(i % 7 == 0);
+        d.observe(Change::Applied(&j));
+    }
+    d.set_policy(
+        &q("ns"),
+        Some(Policy {
+            weights: [("a".to_string(), 3), ("b".to_string(), 2)].into(),
+            max_leased_per_key: Some(6),
+            ..Policy::default()
+        }),
+    );
+    d
+}
+
+#[test]
+fn the_next_offers_told_are_the_offers_then_made() {
+    let now = at_ms(1_000_000);
+    for made_first in [0, 1, 5] {
+        let (mut told, mut made) = (mixed(), mixed());
+        for d in [&mut told, &mut made] {
+            for w in 0..made_first {
+                d.offer(&q("ns"), &format!("early{w}"), now).unwrap();
+            }
+        }
+        let expected: Vec<String> = (0..20)
+            .map_while(|w| made.offer(&q("ns"), &format!("w{w}"), now))
+            .map(|h| h.name)
+            .collect();
+        let got: Vec<String> = told
+            .next_offers(&q("ns"), now, 20, None)
+            .into_iter()
+            .map(|(_, name, _)| name)
+            .collect();
+        assert_eq!(got, expected, "after {made_first} offers");
+        assert!(
+            expected.len() < 20,
+            "the limits end the offers: {expected:?}"
+        );
+        let last = expected.last().unwrap();
+        assert!(told.offers_within(&q("ns"), last, now, expected.len()));
+        assert!(!told.offers_within(&q("ns"), last, now, expected.len() - 1));
+    }
 }
