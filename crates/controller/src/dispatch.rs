@@ -34,8 +34,10 @@ pub const INITIAL_HOLD: Duration =
     Duration::from_millis(leasehold_core::dispatch::OFFER_TTL_MS.unsigned_abs());
 
 /// The most waiting polls [`Dispatcher::may_claim_soon`] counts: a job further back than this
-/// many offers is initialised at once (telling the next offers costs about their number
-/// squared).
+/// many offers is initialised at once. Telling the next W offers looks at the head of every
+/// lane (concurrency key) of the queue W times, each head passing over the jobs already told
+/// or offered, under the dispatcher's lock; it stops at the job asked about, which in a queue
+/// whose waiting polls take each new job is the first.
 pub const HELD_FOR_AT_MOST: usize = 64;
 
 /// A dispatcher and where it is advertised ([`crate::Config::dispatch`]).
@@ -139,8 +141,10 @@ impl Dispatcher {
     /// polls of its queue that wait (at most [`HELD_FOR_AT_MOST`]): the controller's watch fed
     /// it here before the job's reconcile, and woke a poll, which wakes the next when it gets
     /// an offer, so jobs created together go to as many waiting polls. A job behind those in
-    /// claim order, or in a scope at its limit, is not: a claim of it may be far off. The controller then holds its initial status write back
-    /// ([`INITIAL_HOLD`]), so that the claim, not that write, is the job's first.
+    /// claim order, or in a scope at its limit, is not: a claim of it may be far off. The
+    /// controller then holds its initial status write back ([`INITIAL_HOLD`]), so that the
+    /// claim, not that write, is the job's first. W may count a poll that has just been
+    /// answered and not yet left: a job held for it gets its initial status 2 s late.
     ///
     /// Advice only: a wrong answer costs an initial status written up to [`INITIAL_HOLD`]
     /// late, or one 409 for the claim or that write (both are guarded by the job's
