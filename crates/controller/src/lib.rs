@@ -8,6 +8,8 @@
 //! - [`dispatch`]: the dispatcher, which offers waiting jobs to waiting workers;
 //! - [`crd_check`]: the start-up check that the installed CRD is up to date;
 //! - `expire`: the expiry look at one Leased job and its requeue;
+//! - `initial_hold`: the new jobs whose initial status write waits for a claim the dispatcher
+//!   is about to answer;
 //! - `queues`: the LeasedQueue objects: their pause (told to the dispatcher), status, Events;
 //! - `report`: per-queue metrics and the Undecodable Events;
 //! - `transitions`: the Events and counts of the transitions seen (claims, completions, ...);
@@ -51,6 +53,7 @@ pub mod crd_check;
 pub mod crd_upgrade;
 pub mod dispatch;
 mod expire;
+mod initial_hold;
 pub mod leader;
 mod queues;
 pub mod reinject;
@@ -206,7 +209,7 @@ pub struct Context {
     dispatcher: Option<Arc<dispatch::Dispatcher>>,
     /// Jobs not initialised yet whose initial status write is held back, and since when
     /// ([`Context::initialise_after`]).
-    held_back: Mutex<HashMap<ObjectRef<LeasedJob>, tokio::time::Instant>>,
+    held_back: initial_hold::InitialHolds<ObjectRef<LeasedJob>>,
 }
 
 /// Reconciles run at once, at most: the workers taking jobs from the queue. With no limit, a
@@ -215,10 +218,6 @@ pub struct Context {
 /// write), so a few dozen keep up with any rate the API server sustains; the rest wait as keys
 /// in the queue.
 pub const RECONCILE_CONCURRENCY: u16 = 32;
-
-/// The number of jobs held back from initialisation ([`Context`]'s `initialise_after`) at which
-/// those whose hold is long over are forgotten.
-const HELD_BACK_PRUNED_AT: usize = 4096;
 
 /// Runs the controller until SIGTERM/SIGINT, reporting into `metrics` and `health` (ready
 /// once both watches have synced).
@@ -313,7 +312,7 @@ pub async fn run(clients: Clients, config: Config, metrics: Arc<Metrics>, health
         fresh_reads: Mutex::default(),
         stalled: Mutex::default(),
         dispatcher: config.dispatch.as_ref().map(|d| Arc::clone(&d.dispatcher)),
-        held_back: Mutex::default(),
+        held_back: initial_hold::InitialHolds::default(),
     });
     let queue: Arc<WorkQueue<JobKey>> = Arc::new(WorkQueue::new());
     let job_stream = watch::watch(
@@ -438,30 +437,22 @@ impl Context {
     /// a change that left it without status) and a worker may claim it again.
     fn initialise_after(&self, job: &LeasedJob) -> Option<Duration> {
         let dispatcher = self.dispatcher.as_ref()?;
-        let key = ObjectRef::from_obj(job);
-        let mut held_back = self.held_back.lock().unwrap();
-        if !leasehold_core::claim::claimable(job, &job.spec.queue, Timestamp::now()) {
-            held_back.remove(&key);
-            return None;
+        let claimable = leasehold_core::claim::claimable(job, &job.spec.queue, Timestamp::now());
+        self.held_back.hold_for(
+            ObjectRef::from_obj(job),
+            claimable,
+            || dispatcher.may_claim_soon(job),
+            std::time::Instant::now(),
+        )
+    }
+
+    /// Forgets the hold of `job`'s initial status write, if it had one: it has a status now
+    /// (a claim made during the hold, or that write).
+    fn initialised(&self, job: &LeasedJob) {
+        // Most reconciles find no hold at all: no key is built for them.
+        if self.dispatcher.is_some() && !self.held_back.is_empty() {
+            self.held_back.forget(&ObjectRef::from_obj(job));
         }
-        if let Some(since) = held_back.get(&key) {
-            let left = dispatch::INITIAL_HOLD.saturating_sub(since.elapsed());
-            if left.is_zero() {
-                held_back.remove(&key);
-                return None;
-            }
-            return Some(left);
-        }
-        if !dispatcher.may_claim_soon(job) {
-            return None;
-        }
-        // Jobs claimed (or deleted) while held back are not looked at again here: forget
-        // them once their hold is long over.
-        if held_back.len() >= HELD_BACK_PRUNED_AT {
-            held_back.retain(|_, since| since.elapsed() < dispatch::INITIAL_HOLD * 2);
-        }
-        held_back.insert(key, tokio::time::Instant::now());
-        Some(dispatch::INITIAL_HOLD)
     }
 
     /// Ok while this replica leads; ask immediately before every write.
@@ -581,6 +572,7 @@ pub async fn reconcile(job: Arc<LeasedJob>, ctx: Arc<Context>) -> Result<Action,
         initialise(&jobs, &job, &ctx.post_params()).await?;
         return Ok(Action::await_change());
     };
+    ctx.initialised(&job);
     let lease_name = status
         .lease_name
         .clone()
