@@ -169,6 +169,15 @@ async fn serve_on(
                 }
             },
         };
+        // Without TCP_NODELAY, a small write that follows another small one not yet
+        // acknowledged waits for that acknowledgement (Nagle's algorithm), which the peer may
+        // delay by up to 40 ms (delayed ACK): a poll's offer written just after a keep-alive
+        // newline could reach its sidecar that late. The API client had exactly this stall
+        // (leasehold_kube::api::client). Every answer here is written whole, so nothing is
+        // gained by coalescing.
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(%peer, error = %e, "Could not set TCP_NODELAY on the connection from {peer}");
+        }
         let router = router.clone();
         let body_timeout = limits.body_timeout;
         // Router's error type is Infallible: every failure is an answer.

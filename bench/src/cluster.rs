@@ -104,7 +104,7 @@ impl Bench {
                 config.cluster_url
             );
         }
-        let client = Client::try_from(config.clone()).context("client")?;
+        let client = leasehold_kube::api::client(config.clone()).context("client")?;
         let run_id = format!("{:06x}", rand::random::<u32>() & 0xff_ffff);
         Ok(Bench {
             kubeconfig,
@@ -118,9 +118,10 @@ impl Bench {
         })
     }
 
-    /// A new client with its own connection pool, as a separate process would have.
+    /// A new client with its own connection pool, as a separate process would have, built as
+    /// the controller and the sidecar build theirs ([`leasehold_kube::api::client`]).
     pub fn new_client(&self) -> anyhow::Result<Client> {
-        Client::try_from(self.config.clone()).context("client")
+        leasehold_kube::api::client(self.config.clone()).context("client")
     }
 
     /// The API server's version, e.g. `v1.37.2`.
