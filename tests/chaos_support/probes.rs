@@ -44,6 +44,40 @@ impl Chaos {
         }
     }
 
+    /// Waits until the leading controller renews its Lease after this call began: its writes
+    /// land again. Expiry is judged by the leader on its own clock from when it sees each
+    /// renewal (docs/protocol.md, "Expiry"), and a replica that (re)gains leadership first
+    /// waits a whole leaseDurationSeconds from its first sighting, so a fault that cost the
+    /// leader its term (an etcd restart during which its renewals failed) ends only when a
+    /// leader renews again. Answers how long that took; an error after `within`.
+    pub(crate) async fn leader_renewing(&self, within: Duration) -> Result<Duration, String> {
+        let began = Instant::now();
+        let from = Timestamp::now();
+        loop {
+            let lease = tokio::time::timeout(
+                Duration::from_secs(5),
+                self.leases.get_opt("leasehold-controller"),
+            )
+            .await;
+            let renewed = match lease {
+                Ok(Ok(Some(l))) => l
+                    .spec
+                    .and_then(|s| s.renew_time)
+                    .is_some_and(|t| t.0 > from),
+                _ => false,
+            };
+            if renewed && self.leader().await.is_some() {
+                return Ok(began.elapsed());
+            }
+            if began.elapsed() > within {
+                return Err(format!(
+                    "no controller leader renewed its Lease within {within:?} of the API server's readiness"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Dispatch probe: a claim already waiting in the probe sidecar's long poll, a job
     /// created for it; (create -> claimed, fault end -> claimed).
     pub(crate) async fn dispatch_probe(
@@ -184,6 +218,15 @@ impl Chaos {
     ) {
         if let Err(e) = self.api_ready(Duration::from_secs(60)).await {
             self.violations.push(format!("after {fault}: {e}"));
+        }
+        let mut detail = detail;
+        match self.leader_renewing(Duration::from_secs(30)).await {
+            // The leader renews every retry period (0.5 s): longer means its writes failed.
+            Ok(took) if took > Duration::from_secs(1) => {
+                detail = format!("{detail}; leader renewing {}s after", secs(took));
+            }
+            Ok(_) => {}
+            Err(e) => self.violations.push(format!("after {fault}: {e}")),
         }
         self.probes += 1;
         let n = self.probes;

@@ -287,8 +287,7 @@ mod tests {
     #[tokio::test]
     async fn the_client_sends_to_the_configured_server_with_its_credentials_and_headers() {
         let (url, head) =
-            one_request_server(Some(r#"{"major":"1","minor":"37","gitVersion":"v1.37.2"}"#))
-                .await;
+            one_request_server(Some(r#"{"major":"1","minor":"37","gitVersion":"v1.37.2"}"#)).await;
         let client = client(config_for(&url)).unwrap();
         let version = client.apiserver_version().await.unwrap();
         assert_eq!(version.git_version, "v1.37.2");
