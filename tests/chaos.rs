@@ -16,8 +16,9 @@
 //! release, or one expiry), every result equal to what the payload determines, no job Lease left
 //! naming a token its job still holds or a newer attempt than its job's (nothing blocks a claim),
 //! every process still healthy; and after each fault ends, once the API
-//! server is ready and a controller leader renews its Lease again (within 30 s; a fault that
-//! cost the leader its term shows how long that took): dispatch (create -> claimed by a worker waiting in a long poll) <= 1 s and
+//! server is ready and accepts writes, a controller leader renews its Lease within the leader
+//! Lease + 1 s (a fault that cost the leader its term shows how long that took), and then:
+//! dispatch (create -> claimed by a worker waiting in a long poll) <= 1 s and
 //! expiry (last renewTime of a killed holder -> requeue seen) <= leaseDurationSeconds + 1 s;
 //! and while a dispatcher fault holds (the leader frozen or killed, the dispatcher's path
 //! stalled, both replicas dead), dispatch <= 1 s too: claims do not wait on the dispatcher.

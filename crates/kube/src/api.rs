@@ -65,8 +65,9 @@ impl Clients {
 
 /// A client built from `config` as kube builds one (its TLS, authentication, extra headers
 /// and timeouts, with the connect, read and write timeouts of `config`), except that every
-/// connection sets TCP_NODELAY, and without kube's tracing spans and retry layer (leasehold
-/// retries on its own: [`Clients::from_config`]).
+/// connection sets TCP_NODELAY, and without kube's tracing layer (its debug span per request
+/// and its error line per failed one: leasehold logs its own) and retry layer
+/// (`config.default_retry` is not read: leasehold retries on its own, [`Clients::from_config`]).
 ///
 /// Why: kube's connector leaves Nagle's algorithm on. A request written while an earlier
 /// small write of the same connection is not yet acknowledged then waits for that
@@ -75,10 +76,28 @@ impl Clients {
 /// (benchmark row 11c). Every request is written whole, so nothing is gained by coalescing.
 ///
 /// # Errors
-/// When the TLS configuration or the credentials of `config` cannot be loaded.
+/// When the TLS configuration or the credentials of `config` cannot be loaded; when `config`
+/// names a proxy (kube's proxy features are not built in: the error kube itself gives, naming
+/// the feature), or an `https` server while no TLS backend is built in
+/// ([`kube::Error::TlsRequired`]).
 pub fn client(config: Config) -> Result<Client, kube::Error> {
     use kube::client::ConfigExt;
 
+    if let Some(proxy_url) = config.proxy_url.as_ref() {
+        let protocol_feature = match proxy_url.scheme_str() {
+            Some("socks5") => "kube/socks5",
+            Some("http" | "https") => "kube/http-proxy",
+            _ => {
+                return Err(kube::Error::ProxyProtocolUnsupported {
+                    proxy_url: Box::new(proxy_url.clone()),
+                })
+            }
+        };
+        return Err(kube::Error::ProxyProtocolDisabled {
+            proxy_url: Box::new(proxy_url.clone()),
+            protocol_feature,
+        });
+    }
     let mut tcp = hyper_util::client::legacy::connect::HttpConnector::new();
     tcp.enforce_http(false);
     tcp.set_nodelay(true);
@@ -87,7 +106,11 @@ pub fn client(config: Config) -> Result<Client, kube::Error> {
     #[cfg(all(not(feature = "rustls-tls"), feature = "openssl-tls"))]
     let tls = config.openssl_https_connector_with_connector(tcp)?;
     #[cfg(all(not(feature = "rustls-tls"), not(feature = "openssl-tls")))]
-    let tls = tcp;
+    let tls = if config.cluster_url.scheme_str() == Some("https") {
+        return Err(kube::Error::TlsRequired);
+    } else {
+        tcp
+    };
     let mut connector = hyper_timeout::TimeoutConnector::new(tls);
     connector.set_connect_timeout(config.connect_timeout);
     connector.set_read_timeout(config.read_timeout);
@@ -295,6 +318,20 @@ mod tests {
         assert!(head.starts_with("get /version"), "{head}");
         assert!(head.contains("authorization: bearer sekret"), "{head}");
         assert!(head.contains("x-extra: yes"), "{head}");
+    }
+
+    #[test]
+    fn a_proxy_is_refused_as_kube_refuses_it_without_its_proxy_features() {
+        let mut config = config_for("https://127.0.0.1:6443");
+        config.proxy_url = Some("http://proxy.example:3128".parse().unwrap());
+        let refused = client(config.clone()).err().expect("refused");
+        assert!(
+            matches!(&refused, kube::Error::ProxyProtocolDisabled { protocol_feature, .. } if *protocol_feature == "kube/http-proxy"),
+            "{refused:?}"
+        );
+        config.proxy_url = Some("socks5://proxy.example:1080".parse().unwrap());
+        let refused = client(config).err().expect("refused");
+        assert!(refused.to_string().contains("kube/socks5"), "{refused}");
     }
 
     #[tokio::test]
