@@ -258,8 +258,9 @@ impl Chaos {
             Ok(_) => {}
             Err(e) => self.violations.push(format!("after {fault}: {e}")),
         }
-        // Once writes land, a leader renews within its retry period (0.5 s), or, when it lost
-        // its term, a replica takes the Lease within its duration: a bound of its own.
+        // Once writes land, a leader renews within its retry period (0.5 s); one that lost its
+        // term takes the Lease back at its next try (the Lease names its own pod), or a standby
+        // takes it once it lapses (3 s): a bound of its own.
         let leader_bound = LEADER_LEASE + Duration::from_secs(1);
         match self.leader_renewing(Duration::from_secs(30)).await {
             Ok(took) => {

@@ -77,9 +77,10 @@ impl Clients {
 ///
 /// # Errors
 /// When the TLS configuration or the credentials of `config` cannot be loaded; when `config`
-/// names a proxy (kube's proxy features are not built in: the error kube itself gives, naming
-/// the feature), or an `https` server while no TLS backend is built in
-/// ([`kube::Error::TlsRequired`]).
+/// names a proxy (a kubeconfig's `proxy-url`, or `HTTPS_PROXY` read along with a kubeconfig;
+/// an in-cluster configuration has none): kube's proxy features are not built in, and the
+/// error is the one kube itself gives, naming the feature; or when it names an `https`
+/// server while no TLS backend is built in ([`kube::Error::TlsRequired`]).
 pub fn client(config: Config) -> Result<Client, kube::Error> {
     use kube::client::ConfigExt;
 
