@@ -423,16 +423,32 @@ class Handler:
         result = {"task": plan["task"]}
         result.update(figures)
         result.update({"file": plan["file"], "resumedFromOffset": resumed_from, "worker": self.args.name})
-        if job.lost is not None:
-            # --insist: what a naive worker would do; the sidecar and the API server refuse it.
-            out.say("--insist: lease was lost, completing %s anyway" % job.name)
-            try:
-                self.client.complete(job.name, job.token, result, job.attempt)
-            except leasehold.LeaseholdError:
-                pass
-            return None
+        if self.args.insist:
+            return self.insist(job, result)
         out.say("completing %s: %s" % (job.name, json.dumps(result)))
         return result
+
+    def insist(self, job, result):
+        """--insist: what a naive worker would do. It sends its result with the token it was
+        given even when the lease is known lost, whenever that was learnt: before this point,
+        or while the client's own complete waited (a worker frozen right here wakes to a lost
+        lease, and the client's guard would withhold the result). The sidecar and the API
+        server refuse it with 409."""
+        if job.lost is None:
+            self.out.say("completing %s: %s" % (job.name, json.dumps(result)))
+            try:
+                job.complete(result)
+                return None
+            except leasehold.JobLost:
+                # Learnt just now: the guard withheld the result, or it was sent and refused
+                # (then it is sent, and refused, once more).
+                pass
+        self.out.say("--insist: lease was lost, completing %s anyway" % job.name)
+        try:
+            self.client.complete(job.name, job.token, result, job.attempt)
+        except leasehold.LeaseholdError:
+            pass
+        return None
 
     def pause(self, job, delay):
         """The chunk's simulated work. Raises when the job is lost or the worker stops,

@@ -38,25 +38,29 @@ impl Chaos {
         });
     }
 
-    /// A random pod whose worker holds a job right now (its last event is a claim or a
-    /// heartbeat), among the `--insist` ones when `insisting`; any pod when none is busy.
-    /// Returns the pod and whether it was busy.
-    pub(crate) fn pick_pod(&mut self, insisting: bool) -> (usize, bool) {
+    /// A random pod whose worker seems to hold a job right now (its last event is a claim or
+    /// a heartbeat), among the `--insist` ones when `insisting`; any pod when none is busy.
+    /// Returns the pod and, when busy, the job and attempt of that last event. The events
+    /// only suggest it: the worker may be sending its result at this very moment, so what
+    /// the attempt became is judged at the end from the job itself ([`Zombie`]).
+    pub(crate) fn pick_pod(&mut self, insisting: bool) -> (usize, Option<(String, i64)>) {
         let events = self.events.all();
-        let busy: Vec<usize> = (0..self.pods.len())
+        let busy: Vec<(usize, (String, i64))> = (0..self.pods.len())
             .filter(|&i| !insisting || self.pods[i].worker_flags.contains(&"--insist"))
-            .filter(|&i| {
+            .filter_map(|i| {
                 let worker = format!("worker-{}", self.pods[i].id);
                 let last = events
                     .iter()
                     .rev()
-                    .find(|e| e.worker == worker && e.kind() != "error");
-                last.is_some_and(|e| matches!(e.kind(), "claimed" | "heartbeat"))
+                    .find(|e| e.worker == worker && e.kind() != "error")?;
+                let holds = matches!(last.kind(), "claimed" | "heartbeat");
+                let job = last.job().filter(|_| holds)?;
+                Some((i, (job.to_string(), last.attempt())))
             })
             .collect();
         match busy.choose(&mut self.rng) {
-            Some(&i) => (i, true),
-            None => (self.rng.random_range(0..self.pods.len()), false),
+            Some((i, held)) => (*i, Some(held.clone())),
+            None => (self.rng.random_range(0..self.pods.len()), None),
         }
     }
 
@@ -103,9 +107,14 @@ impl Chaos {
         match fault {
             Fault::WorkerStop | Fault::SidecarStop => {
                 // A frozen insisting worker completes anyway when it wakes: a superseded write.
-                let (i, busy) = self.pick_pod(fault == Fault::WorkerStop);
-                if busy && fault == Fault::WorkerStop {
-                    self.zombies += 1;
+                let (i, held) = self.pick_pod(fault == Fault::WorkerStop);
+                let busy = held.is_some();
+                if let (Some((job, attempt)), Fault::WorkerStop) = (held, fault) {
+                    self.zombies.push(Zombie {
+                        worker: format!("worker-{}", self.pods[i].id),
+                        job,
+                        attempt,
+                    });
                 }
                 let pod = &self.pods[i];
                 let target = if fault == Fault::WorkerStop {
@@ -335,22 +344,45 @@ impl Chaos {
         .await
     }
 
-    /// Resumes a watch of LeasedJobs from `rv`; says what the first answer was.
+    /// Resumes a watch of LeasedJobs from `rv`; says what the first definite answer was. A
+    /// restarted API server may not serve yet (429 while its storage initialises, a 5xx, a
+    /// refused connection, no answer): such answers are asked again for up to 30 s, and the
+    /// last is said if none is definite.
     pub(crate) async fn watch_is_gone(&self, rv: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (answer, definite) = self.watch_once(rv).await;
+            if definite || Instant::now() >= deadline {
+                return answer;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// One watch of LeasedJobs from `rv`: its first answer, and whether that answer is
+    /// definite (an HTTP status other than 429 and 5xx, an ERROR event, an object event, or
+    /// the end of the stream).
+    async fn watch_once(&self, rv: &str) -> (String, bool) {
         let wp = WatchParams::default().timeout(5);
-        match self.jobs.watch(&wp, rv).await {
-            Err(kube::Error::Api(s)) => format!("HTTP {} {}", s.code, s.message),
-            Err(e) => format!("error {e}"),
-            Ok(stream) => {
+        let transient = |code: u16| code == 429 || code >= 500;
+        let watched = tokio::time::timeout(Duration::from_secs(8), self.jobs.watch(&wp, rv)).await;
+        match watched {
+            Err(_) => ("no answer to the watch within 8 s".into(), false),
+            Ok(Err(kube::Error::Api(s))) => {
+                (format!("HTTP {} {}", s.code, s.message), !transient(s.code))
+            }
+            Ok(Err(e)) => (format!("error {e}"), false),
+            Ok(Ok(stream)) => {
                 let mut stream = stream.boxed();
                 match tokio::time::timeout(Duration::from_secs(8), stream.try_next()).await {
-                    Ok(Ok(Some(WatchEvent::Error(e)))) => {
-                        format!("watch event ERROR {} {}", e.code, e.message)
-                    }
-                    Ok(Ok(Some(_))) => "an object event (no 410)".into(),
-                    Ok(Ok(None)) => "the end of the stream (no 410)".into(),
-                    Ok(Err(e)) => format!("stream error {e}"),
-                    Err(_) => "nothing within 8 s".into(),
+                    Ok(Ok(Some(WatchEvent::Error(e)))) => (
+                        format!("watch event ERROR {} {}", e.code, e.message),
+                        !transient(e.code),
+                    ),
+                    Ok(Ok(Some(_))) => ("an object event (no 410)".into(), true),
+                    Ok(Ok(None)) => ("the end of the stream (no 410)".into(), true),
+                    Ok(Err(e)) => (format!("stream error {e}"), false),
+                    Err(_) => ("nothing within 8 s".into(), false),
                 }
             }
         }

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
-use kube::runtime::watcher;
+use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, ResourceExt};
 use leasehold_core::crd::{LeasedJob, Phase};
 
@@ -39,7 +39,9 @@ pub fn follow(
         tokio::spawn(async move {
             let mut now: HashMap<String, (String, Phase)> = HashMap::new();
             let mut relist: Option<HashMap<String, (String, Phase)>> = None;
-            let mut events = std::pin::pin!(watcher(api, watcher::Config::default()));
+            // Backed off, so that a down API server is not asked in a tight loop.
+            let mut events =
+                std::pin::pin!(watcher(api, watcher::Config::default()).default_backoff());
             while let Some(event) = events.next().await {
                 let Ok(event) = event else { continue };
                 let entry = |job: &LeasedJob| {
