@@ -95,6 +95,7 @@ class Output:
         self.name = name
         self.lock = threading.Lock()
         self.offsets = {}  # (job, attempt) -> offset of the last checkpoint sent
+        self.completes = {}  # (job, attempt) -> complete calls sent (answered or not)
 
     def event(self, **fields):
         line = json.dumps(fields, separators=(",", ":"))
@@ -109,6 +110,10 @@ class Output:
 
     def on_event(self, e):
         """The client's events, in the format of the module docstring."""
+        if e.kind == "complete":
+            key = (e.name, e.attempt)
+            with self.lock:
+                self.completes[key] = self.completes.get(key, 0) + 1
         if e.kind == "claimed":
             return  # the handler reports it, with resumeFrom
         if e.kind in ("idle", "error") or e.status is None:
@@ -433,16 +438,19 @@ class Handler:
         given even when the lease is known lost, whenever that was learnt: before this point,
         or while the client's own complete waited (a worker frozen right here wakes to a lost
         lease, and the client's guard would withhold the result). The sidecar and the API
-        server refuse it with 409."""
+        server refuse it with 409. (A loss the client only presumed, LeaseUnconfirmed, after
+        its heartbeats failed, may not be one: then the result can still be accepted.)"""
         if job.lost is None:
             self.out.say("completing %s: %s" % (job.name, json.dumps(result)))
+            key = (job.name, job.attempt)
+            sent = self.out.completes.get(key, 0)
             try:
                 job.complete(result)
                 return None
             except leasehold.JobLost:
-                # Learnt just now: the guard withheld the result, or it was sent and refused
-                # (then it is sent, and refused, once more).
-                pass
+                if self.out.completes.get(key, 0) != sent:
+                    return None  # sent, and refused: insisted on already
+                # Learnt just now, and the guard withheld the result: send it anyway.
         self.out.say("--insist: lease was lost, completing %s anyway" % job.name)
         try:
             self.client.complete(job.name, job.token, result, job.attempt)

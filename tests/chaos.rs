@@ -16,8 +16,9 @@
 //! release, or one expiry), every result equal to what the payload determines, no job Lease left
 //! naming a token its job still holds or a newer attempt than its job's (nothing blocks a claim),
 //! every process still healthy; every busy insisting worker frozen past its lease either ended
-//! its attempt before the attempt expired or, once it expired, sent its result anyway and saw it
-//! refused with 409 (the fencing exercised); and after each fault ends, once the API
+//! its attempt (answered 200) before the attempt expired or, once it expired, wrote anyway and
+//! had a write of that attempt refused with 409 (the fencing exercised); and after each fault
+//! ends, once the API
 //! server is ready and accepts writes, a controller leader renews its Lease within the leader
 //! Lease + 1 s (a fault that cost the leader its term shows how long that took), and then:
 //! dispatch (create -> claimed by a worker waiting in a long poll) <= 1 s and
@@ -235,12 +236,13 @@ struct Chaos {
     violations: Vec<String>,
     /// Compaction revision and what proved a watch got 410.
     gone_checks: Vec<String>,
-    /// A compaction's log check still to make once its probes ran: the count of 410 lines
-    /// per process before it, and the revision compacted.
-    pending_gone_check: Option<(std::collections::BTreeMap<String, usize>, i64)>,
+    /// A compaction's checks still to make once its probes ran: the count of 410 lines per
+    /// process before it, the revision compacted, and a resourceVersion from before it.
+    pending_gone_check: Option<(std::collections::BTreeMap<String, usize>, i64, String)>,
     /// The dispatch probe made during the fault being injected, for its row.
     during: Option<Duration>,
-    /// Busy `--insist` workers frozen past their lease (each should write as a zombie).
+    /// Busy `--insist` workers frozen past their lease, each judged at the end by what its
+    /// attempt became ([`Zombie`]).
     zombies: Vec<Zombie>,
     started: Instant,
 }

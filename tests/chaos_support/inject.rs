@@ -3,14 +3,27 @@
 use crate::*;
 
 impl Chaos {
-    /// After a compaction's probes: records which leasehold processes logged a watch answered
-    /// 410 since the compaction (none is expected: a watch that lost the API server re-lists
-    /// instead of resuming from its old resourceVersion, watch.rs; the test's own watch proves
-    /// the 410). Waits up to 5 s for such lines.
+    /// After a compaction's probes: a watch of LeasedJobs resumed from a resourceVersion
+    /// before the compaction must get 410 Gone (a violation otherwise), and which leasehold
+    /// processes logged a watch answered 410 since the compaction is recorded (none is
+    /// expected: a watch that lost the API server re-lists instead of resuming from its old
+    /// resourceVersion, watch.rs; the test's own watch proves the 410). Waits up to 5 s for
+    /// such lines.
     pub(crate) async fn finish_gone_check(&mut self) {
-        let Some((before, revision)) = self.pending_gone_check.take() else {
+        let Some((before, revision, old_rv)) = self.pending_gone_check.take() else {
             return;
         };
+        let (code, gone) = self.watch_is_gone(&old_rv).await;
+        self.gone_checks.push(format!(
+            "compacted etcd at revision {revision}; a watch of LeasedJobs from resourceVersion \
+             {old_rv} then got: {gone}"
+        ));
+        if code != Some(410) {
+            self.violations.push(format!(
+                "after compaction at revision {revision}: a watch from resourceVersion {old_rv} \
+                 did not get 410 Gone but {gone}"
+            ));
+        }
         let seen = tokio::time::timeout(Duration::from_secs(5), async {
             loop {
                 let after = self.gone_lines();
@@ -249,23 +262,11 @@ impl Chaos {
                     .await
                     .unwrap();
                 let ended = Instant::now();
-                let gone = self.watch_is_gone(&old_rv).await;
-                self.gone_checks.push(format!(
-                    "compacted etcd at revision {}; a watch of LeasedJobs from resourceVersion \
-                     {old_rv} then got: {gone}",
-                    c.revision
-                ));
-                if !gone.contains("410") {
-                    self.violations.push(format!(
-                        "after compaction at revision {}: a watch from resourceVersion {old_rv} \
-                         did not get 410 Gone but {gone}",
-                        c.revision
-                    ));
-                }
-                // Whether the leasehold processes' own watches met the 410 too is looked at
-                // after the probes (finish_gone_check), so that waiting for their log lines is
-                // not counted as the system's recovery.
-                self.pending_gone_check = Some((before, c.revision));
+                // The test's own watch from before the compaction, and whether the leasehold
+                // processes' watches met the 410 too, are looked at after the probes
+                // (finish_gone_check), so that neither wait is counted as the system's
+                // recovery. A compacted revision stays compacted: the watch gets 410 then too.
+                self.pending_gone_check = Some((before, c.revision, old_rv));
                 (
                     format!("revision {}, apiserver restarted", c.revision),
                     ended,
@@ -344,14 +345,15 @@ impl Chaos {
         .await
     }
 
-    /// Resumes a watch of LeasedJobs from `rv`; says what the first definite answer was. A
-    /// restarted API server may not serve yet (429 while its storage initialises, a 5xx, a
-    /// refused connection, no answer): such answers are asked again for up to 30 s, and the
-    /// last is said if none is definite.
-    pub(crate) async fn watch_is_gone(&self, rv: &str) -> String {
+    /// Resumes a watch of LeasedJobs from `rv`: the status code of the first definite answer
+    /// (None for an answer without one) and what it was. A restarted API server may not serve
+    /// yet (429 while its storage initialises, a 5xx, a refused or cut connection, no
+    /// answer): such answers are asked again until 30 s have passed, each try bounded by what
+    /// is left, and the last is said if none is definite.
+    pub(crate) async fn watch_is_gone(&self, rv: &str) -> (Option<u16>, String) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let (answer, definite) = self.watch_once(rv).await;
+            let (answer, definite) = self.watch_once(rv, deadline).await;
             if definite || Instant::now() >= deadline {
                 return answer;
             }
@@ -359,32 +361,52 @@ impl Chaos {
         }
     }
 
-    /// One watch of LeasedJobs from `rv`: its first answer, and whether that answer is
-    /// definite (an HTTP status other than 429 and 5xx, an ERROR event, an object event, or
-    /// the end of the stream).
-    async fn watch_once(&self, rv: &str) -> (String, bool) {
+    /// One watch of LeasedJobs from `rv`, bounded by `deadline`: its first answer (a status
+    /// code if it has one, and a description), and whether that answer is definite: a status
+    /// other than 0, 429 and 5xx (as the answer to the request or as an ERROR event), an
+    /// object event, or the end of a stream the server kept open for most of its 5 s
+    /// timeout. Anything else (an error of the connection, a stream cut early, no answer
+    /// in time) is not.
+    async fn watch_once(&self, rv: &str, deadline: Instant) -> ((Option<u16>, String), bool) {
+        let left = || {
+            deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_secs(8))
+        };
+        let definite_code = |code: u16| code != 0 && code != 429 && code < 500;
         let wp = WatchParams::default().timeout(5);
-        let transient = |code: u16| code == 429 || code >= 500;
-        let watched = tokio::time::timeout(Duration::from_secs(8), self.jobs.watch(&wp, rv)).await;
-        match watched {
-            Err(_) => ("no answer to the watch within 8 s".into(), false),
+        let started = Instant::now();
+        let watched = tokio::time::timeout(left(), self.jobs.watch(&wp, rv)).await;
+        let stream = match watched {
+            Err(_) => return ((None, "no answer to the watch in time".into()), false),
             Ok(Err(kube::Error::Api(s))) => {
-                (format!("HTTP {} {}", s.code, s.message), !transient(s.code))
+                let said = format!("HTTP {} {}", s.code, s.message);
+                return ((Some(s.code), said), definite_code(s.code));
             }
-            Ok(Err(e)) => (format!("error {e}"), false),
-            Ok(Ok(stream)) => {
-                let mut stream = stream.boxed();
-                match tokio::time::timeout(Duration::from_secs(8), stream.try_next()).await {
-                    Ok(Ok(Some(WatchEvent::Error(e)))) => (
-                        format!("watch event ERROR {} {}", e.code, e.message),
-                        !transient(e.code),
-                    ),
-                    Ok(Ok(Some(_))) => ("an object event (no 410)".into(), true),
-                    Ok(Ok(None)) => ("the end of the stream (no 410)".into(), true),
-                    Ok(Err(e)) => (format!("stream error {e}"), false),
-                    Err(_) => ("nothing within 8 s".into(), false),
-                }
+            Ok(Err(e)) => return ((None, format!("error {e}")), false),
+            Ok(Ok(stream)) => stream,
+        };
+        let mut stream = stream.boxed();
+        match tokio::time::timeout(left(), stream.try_next()).await {
+            Ok(Ok(Some(WatchEvent::Error(e)))) => (
+                (
+                    Some(e.code),
+                    format!("watch event ERROR {} {}", e.code, e.message),
+                ),
+                definite_code(e.code),
+            ),
+            Ok(Ok(Some(_))) => ((None, "an object event (no 410)".into()), true),
+            Ok(Ok(None)) => {
+                let kept = started.elapsed();
+                let said = format!("the end of the stream after {kept:?} (no 410)");
+                ((None, said), kept >= Duration::from_millis(4500))
             }
+            Ok(Err(kube::Error::Api(s))) => {
+                let said = format!("stream error HTTP {} {}", s.code, s.message);
+                ((Some(s.code), said), definite_code(s.code))
+            }
+            Ok(Err(e)) => ((None, format!("stream error {e}")), false),
+            Err(_) => ((None, "nothing in time".into()), false),
         }
     }
 }

@@ -202,10 +202,11 @@ impl Chaos {
         self.check_zombies(jobs, &by_job);
     }
 
-    /// Each busy `--insist` worker frozen past its lease: if the attempt it held expired, its
-    /// late write must be seen refused with 409 (the fencing check exercised, per worker); if
-    /// it ended the attempt itself, the freeze came too late to make a zombie; an attempt that
-    /// did neither outlived a worker frozen past its lease, which is a violation.
+    /// Each busy `--insist` worker frozen past its lease: if the attempt it held expired, a
+    /// late complete, fail or release of that attempt by that worker must be seen refused with
+    /// 409 (the fencing check exercised, per worker); if the worker ended the attempt itself
+    /// (one answered 200), the freeze came too late to make a zombie; an attempt that did
+    /// neither outlived a worker frozen past its lease, which is a violation.
     fn check_zombies(&mut self, jobs: &[LeasedJob], by_job: &HashMap<&str, Vec<&WorkerEvent>>) {
         let zombies = std::mem::take(&mut self.zombies);
         let mut exercised = 0;
@@ -249,8 +250,9 @@ impl Chaos {
                 }
             } else if answered(200) {
                 self.log(&format!(
-                    "{what}: the worker ended the attempt itself (its result landed before the \
-                     attempt expired, and stands), so there was no superseded write to refuse"
+                    "{what}: the worker ended the attempt itself (its complete, fail or release \
+                     landed before the attempt expired, and stands), so there was no superseded \
+                     write to refuse"
                 ));
             } else {
                 self.violations.push(format!(
@@ -261,7 +263,7 @@ impl Chaos {
         }
         self.log(&format!(
             "fencing of superseded writes: {exercised} of {} frozen busy insisting worker(s) \
-             wrote after their attempt expired, and each write was refused with 409 (by the \
+             wrote after their attempt expired and had a write refused with 409 (by the \
              sidecar, which had stopped renewing, or by the API server)",
             zombies.len()
         ));
