@@ -7,7 +7,9 @@
 //! and the write use the same snapshot: a token from an older attempt, or a result that arrives
 //! after the controller requeued the job, is refused by the API server itself, whatever the
 //! sidecar believed. (The fencing-token rule of distributed locking: the resource checks the
-//! token on every write.)
+//! token on every write.) A holder may instead send the status that patch makes ([`patched`])
+//! as a replace under the resourceVersion of a snapshot showing its attempt: refused with 409
+//! if anything changed since, it fences at least as strictly.
 //!
 //! The patches are built by pure functions here; `leasehold_kube::fence::apply` sends one
 //! and, when it is refused, [`refusal`] explains why from a fresh read, without ever revealing
@@ -392,6 +394,20 @@ pub fn end_attempt_patch(
     serde_json::from_value(Value::Array(ops)).expect("static JSON Patch shape")
 }
 
+/// `job` as the API server would store it after `patch` (an [`end_attempt_patch`] of it),
+/// applied here to the same snapshot: what a status replace under the snapshot's
+/// resourceVersion sends instead of the patch. The replace is refused with 409 if anything at
+/// all changed since the snapshot, a stronger condition than the patch's `test` operations, so
+/// it fences the attempt as well and ends it with the same status.
+///
+/// Returns None when a `test` operation fails on the snapshot (it does not show the attempt
+/// holding the job) or the result is no LeasedJob.
+pub fn patched(job: &LeasedJob, patch: &json_patch::Patch) -> Option<LeasedJob> {
+    let mut doc = serde_json::to_value(job).ok()?;
+    json_patch::patch(&mut doc, patch).ok()?;
+    serde_json::from_value(doc).ok()
+}
+
 /// The JSON Patch that cancels `job` (spec.cancel): Cancelled, finishedTime, and the condition
 /// `Cancelled`. Conditional on what the snapshot shows: for a Leased job, its token and phase
 /// (so a result that lands first stands); for a Queued job, the phase and attempt (so a claim
@@ -726,6 +742,38 @@ mod tests {
                 "{outcome:?} {before} {max}"
             );
         }
+    }
+
+    #[test]
+    fn patched_ends_the_snapshot_only_while_it_shows_the_attempt() {
+        let t = Token::issue(2);
+        let held = job(Phase::Leased, 2, Some(&t), 1);
+        let done = Outcome::Complete {
+            result: json!({"words": 3}),
+        };
+        let patch = end_attempt_patch(&held, &t, "w", &done, Timestamp::UNIX_EPOCH, 0.5);
+        let ended = patched(&held, &patch).expect("the snapshot shows the attempt");
+        assert_eq!(ended.phase(), Phase::Succeeded);
+        assert!(already_applied(&ended, &t, &done));
+        let status = ended.status.as_ref().unwrap();
+        assert_eq!(status.result, Some(json!({"words": 3})));
+        assert_eq!(status.failures.len(), 1, "earlier failures are kept");
+        assert_eq!(
+            (status.attempt, status.token.as_deref()),
+            (2, Some(t.as_str()))
+        );
+
+        let newer = Token::issue(3);
+        let requeued = job(Phase::Leased, 3, Some(&newer), 2);
+        assert!(
+            patched(&requeued, &patch).is_none(),
+            "another token fails the test"
+        );
+        let queued = job(Phase::Queued, 2, Some(&t), 2);
+        assert!(
+            patched(&queued, &patch).is_none(),
+            "another phase fails the test"
+        );
     }
 
     #[test]

@@ -82,6 +82,15 @@ fn worker(spread: usize) -> (Worker, Cluster) {
 impl Cluster {
     /// The worker's next request, which must be `method` on `path`.
     async fn expect(&mut self, method: &str, path: &str) -> SendResponse<Response<Body>> {
+        self.expect_body(method, path).await.1
+    }
+
+    /// As [`Cluster::expect`], with the request's body as JSON (Null when it has none).
+    async fn expect_body(
+        &mut self,
+        method: &str,
+        path: &str,
+    ) -> (Value, SendResponse<Response<Body>>) {
         let (req, send) = tokio::time::timeout(Duration::from_secs(30), self.api.next_request())
             .await
             .unwrap_or_else(|_| panic!("no request came; expected {method} {path}"))
@@ -91,7 +100,13 @@ impl Cluster {
             (method, path),
             "unexpected request"
         );
-        send
+        let bytes = req
+            .into_body()
+            .collect_bytes()
+            .await
+            .expect("a request body");
+        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        (body, send)
     }
 
     /// The query of the worker's next watch of the jobs it holds, and the way to answer it;
@@ -415,7 +430,7 @@ async fn a_heartbeat_after_this_process_completed_the_attempt_is_refused_without
         async move { w.complete("j1", t1.as_str(), json!("done")).await }
     });
     // One write, built from the claim's answer: no read, and no Lease written.
-    let send = cluster.expect("PATCH", &format!("{JOBS}/j1/status")).await;
+    let send = cluster.expect("PUT", &format!("{JOBS}/j1/status")).await;
     answer(send, 200, &job("j1", Phase::Succeeded, 1, Some(&t1)));
     let done = complete.await.unwrap().unwrap();
     assert_eq!(done.phase(), Phase::Succeeded);
@@ -426,6 +441,75 @@ async fn a_heartbeat_after_this_process_completed_the_attempt_is_refused_without
         .unwrap_err();
     assert!(matches!(e, WorkerError::Refused(_)), "{e:?}");
     assert_eq!(e.category(), "job_finished", "{e}");
+    cluster.expect_none().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_replaces_the_status_under_the_snapshots_version_and_patches_after_a_conflict()
+{
+    let (w, mut cluster) = worker(16);
+    let t1 = Token::issue(1);
+    let mut leased = job("j1", Phase::Leased, 1, Some(&t1));
+    leased.spec.payload = json!({"audio": "long"});
+    w.hold("j1", t1.clone(), 30, Some(leased), Instant::now());
+    let complete = tokio::spawn({
+        let (w, t1) = (w.clone(), t1.clone());
+        async move { w.complete("j1", t1.as_str(), json!("done")).await }
+    });
+    // The replace carries the snapshot's resourceVersion and the ended status, not the
+    // payload (the status subresource keeps the stored spec).
+    let (body, send) = cluster
+        .expect_body("PUT", &format!("{JOBS}/j1/status"))
+        .await;
+    assert_eq!(body["metadata"]["resourceVersion"], json!("rv-j1"));
+    assert_eq!(body["status"]["phase"], json!("Succeeded"));
+    assert_eq!(body["status"]["result"], json!("done"));
+    assert_eq!(body["status"]["token"], json!(t1.as_str()));
+    assert!(body["spec"]["payload"].is_null(), "{body}");
+    // Something changed since the snapshot (a checkpoint, say): the attempt is ended from a
+    // fresh read by the patch that tests the token and phase.
+    answer(send, 409, &status(409, "Conflict"));
+    let send = cluster.expect("GET", &format!("{JOBS}/j1")).await;
+    let mut newer = job("j1", Phase::Leased, 1, Some(&t1));
+    newer.metadata.resource_version = Some("rv-j1-2".into());
+    answer(send, 200, &newer);
+    let (patch, send) = cluster
+        .expect_body("PATCH", &format!("{JOBS}/j1/status"))
+        .await;
+    assert_eq!(
+        patch[0],
+        json!({"op": "test", "path": "/status/token", "value": t1.as_str()})
+    );
+    answer(send, 200, &job("j1", Phase::Succeeded, 1, Some(&t1)));
+    let done = complete.await.unwrap().unwrap();
+    assert_eq!(done.phase(), Phase::Succeeded);
+    cluster.expect_none().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_from_a_superseded_snapshot_is_refused_after_its_conflict() {
+    let (w, mut cluster) = worker(16);
+    let t1 = Token::issue(1);
+    w.hold(
+        "j1",
+        t1.clone(),
+        30,
+        Some(job("j1", Phase::Leased, 1, Some(&t1))),
+        Instant::now(),
+    );
+    let complete = tokio::spawn({
+        let (w, t1) = (w.clone(), t1.clone());
+        async move { w.complete("j1", t1.as_str(), json!("late")).await }
+    });
+    let send = cluster.expect("PUT", &format!("{JOBS}/j1/status")).await;
+    answer(send, 409, &status(409, "Conflict"));
+    // The job expired and was claimed again meanwhile: the read explains, nothing is written.
+    let send = cluster.expect("GET", &format!("{JOBS}/j1")).await;
+    let t2 = Token::issue(2);
+    answer(send, 200, &job("j1", Phase::Leased, 2, Some(&t2)));
+    let e = complete.await.unwrap().unwrap_err();
+    assert!(matches!(e, WorkerError::Refused(_)), "{e:?}");
+    assert!(!e.to_string().contains(t2.as_str()), "{e}");
     cluster.expect_none().await;
 }
 
