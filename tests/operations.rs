@@ -292,7 +292,8 @@ async fn summed(ports: &[u16], metric: &str) -> f64 {
     sum
 }
 
-/// Claim writes (PUT leasedjobs/status) the API server answered 409, by its own counter.
+/// Status replaces (PUT leasedjobs/status: claims, and completions sent as a PUT) the API
+/// server answered 409, by its own counter; a superset of the claim conflicts.
 async fn apiserver_claim_conflicts(client: &kube::Client) -> f64 {
     let req = http::Request::get("/metrics").body(Vec::new()).unwrap();
     let text = client.request_text(req).await.expect("API server metrics");

@@ -1,7 +1,9 @@
 //! The fence's write: an attempt ended with the JSON Patch that
 //! [`leasehold_core::fence::end_attempt_patch`] builds, whose `test` operations make the API
-//! server refuse it if the token or phase changed since the read; a refusal is explained from
-//! a fresh read ([`leasehold_core::fence::refusal`]).
+//! server refuse it if the token or phase changed since the read, or, by a holder whose
+//! snapshot shows its attempt, with the status that patch makes sent as a replace under the
+//! snapshot's resourceVersion ([`apply_from`]); a refusal is explained from a fresh read
+//! ([`leasehold_core::fence::refusal`]).
 
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -84,23 +86,30 @@ pub async fn apply_from(
         job: job_ref.clone(),
         source,
     };
-    if let Some(snap) = snapshot.filter(|j| refusal(&job_ref, Some(j), token).is_none()) {
-        match replace_ended(api, name, snap, token, outcome).await {
+    let from_snapshot = match snapshot.filter(|j| refusal(&job_ref, Some(j), token).is_none()) {
+        Some(snap) => match replace_ended(api, name, snap, token, outcome).await {
             Some(Ok(job)) => return Ok(job),
             // Anything changed since the snapshot, or the job is gone: judge from a read.
-            Some(Err(e)) if is_status(&e, 409) || is_status(&e, 404) => {}
+            Some(Err(e)) if is_status(&e, 409) || is_status(&e, 404) => None,
             Some(Err(e)) => return Err(api_err(e)),
-            None => {}
+            // Not to be replaced (a large status): the patch, from the snapshot.
+            None => Some(snap.clone()),
+        },
+        None => None,
+    };
+    let job = match from_snapshot {
+        Some(job) => job,
+        None => {
+            let job = api.get_opt(name).await.map_err(api_err)?;
+            if let Some(done) = job.as_ref().filter(|j| already_applied(j, token, outcome)) {
+                return Ok(done.clone());
+            }
+            if let Some(r) = refusal(&job_ref, job.as_ref(), token) {
+                return Err(r.into());
+            }
+            job.expect("refusal() refuses a missing job")
         }
-    }
-    let job = api.get_opt(name).await.map_err(api_err)?;
-    if let Some(done) = job.as_ref().filter(|j| already_applied(j, token, outcome)) {
-        return Ok(done.clone());
-    }
-    if let Some(r) = refusal(&job_ref, job.as_ref(), token) {
-        return Err(r.into());
-    }
-    let job = job.expect("refusal() refuses a missing job");
+    };
     let patch = end_patch(&job, token, outcome);
     match api
         .patch_status(name, &PatchParams::default(), &Patch::Json::<()>(patch))
@@ -125,6 +134,12 @@ pub async fn apply_from(
     }
 }
 
+/// The largest status (as JSON, before the attempt's ending) that a holder sends whole to end
+/// its attempt, in bytes. A replace re-sends the whole status, a patch only what changes: a
+/// status carrying more than this (a checkpoint handed over from an earlier attempt, many
+/// failures) is ended with the patch, which then costs less to send and to decode.
+pub const MAX_REPLACED_STATUS_BYTES: usize = 16 * 1024;
+
 /// The [`end_attempt_patch`] of `job` for `token`, made now, by the holder its claim recorded.
 fn end_patch(job: &LeasedJob, token: &Token, outcome: &Outcome) -> json_patch::Patch {
     let holder = job
@@ -146,7 +161,9 @@ fn end_patch(job: &LeasedJob, token: &Token, outcome: &Outcome) -> json_patch::P
 /// resourceVersion: the status its [`end_attempt_patch`] makes ([`patched`]), sent whole. The
 /// API server refuses it with 409 if anything changed since the snapshot, so it fences as the
 /// patch does; it costs the API server less (no patch to apply to the stored object). None
-/// when the snapshot cannot be ended so (it does not show the attempt); nothing was sent.
+/// when the snapshot is not to be ended so, and nothing was sent: it does not show the
+/// attempt, has no resourceVersion, or its status (a checkpoint handed over from an earlier
+/// attempt, say) is over [`MAX_REPLACED_STATUS_BYTES`].
 async fn replace_ended(
     api: &Api<LeasedJob>,
     name: &str,
@@ -159,6 +176,10 @@ async fn replace_ended(
     // the payload and managedFields need not be sent, nor decoded. A Leased job has no result.
     let mut slim = snapshot.clone();
     slim.drop_payload_and_result();
+    let status_bytes = serde_json::to_vec(&slim.status).map_or(usize::MAX, |b| b.len());
+    if status_bytes > MAX_REPLACED_STATUS_BYTES {
+        return None;
+    }
     let ended = patched(&slim, &end_patch(&slim, token, outcome))?;
     Some(
         api.replace_status(name, &PostParams::default(), &ended)

@@ -1,7 +1,9 @@
 //! Ending attempts: complete, fail and release, the undo of a claim whose Lease could not be
 //! taken, and a shutdown's drain and release of everything still held.
 //!
-//! An end is one JSON Patch on the job's status that tests the token and the Leased phase
+//! An end is one status replace under the resourceVersion of the snapshot in which this
+//! process saw its attempt hold the job, or, when that snapshot is stale, one JSON Patch on
+//! the job's status that tests the token and the Leased phase
 //! ([`leasehold_kube::fence::apply_from`]); a stale token is refused by the API server, or
 //! before any write when the job read shows it. The Lease is left as it is: the job's status
 //! fences the ended attempt, and this process remembers it

@@ -451,6 +451,11 @@ async fn a_completion_replaces_the_status_under_the_snapshots_version_and_patche
     let t1 = Token::issue(1);
     let mut leased = job("j1", Phase::Leased, 1, Some(&t1));
     leased.spec.payload = json!({"audio": "long"});
+    let held = leased.status.as_mut().unwrap();
+    held.claimed_time = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        Timestamp::UNIX_EPOCH,
+    ));
+    held.checkpoint = Some(json!({"offset": 7}));
     w.hold("j1", t1.clone(), 30, Some(leased), Instant::now());
     let complete = tokio::spawn({
         let (w, t1) = (w.clone(), t1.clone());
@@ -466,7 +471,12 @@ async fn a_completion_replaces_the_status_under_the_snapshots_version_and_patche
     assert_eq!(body["status"]["result"], json!("done"));
     assert_eq!(body["status"]["token"], json!(t1.as_str()));
     assert!(body["spec"]["payload"].is_null(), "{body}");
-    // Something changed since the snapshot (a checkpoint, say): the attempt is ended from a
+    // What the ending does not change is sent as it was.
+    assert_eq!(body["status"]["attempt"], json!(1));
+    assert_eq!(body["status"]["holder"], json!("w-1"));
+    assert_eq!(body["status"]["claimedTime"], json!("1970-01-01T00:00:00Z"));
+    assert_eq!(body["status"]["checkpoint"], json!({"offset": 7}));
+    // Something changed since the snapshot (a label, say): the attempt is ended from a
     // fresh read by the patch that tests the token and phase.
     answer(send, 409, &status(409, "Conflict"));
     let send = cluster.expect("GET", &format!("{JOBS}/j1")).await;
@@ -484,6 +494,79 @@ async fn a_completion_replaces_the_status_under_the_snapshots_version_and_patche
     let done = complete.await.unwrap().unwrap();
     assert_eq!(done.phase(), Phase::Succeeded);
     cluster.expect_none().await;
+}
+
+/// Completes `j1` held by `t1` from the snapshot `held`, answering the worker's requests in
+/// turn with `answers` (method, answer code, answer body), each checked against the path of
+/// the job or its status; returns the completion's outcome. No request may follow.
+async fn complete_answered(
+    held: LeasedJob,
+    t1: &Token,
+    answers: Vec<(&str, u16, Value)>,
+) -> Result<LeasedJob, WorkerError> {
+    let (w, mut cluster) = worker(16);
+    w.hold("j1", t1.clone(), 30, Some(held), Instant::now());
+    let complete = tokio::spawn({
+        let (w, t1) = (w.clone(), t1.clone());
+        async move { w.complete("j1", t1.as_str(), json!("done")).await }
+    });
+    for (method, code, body) in answers {
+        let path = match method {
+            "GET" => format!("{JOBS}/j1"),
+            _ => format!("{JOBS}/j1/status"),
+        };
+        let send = cluster.expect(method, &path).await;
+        answer(send, code, &body);
+    }
+    let outcome = complete.await.unwrap();
+    cluster.expect_none().await;
+    outcome
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_snapshot_without_a_version_or_with_a_large_status_is_ended_by_the_patch_unread() {
+    let t1 = Token::issue(1);
+    let done = serde_json::to_value(job("j1", Phase::Succeeded, 1, Some(&t1))).unwrap();
+    let mut unversioned = job("j1", Phase::Leased, 1, Some(&t1));
+    unversioned.metadata.resource_version = None;
+    let mut large = job("j1", Phase::Leased, 1, Some(&t1));
+    large.status.as_mut().unwrap().checkpoint = Some(json!(
+        "x".repeat(leasehold_kube::fence::MAX_REPLACED_STATUS_BYTES,)
+    ));
+    for held in [unversioned, large] {
+        let ended = complete_answered(held, &t1, vec![("PATCH", 200, done.clone())]).await;
+        assert_eq!(ended.unwrap().phase(), Phase::Succeeded);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_replace_that_landed_but_lost_its_answer_is_found_applied_after_its_conflict() {
+    let t1 = Token::issue(1);
+    let mut done = job("j1", Phase::Succeeded, 1, Some(&t1));
+    done.status.as_mut().unwrap().result = Some(json!("done"));
+    let ended = complete_answered(
+        job("j1", Phase::Leased, 1, Some(&t1)),
+        &t1,
+        vec![
+            ("PUT", 409, status(409, "Conflict")),
+            ("GET", 200, serde_json::to_value(&done).unwrap()),
+        ],
+    )
+    .await;
+    assert_eq!(ended.unwrap().phase(), Phase::Succeeded);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_replace_failing_with_a_server_error_is_unavailable_and_not_patched() {
+    let t1 = Token::issue(1);
+    let e = complete_answered(
+        job("j1", Phase::Leased, 1, Some(&t1)),
+        &t1,
+        vec![("PUT", 500, status(500, "InternalError"))],
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.category(), "unavailable", "{e}");
 }
 
 #[tokio::test(start_paused = true)]
