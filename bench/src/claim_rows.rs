@@ -151,8 +151,8 @@ pub(crate) fn claim_rows(
                  client and watch) claim then complete in a loop, controller running; claims/s = \
                  jobs / time until all completed; ratio = claims/s / the ceiling at the same N \
                  measured before it in the same round, the median of the {} ratios measured \
-                 ({} rounds); 409 share from apiserver_request_total (PUT leasedjobs/status), \
-                 all rounds together",
+                 ({} rounds); 409 share from apiserver_request_total (PUT leasedjobs/status, \
+                 one per job aside: its completion), all rounds together",
                 sizes.claim_jobs,
                 a.claimers,
                 a.ratios.iter().flatten().count(),
@@ -170,8 +170,9 @@ pub(crate) fn claim_rows(
                 ),
                 goal: format!("< 10% at {most} claimers"),
                 verdict: Verdict::of(a.conflict_share < 0.10),
-                method: "apiserver_request_total: PUT leasedjobs/status with code 409 / all PUT \
-                         leasedjobs/status, during the runs above"
+                method: "apiserver_request_total: PUT leasedjobs/status with code 409 / the \
+                         PUT leasedjobs/status but one per job (its completion), during the runs \
+                         above"
                     .into(),
             });
         }

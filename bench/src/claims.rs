@@ -1,7 +1,8 @@
 //! Row 2, claim throughput: M queued jobs, N claimers each with its own `Worker` (the library
 //! the sidecar serves, with its own client and watch, as N sidecars would have), claiming and
 //! completing as fast as they can while the real controller runs. Conflicts are counted by the
-//! API server: the share of claim writes (PUT leasedjobs/status) answered 409.
+//! API server: the share of claim writes (PUT leasedjobs/status, the completions' own PUTs
+//! aside) answered 409.
 //!
 //! Dispatched runs (row 2d) are the same with the dispatcher: each `Worker` has a dispatcher
 //! token, keeps no copy of the queue and claims what the controller's dispatcher offers it.
@@ -89,9 +90,30 @@ pub struct Claims {
     pub elapsed: Duration,
 }
 
-/// True for a claim write: PUT on leasedjobs/status.
-pub fn is_claim_write(k: &Key) -> bool {
+/// True for a status replace: PUT on leasedjobs/status, a claim or a holder's completion (a
+/// holder ends its attempt with a PUT under its snapshot's resourceVersion first;
+/// docs/protocol.md).
+pub fn is_status_put(k: &Key) -> bool {
     k.resource == "leasedjobs" && k.subresource == "status" && k.verb == "PUT"
+}
+
+/// Claim writes, and those answered 409, among `requests` of a window in which `completed`
+/// jobs were completed: every status PUT but one per completed job (its completion). Every 409
+/// is counted as a claim's: a completion refused for a stale snapshot is counted so too, so
+/// the share errs high, never low.
+pub fn claim_writes(requests: &Requests, completed: f64) -> (f64, f64) {
+    let puts = requests.sum(is_status_put);
+    let conflicts = requests.sum(|k| is_status_put(k) && k.code == "409");
+    ((puts - completed).max(conflicts), conflicts)
+}
+
+/// `conflicts / writes`, or 0 without writes.
+pub fn share((writes, conflicts): (f64, f64)) -> f64 {
+    if writes > 0.0 {
+        conflicts / writes
+    } else {
+        0.0
+    }
 }
 
 /// Runs M = `jobs` jobs through N = `claimers` claimers, in the namespace
@@ -227,11 +249,15 @@ pub async fn run(
     ];
     let mut at_marks: Vec<Requests> = Vec::new();
     let mut mark_times: Vec<Duration> = Vec::new();
+    // Jobs completed when each mark was scraped: a part's completions, to tell its claim
+    // writes from its completions'.
+    let mut mark_done: Vec<u64> = Vec::new();
     while completed.load(Ordering::Relaxed) < total {
         let done = completed.load(Ordering::Relaxed);
         while at_marks.len() < marks.len() && done >= marks[at_marks.len()] {
             mark_times.push(t0.elapsed());
             at_marks.push(metrics::scrape(&bench.client).await?);
+            mark_done.push(completed.load(Ordering::Relaxed));
         }
         controller.check_running()?;
         if t0.elapsed() > deadline {
@@ -252,16 +278,7 @@ pub async fn run(
     drop(watches);
     drop(workers);
     controller.kill().await;
-    let claim_writes = requests.sum(is_claim_write);
-    let conflicts = requests.sum(|k| is_claim_write(k) && k.code == "409");
-    let share = |r: &Requests| {
-        let all = r.sum(is_claim_write);
-        if all > 0.0 {
-            r.sum(|k| is_claim_write(k) && k.code == "409") / all
-        } else {
-            0.0
-        }
-    };
+    let whole = claim_writes(&requests, total as f64);
     let mut conflict_split = [f64::NAN; 4];
     let mut split_seconds = [f64::NAN; 4];
     if mark_times.len() == 3 {
@@ -278,8 +295,10 @@ pub async fn run(
     }
     if at_marks.len() == 3 {
         let points = [&m0, &at_marks[0], &at_marks[1], &at_marks[2], &m1];
+        let done = [0, mark_done[0], mark_done[1], mark_done[2], total];
         for (i, split) in conflict_split.iter_mut().enumerate() {
-            *split = share(&points[i + 1].since(points[i]));
+            let part = points[i + 1].since(points[i]);
+            *split = share(claim_writes(&part, (done[i + 1] - done[i]) as f64));
         }
     }
     Ok(Claims {
@@ -290,11 +309,7 @@ pub async fn run(
         per_second: jobs as f64 / elapsed.as_secs_f64(),
         conflict_split,
         split_seconds,
-        conflict_share: if claim_writes > 0.0 {
-            conflicts / claim_writes
-        } else {
-            0.0
-        },
+        conflict_share: share(whole),
         requests,
         errors: errors.load(Ordering::Relaxed),
         cpu,

@@ -434,8 +434,9 @@ pub(crate) fn queuelen_rows(report: &mut Report, q: &[queuelen::Stage]) {
         let _ = writeln!(
             detail,
             "- {} jobs ({} held): filled in {:.1} s; {} claims p50 {:.1} ms, p99 {:.1} ms (by \
-             round {}; the rounds took {}), mean {:.1} ms, of which the API server's own time for the claim write (PUT \
-             leasedjobs/status, apiserver_request_duration_seconds, {:.0} writes) {}; \
+             round {}; the rounds took {}), mean {:.1} ms; the API server's own time per status write (PUT \
+             leasedjobs/status: the claims, and the completions a holder sends as a PUT; \
+             apiserver_request_duration_seconds, {:.0} writes) {}; \
              controller ready in {:.1} s, {:.0} MiB (peak {:.0}); holder sidecar {:.0} MiB (peak \
              {:.0}); expiry p50 {:.2} s, p99 {:.2} s",
             s.jobs,

@@ -76,18 +76,13 @@ impl Fleet {
         (writes - creates) / self.jobs as f64
     }
 
-    /// Share of the claim writes (PUT leasedjobs/status) answered 409.
+    /// Share of the claim writes (PUT leasedjobs/status, each job's completion aside)
+    /// answered 409.
     pub fn conflict_share(&self) -> f64 {
-        let claims = |k: &metrics::Key| {
-            k.resource == "leasedjobs" && k.subresource == "status" && k.verb == "PUT"
-        };
-        let all = self.requests.sum(claims);
-        let refused = self.requests.sum(|k| claims(k) && k.code == "409");
-        if all == 0.0 {
-            0.0
-        } else {
-            refused / all
-        }
+        crate::claims::share(crate::claims::claim_writes(
+            &self.requests,
+            self.jobs as f64,
+        ))
     }
 }
 

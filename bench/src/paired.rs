@@ -28,7 +28,8 @@ pub struct AtN<'a> {
     pub ratio: Option<f64>,
     /// Jobs claimed and completed, all rounds together.
     pub jobs: usize,
-    /// Claim writes (PUT leasedjobs/status), all rounds together.
+    /// Claim writes (PUT leasedjobs/status but one per job, its completion), all rounds
+    /// together.
     pub claim_writes: f64,
     /// Share of those answered 409.
     pub conflict_share: f64,
@@ -67,20 +68,16 @@ pub fn at_each_n<'a>(ceilings: &[Ceiling], results: &[&'a Claims]) -> Vec<AtN<'a
             let requests = runs
                 .iter()
                 .fold(Requests::default(), |all, c| all.plus(&c.requests));
-            let claim_writes = requests.sum(claims::is_claim_write);
-            let conflicts = requests.sum(|k| claims::is_claim_write(k) && k.code == "409");
+            let jobs: usize = runs.iter().map(|c| c.jobs).sum();
+            let (claim_writes, conflicts) = claims::claim_writes(&requests, jobs as f64);
             AtN {
                 claimers: n,
-                jobs: runs.iter().map(|c| c.jobs).sum(),
+                jobs,
                 per_second: median(&rates).unwrap_or(0.0),
                 ratio: median(&measured),
                 ratios,
                 claim_writes,
-                conflict_share: if claim_writes > 0.0 {
-                    conflicts / claim_writes
-                } else {
-                    0.0
-                },
+                conflict_share: claims::share((claim_writes, conflicts)),
                 requests,
                 runs,
             }
@@ -162,10 +159,11 @@ mod tests {
         ];
         // Round 1's claim run is the fastest, but its ceiling is too: paired, it is the
         // lowest ratio.
+        // Each run's status PUTs: its claims and its 100 completions.
         let results = [
-            run(8, 2, 150.0, 100.0, 0.0),
-            run(8, 0, 120.0, 100.0, 2.0),
-            run(8, 1, 160.0, 110.0, 9.0),
+            run(8, 2, 150.0, 200.0, 0.0),
+            run(8, 0, 120.0, 200.0, 2.0),
+            run(8, 1, 160.0, 210.0, 9.0),
         ];
         let at = at_each_n(&ceilings, &results.iter().collect::<Vec<_>>());
         assert_eq!(at.len(), 1);
@@ -179,7 +177,8 @@ mod tests {
         assert_eq!(at.ratio, Some(0.3));
         assert_eq!(at.per_second, 150.0);
         assert_eq!(at.jobs, 300);
-        // The 409 share is over every claim write of every round, not a median of shares.
+        // The 409 share is over every claim write of every round, not a median of shares;
+        // the completions' PUTs are not claim writes.
         assert_eq!(at.claim_writes, 310.0);
         assert!((at.conflict_share - 11.0 / 310.0).abs() < 1e-12);
         assert_eq!(

@@ -62,8 +62,9 @@ pub struct Stage {
     /// Each round's wall time, s, and the Lease renewals (PATCH leases, any answer) the API
     /// server served during it: the held jobs' background load, which grows with the stage.
     pub round_load: Vec<(f64, f64)>,
-    /// The API server's own time for the claim writes (PUT leasedjobs/status) during the
-    /// timed claims, to tell its share of a claim's latency from the sidecar's.
+    /// The API server's own time for the status writes (PUT leasedjobs/status: the claims,
+    /// and the completions a holder sends as a PUT) during the timed claims, to tell its share
+    /// of a claim's latency from the sidecar's.
     pub claim_writes: ServerTime,
     /// The restarted controller: start to `/readyz` answering 200.
     pub controller_ready: Duration,
