@@ -208,66 +208,25 @@ impl Chaos {
     /// (one answered 200), the freeze came too late to make a zombie; an attempt that did
     /// neither outlived a worker frozen past its lease, which is a violation.
     fn check_zombies(&mut self, jobs: &[LeasedJob], by_job: &HashMap<&str, Vec<&WorkerEvent>>) {
-        let zombies = std::mem::take(&mut self.zombies);
+        let verdicts: Vec<Result<Option<String>, String>> = self
+            .zombies
+            .iter()
+            .map(|z| judge_zombie(z, jobs, by_job))
+            .collect();
         let mut exercised = 0;
-        for z in &zombies {
-            let what = format!(
-                "{} (frozen holding {} attempt {})",
-                z.worker, z.job, z.attempt
-            );
-            let Some(job) = jobs.iter().find(|j| j.name_any() == z.job) else {
-                self.violations.push(format!(
-                    "{what}: the job is gone, so its attempt cannot be judged"
-                ));
-                continue;
-            };
-            let expired = job.status.as_ref().is_some_and(|s| {
-                s.failures
-                    .iter()
-                    .any(|f| i64::from(f.attempt) == z.attempt && f.reason == REASON_LEASE_EXPIRED)
-            });
-            let writes: Vec<&WorkerEvent> = by_job
-                .get(z.job.as_str())
-                .into_iter()
-                .flatten()
-                .copied()
-                .filter(|e| {
-                    e.worker == z.worker
-                        && e.attempt() == z.attempt
-                        && matches!(e.kind(), "complete" | "fail" | "release")
-                })
-                .collect();
-            let answered = |code| writes.iter().any(|e| e.status() == Some(code));
-            if expired {
-                if answered(409) {
-                    exercised += 1;
-                } else {
-                    self.violations.push(format!(
-                        "{what}: the attempt expired, yet no late write of the insisting worker \
-                         was seen refused with 409 (its writes: {:?})",
-                        writes.iter().map(|e| &e.event).collect::<Vec<_>>()
-                    ));
-                }
-            } else if answered(200) {
-                self.log(&format!(
-                    "{what}: the worker ended the attempt itself (its complete, fail or release \
-                     landed before the attempt expired, and stands), so there was no superseded \
-                     write to refuse"
-                ));
-            } else {
-                self.violations.push(format!(
-                    "{what}: frozen past its lease, yet the attempt neither expired nor was \
-                     ended by the worker"
-                ));
+        for verdict in verdicts {
+            match verdict {
+                Ok(None) => exercised += 1,
+                Ok(Some(line)) => self.log(&line),
+                Err(violation) => self.violations.push(violation),
             }
         }
         self.log(&format!(
             "fencing of superseded writes: {exercised} of {} frozen busy insisting worker(s) \
              wrote after their attempt expired and had a write refused with 409 (by the \
              sidecar, which had stopped renewing, or by the API server)",
-            zombies.len()
+            self.zombies.len()
         ));
-        self.zombies = zombies;
     }
 
     /// No job is left blocked by its Lease: every job Lease that names a holder names a token
@@ -364,5 +323,64 @@ impl Chaos {
             self.violations
                 .push("the dispatch probe sidecar's /healthz is not 200".into());
         }
+    }
+}
+
+/// The verdict on one frozen busy insisting worker, from its job at the end and the workers'
+/// events of that job: Ok(None) when its attempt expired and a late write of it was refused
+/// with 409 (the fencing exercised); Ok(Some(line to log)) when the worker ended the attempt
+/// itself before it expired; Err(violation) otherwise.
+fn judge_zombie(
+    z: &Zombie,
+    jobs: &[LeasedJob],
+    by_job: &HashMap<&str, Vec<&WorkerEvent>>,
+) -> Result<Option<String>, String> {
+    let what = format!(
+        "{} (frozen holding {} attempt {})",
+        z.worker, z.job, z.attempt
+    );
+    let Some(job) = jobs.iter().find(|j| j.name_any() == z.job) else {
+        return Err(format!(
+            "{what}: the job is gone, so its attempt cannot be judged"
+        ));
+    };
+    let expired = job.status.as_ref().is_some_and(|s| {
+        s.failures
+            .iter()
+            .any(|f| i64::from(f.attempt) == z.attempt && f.reason == REASON_LEASE_EXPIRED)
+    });
+    let writes: Vec<&WorkerEvent> = by_job
+        .get(z.job.as_str())
+        .into_iter()
+        .flatten()
+        .copied()
+        .filter(|e| {
+            e.worker == z.worker
+                && e.attempt() == z.attempt
+                && matches!(e.kind(), "complete" | "fail" | "release")
+        })
+        .collect();
+    let answered = |code| writes.iter().any(|e| e.status() == Some(code));
+    if expired {
+        if answered(409) {
+            Ok(None)
+        } else {
+            Err(format!(
+                "{what}: the attempt expired, yet no late write of the insisting worker \
+                 was seen refused with 409 (its writes: {:?})",
+                writes.iter().map(|e| &e.event).collect::<Vec<_>>()
+            ))
+        }
+    } else if answered(200) {
+        Ok(Some(format!(
+            "{what}: the worker ended the attempt itself (its complete, fail or release \
+             landed before the attempt expired, and stands), so there was no superseded \
+             write to refuse"
+        )))
+    } else {
+        Err(format!(
+            "{what}: frozen past its lease, yet the attempt neither expired nor was \
+             ended by the worker"
+        ))
     }
 }

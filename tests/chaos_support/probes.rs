@@ -134,19 +134,10 @@ impl Chaos {
             ));
         }
         let token = claim["token"].as_str().unwrap_or_default();
-        // 503 is the sidecar's transient answer (its API call ran out of its bound): a worker
-        // repeats the call with the same token while its lease lasts (docs/protocol.md).
-        let lease_ends = Instant::now() + Duration::from_secs(LEASE_SECONDS as u64);
-        loop {
-            let (s, r) = self.probe.complete(name, token, json!("probe")).await;
-            if s == 200 {
-                break;
-            }
-            if s != 503 || Instant::now() >= lease_ends {
-                return Err(format!("completing {name} answered {s} {r}"));
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        while_leased(&format!("completing {name}"), || {
+            self.probe.complete(name, token, json!("probe"))
+        })
+        .await?;
         Ok((at.saturating_duration_since(t0), at - ended))
     }
 
@@ -167,21 +158,13 @@ impl Chaos {
             ));
         }
         let token = claim["token"].as_str().unwrap_or_default();
-        // A worker retries a heartbeat answered 503 with the same token while its lease
-        // lasts (docs/protocol.md): right after an etcd restart the API server may take a
-        // few seconds more to write Leases than LeasedJobs. A heartbeat that cannot land
-        // within the lease is the violation.
-        let lease_ends = Instant::now() + Duration::from_secs(LEASE_SECONDS as u64);
-        loop {
-            let (s, r) = holder.heartbeat(&name, json!({"token": token})).await;
-            if s == 200 {
-                break;
-            }
-            if s != 503 || Instant::now() >= lease_ends {
-                return Err(format!("the first heartbeat of {name} answered {s} {r}"));
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        // Right after an etcd restart the API server may take a few seconds more to write
+        // Leases than LeasedJobs. A heartbeat that cannot land within the lease is the
+        // violation.
+        while_leased(&format!("the first heartbeat of {name}"), || {
+            holder.heartbeat(&name, json!({"token": token}))
+        })
+        .await?;
         tokio::time::sleep(Duration::from_millis(500)).await;
         holder.proc.signal("KILL");
         drop(holder);
@@ -346,5 +329,27 @@ impl Chaos {
             opt_s(fig.expiry)
         ));
         self.figures.push(fig);
+    }
+}
+
+/// Makes `call` (a holder's call with its token) until it is answered 200, repeating it while
+/// it is answered 503 and the lease ([`LEASE_SECONDS`], from now) lasts, as a worker does:
+/// 503 is the sidecar's transient answer, its API call ran out of its bound
+/// (docs/protocol.md). Any other answer, or 503 past the lease, is the error, naming `what`.
+async fn while_leased<F, A>(what: &str, mut call: F) -> Result<(), String>
+where
+    F: FnMut() -> A,
+    A: std::future::Future<Output = (u16, Value)>,
+{
+    let lease_ends = Instant::now() + Duration::from_secs(LEASE_SECONDS as u64);
+    loop {
+        let (s, r) = call().await;
+        if s == 200 {
+            return Ok(());
+        }
+        if s != 503 || Instant::now() >= lease_ends {
+            return Err(format!("{what} answered {s} {r}"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
