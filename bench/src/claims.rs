@@ -99,8 +99,10 @@ pub fn is_status_put(k: &Key) -> bool {
 
 /// Claim writes, and those answered 409, among `requests` of a window in which `completed`
 /// jobs were completed: every status PUT but one per completed job (its completion). Every 409
-/// is counted as a claim's: a completion refused for a stale snapshot is counted so too, so
-/// the share errs high, never low.
+/// is counted as a claim's: a completion refused for a stale snapshot is counted so too. In a
+/// window whose status PUTs are claims and completions only (rows 2, 2d, 2k) the share so errs
+/// high, never low; where the controller writes initial statuses in the window (row 11), those
+/// PUTs count as claim writes too, and the share errs low by them.
 pub fn claim_writes(requests: &Requests, completed: f64) -> (f64, f64) {
     let puts = requests.sum(is_status_put);
     let conflicts = requests.sum(|k| is_status_put(k) && k.code == "409");

@@ -34,7 +34,8 @@ pub const RATE: f64 = 20.0;
 pub struct Fleet {
     /// Sidecars waiting on the queue.
     pub sidecars: usize,
-    /// Jobs created, claimed and completed in the window.
+    /// Jobs created and claimed in the window (each completed as soon as it was claimed; a
+    /// completion still in flight when the window closes is not in its requests).
     pub jobs: usize,
     /// LeasedJob watch events and bytes the API server sent in the window.
     pub sent: WatchSent,

@@ -63,8 +63,9 @@ pub struct Stage {
     /// server served during it: the held jobs' background load, which grows with the stage.
     pub round_load: Vec<(f64, f64)>,
     /// The API server's own time for the status writes (PUT leasedjobs/status: the claims,
-    /// and the completions a holder sends as a PUT) during the timed claims, to tell its share
-    /// of a claim's latency from the sidecar's.
+    /// and the completions a holder sends as a PUT, which cost about the same) during the
+    /// timed claims: the mean per write stands for a claim's, to tell the API server's share of
+    /// a claim's latency from the sidecar's.
     pub claim_writes: ServerTime,
     /// The restarted controller: start to `/readyz` answering 200.
     pub controller_ready: Duration,

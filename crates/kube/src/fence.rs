@@ -91,6 +91,8 @@ pub async fn apply_from(
             Some(Ok(job)) => return Ok(job),
             // Anything changed since the snapshot, or the job is gone: judge from a read.
             Some(Err(e)) if is_status(&e, 409) || is_status(&e, 404) => None,
+            // Anything else (5xx, 413, a refusal by admission) would meet the patch too:
+            // nothing was written, and the caller decides whether to repeat.
             Some(Err(e)) => return Err(api_err(e)),
             // Not to be replaced (a large status): the patch, from the snapshot.
             None => Some(snap.clone()),

@@ -310,8 +310,9 @@ impl Worker {
             .store
             .get(&ObjectRef::new(name).within(ns));
         // The watch cache once it shows this attempt (it may be newer than the claim), else
-        // the claim's own answer; either way the write tests the token and phase, and a stale
-        // snapshot costs a read and nothing else.
+        // the claim's own answer; either way the write is conditional on that snapshot's
+        // version, and a stale snapshot costs a refused write, a read and the patch that
+        // tests the token and phase.
         let snapshot = match (&cached, held.as_ref().and_then(|h| h.claimed.as_ref())) {
             (Some(c), _) if c.token() == Some(token.as_str()) => Some(&**c),
             (_, Some(answer)) => Some(answer),
