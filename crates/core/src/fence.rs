@@ -3,10 +3,10 @@
 //! Every write that ends an attempt — complete, fail, release by the holder, expiry by the
 //! controller — is built as one JSON Patch on the LeasedJob's status subresource whose first
 //! two operations `test` that `/status/token` is the attempt's token and `/status/phase` is
-//! `Leased` (a holder may send its result as a replace instead: below). The API server applies a JSON Patch to the object it holds, atomically, so the check
-//! and the write use the same snapshot: a token from an older attempt, or a result that arrives
-//! after the controller requeued the job, is refused by the API server itself, whatever the
-//! sidecar believed. (The fencing-token rule of distributed locking: the resource checks the
+//! `Leased`. The API server applies a JSON Patch to the object it holds, atomically, so the
+//! check and the write use the same snapshot: a token from an older attempt, or a result that
+//! arrives after the controller requeued the job, is refused by the API server itself, whatever
+//! the sidecar believed. (The fencing-token rule of distributed locking: the resource checks the
 //! token on every write.) A holder may instead send the status that patch makes ([`patched`])
 //! as a replace under the resourceVersion of a snapshot showing its attempt: refused with 409
 //! if anything changed since, it fences at least as strictly.
