@@ -109,6 +109,17 @@ pub fn claim_writes(requests: &Requests, completed: f64) -> (f64, f64) {
     ((puts - completed).max(conflicts), conflicts)
 }
 
+/// Claim writes, and those answered 409, among `requests` of one part of a run in which
+/// `landed` claims were answered with the job (counted by the claimers): the landed claims and
+/// every status PUT answered 409 (each counted as a claim's, as in [`claim_writes`]). A part's
+/// marks are scraped between jobs, so a claim or completion in flight at a mark may fall on
+/// either side of it; counting the claims that landed, rather than taking the part's
+/// completions from its PUTs, keeps that from making a part's writes fewer than its 409s.
+pub fn part_claim_writes(requests: &Requests, landed: f64) -> (f64, f64) {
+    let conflicts = requests.sum(|k| is_status_put(k) && k.code == "409");
+    (landed + conflicts, conflicts)
+}
+
 /// `conflicts / writes`, or 0 without writes.
 pub fn share((writes, conflicts): (f64, f64)) -> f64 {
     if writes > 0.0 {
@@ -210,16 +221,23 @@ pub async fn run(
     ));
     let cpu = CpuWindow::start(groups);
     let completed = Arc::new(AtomicU64::new(0));
+    let claimed = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let t0 = Instant::now();
     let total = jobs as u64;
     let mut tasks = JoinSet::new();
     for w in &workers {
-        let (w, completed, errors) = (w.clone(), Arc::clone(&completed), Arc::clone(&errors));
+        let (w, completed, claimed, errors) = (
+            w.clone(),
+            Arc::clone(&completed),
+            Arc::clone(&claimed),
+            Arc::clone(&errors),
+        );
         tasks.spawn(async move {
             while completed.load(Ordering::Relaxed) < total {
                 match w.claim(Duration::from_secs(1)).await {
                     Ok(Some(c)) => {
+                        claimed.fetch_add(1, Ordering::Relaxed);
                         match w
                             .complete(&c.name, c.token.as_str(), json!({"ok": true}))
                             .await
@@ -251,15 +269,14 @@ pub async fn run(
     ];
     let mut at_marks: Vec<Requests> = Vec::new();
     let mut mark_times: Vec<Duration> = Vec::new();
-    // Jobs completed when each mark was scraped: a part's completions, to tell its claim
-    // writes from its completions'.
-    let mut mark_done: Vec<u64> = Vec::new();
+    // Claims landed when each mark was scraped: a part's claim writes are those and its 409s.
+    let mut mark_claimed: Vec<u64> = Vec::new();
     while completed.load(Ordering::Relaxed) < total {
         let done = completed.load(Ordering::Relaxed);
         while at_marks.len() < marks.len() && done >= marks[at_marks.len()] {
             mark_times.push(t0.elapsed());
             at_marks.push(metrics::scrape(&bench.client).await?);
-            mark_done.push(completed.load(Ordering::Relaxed));
+            mark_claimed.push(claimed.load(Ordering::Relaxed));
         }
         controller.check_running()?;
         if t0.elapsed() > deadline {
@@ -297,10 +314,16 @@ pub async fn run(
     }
     if at_marks.len() == 3 {
         let points = [&m0, &at_marks[0], &at_marks[1], &at_marks[2], &m1];
-        let done = [0, mark_done[0], mark_done[1], mark_done[2], total];
+        let landed = [
+            0,
+            mark_claimed[0],
+            mark_claimed[1],
+            mark_claimed[2],
+            claimed.load(Ordering::Relaxed),
+        ];
         for (i, split) in conflict_split.iter_mut().enumerate() {
             let part = points[i + 1].since(points[i]);
-            *split = share(claim_writes(&part, (done[i + 1] - done[i]) as f64));
+            *split = share(part_claim_writes(&part, (landed[i + 1] - landed[i]) as f64));
         }
     }
     Ok(Claims {
@@ -356,4 +379,39 @@ async fn create_keyed_jobs(
         .try_collect::<Vec<()>>()
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status_puts(ok: u32, conflicts: u32) -> Requests {
+        let line = |code: &str, n: u32| {
+            format!(
+                "apiserver_request_total{{code=\"{code}\",group=\"leasehold.dev\",resource=\"leasedjobs\",scope=\"resource\",subresource=\"status\",verb=\"PUT\",version=\"v1alpha1\"}} {n}\n"
+            )
+        };
+        Requests::parse(&(line("200", ok) + &line("409", conflicts)))
+    }
+
+    #[test]
+    fn a_run_counts_its_claims_as_its_status_puts_but_one_per_completion() {
+        // 100 jobs: 100 claims and 100 completions landed, 2 claims refused.
+        let (writes, conflicts) = claim_writes(&status_puts(200, 2), 100.0);
+        assert_eq!((writes, conflicts), (102.0, 2.0));
+        assert!((share((writes, conflicts)) - 2.0 / 102.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_part_whose_completions_outnumber_its_puts_is_not_all_conflicts() {
+        // The last part of a run: one refused claim, no claim landed, 8 completions of jobs
+        // claimed before its mark, 7 of them scraped in this part. Taking the completions from
+        // the PUTs made writes fewer than the 409s (floored to 1: a share of 100 %).
+        let part = status_puts(7, 1);
+        assert_eq!(part_claim_writes(&part, 0.0), (1.0, 1.0));
+        // Counting the claims that landed, a part with some says what share of its claim
+        // writes met a 409, whatever completions fell in it.
+        assert_eq!(part_claim_writes(&part, 3.0), (4.0, 1.0));
+        assert_eq!(share(part_claim_writes(&status_puts(9, 0), 0.0)), 0.0);
+    }
 }
