@@ -449,9 +449,10 @@ impl Context {
     /// Forgets the hold of `job`'s initial status write, if it had one: it has a status now
     /// (a claim made during the hold, or that write).
     fn initialised(&self, job: &LeasedJob) {
-        // Most reconciles find no hold at all: no key is built for them.
-        if self.dispatcher.is_some() && !self.held_back.is_empty() {
-            self.held_back.forget(&ObjectRef::from_obj(job));
+        // Most reconciles find no hold at all: no key is built for them, and the holds are
+        // looked at once.
+        if self.dispatcher.is_some() {
+            self.held_back.forget(|| ObjectRef::from_obj(job));
         }
     }
 
