@@ -22,7 +22,6 @@
 //! `admission webhook "<name>" denied the request: `.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -344,19 +343,7 @@ fn largest_field(object: &Value) -> Option<(String, usize)> {
 
 /// Bytes of `value` as compact JSON, counted without building the text.
 fn encoded_len(value: &Value) -> usize {
-    struct Count(usize);
-    impl Write for Count {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0 += buf.len();
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    serde_json::to_writer(&mut count, value).expect("a Value always encodes");
-    count.0
+    leasehold_core::json::encoded_len(value).expect("a Value always encodes")
 }
 
 /// The size webhook's route, sharing `turns` ([`review::turns`]) with the other webhooks the

@@ -24,6 +24,7 @@
 //!   producer uses.
 //! - [`injection`]: sidecar injection's names; which pods escaped it.
 //! - [`job_cache`]: the controller's slim copy of every job it watches.
+//! - [`json`]: the size of a JSON document, counted without building its text.
 //! - [`policy`]: a job's lease duration, maxAttempts and backoff: its own, else its queue's.
 //! - [`lease`]: the per-job `coordination.k8s.io/v1` Lease: its name, whose it is, its patches.
 //! - [`expiry`]: how the controller judges a lease expired (on its own clock).
@@ -43,6 +44,7 @@ pub mod expiry;
 pub mod fence;
 pub mod injection;
 pub mod job_cache;
+pub mod json;
 pub mod lease;
 pub mod policy;
 pub mod progress;

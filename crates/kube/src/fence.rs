@@ -12,6 +12,7 @@ use thiserror::Error;
 
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::fence::*;
+use leasehold_core::json::encoded_len;
 use leasehold_core::token::Token;
 
 use crate::api::is_status;
@@ -142,24 +143,6 @@ pub async fn apply_from(
 /// failures) is ended with the patch, which then costs less to send and to decode.
 pub const MAX_REPLACED_STATUS_BYTES: usize = 16 * 1024;
 
-/// The length of `value` as JSON, in bytes, counted as it is written (no buffer kept); None if
-/// it cannot be written as JSON.
-fn json_len(value: &impl serde::Serialize) -> Option<usize> {
-    struct Count(usize);
-    impl std::io::Write for Count {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0 += buf.len();
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    serde_json::to_writer(&mut count, value).ok()?;
-    Some(count.0)
-}
-
 /// The [`end_attempt_patch`] of `job` for `token`, made now, by the holder its claim recorded.
 fn end_patch(job: &LeasedJob, token: &Token, outcome: &Outcome) -> json_patch::Patch {
     let holder = job
@@ -196,7 +179,7 @@ async fn replace_ended(
     // the payload and managedFields need not be sent, nor decoded. A Leased job has no result.
     let mut slim = snapshot.clone();
     slim.drop_payload_and_result();
-    if json_len(&slim.status).is_none_or(|n| n > MAX_REPLACED_STATUS_BYTES) {
+    if encoded_len(&slim.status).is_none_or(|n| n > MAX_REPLACED_STATUS_BYTES) {
         return None;
     }
     let ended = patched(&slim, &end_patch(&slim, token, outcome))?;
@@ -204,20 +187,4 @@ async fn replace_ended(
         api.replace_status(name, &PostParams::default(), &ended)
             .await,
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_length_counted_as_written_is_the_length_of_the_json() {
-        let value =
-            serde_json::json!({"phase": "Leased", "token": "t-1", "checkpoint": "ü".repeat(40)});
-        assert_eq!(
-            json_len(&value),
-            Some(serde_json::to_vec(&value).unwrap().len())
-        );
-        assert_eq!(json_len(&None::<u8>), Some(4));
-    }
 }
