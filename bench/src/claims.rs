@@ -73,7 +73,9 @@ pub struct Claims {
     pub conflict_share: f64,
     /// The same over the first quarter of the jobs (claimers start cold, their claim windows
     /// at spread), the middle half, the last quarter but the last N jobs (the queue draining
-    /// below what the windows had grown to) and the last N jobs (claimers outnumber the jobs).
+    /// below what the windows had grown to) and the last N jobs (claimers outnumber the jobs),
+    /// where a part's claim writes are the claims that landed in it and its 409s
+    /// ([`part_claim_writes`]): a part in which no claim landed reads 100 % from one 409.
     /// NaN when the run ended before the metrics were scraped at those marks (a fast run with
     /// few claimers: they are scraped between jobs).
     pub conflict_split: [f64; 4],
@@ -274,9 +276,11 @@ pub async fn run(
     while completed.load(Ordering::Relaxed) < total {
         let done = completed.load(Ordering::Relaxed);
         while at_marks.len() < marks.len() && done >= marks[at_marks.len()] {
+            // Read just before the scrape: the API server counts a request as it answers it,
+            // and renders its counters as the scrape begins, before the page is sent and read.
             mark_times.push(t0.elapsed());
-            at_marks.push(metrics::scrape(&bench.client).await?);
             mark_claimed.push(claimed.load(Ordering::Relaxed));
+            at_marks.push(metrics::scrape(&bench.client).await?);
         }
         controller.check_running()?;
         if t0.elapsed() > deadline {
@@ -288,6 +292,7 @@ pub async fn run(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let elapsed = t0.elapsed();
+    let claimed = claimed.load(Ordering::Relaxed);
     let cpu = cpu.finish();
     let m1 = metrics::scrape(&bench.client).await?;
     let requests = m1.since(&m0);
@@ -319,7 +324,7 @@ pub async fn run(
             mark_claimed[0],
             mark_claimed[1],
             mark_claimed[2],
-            claimed.load(Ordering::Relaxed),
+            claimed,
         ];
         for (i, split) in conflict_split.iter_mut().enumerate() {
             let part = points[i + 1].since(points[i]);
@@ -403,15 +408,21 @@ mod tests {
     }
 
     #[test]
-    fn a_part_whose_completions_outnumber_its_puts_is_not_all_conflicts() {
-        // The last part of a run: one refused claim, no claim landed, 8 completions of jobs
-        // claimed before its mark, 7 of them scraped in this part. Taking the completions from
-        // the PUTs made writes fewer than the 409s (floored to 1: a share of 100 %).
-        let part = status_puts(7, 1);
-        assert_eq!(part_claim_writes(&part, 0.0), (1.0, 1.0));
-        // Counting the claims that landed, a part with some says what share of its claim
-        // writes met a 409, whatever completions fell in it.
+    fn a_part_counts_its_landed_claims_not_its_puts_less_its_completions() {
+        // The last part of a run: 3 claims landed and 1 was refused in it, while 8 jobs were
+        // completed whose 8 completions were not all counted in it (a mark falls while some
+        // are in flight): 7 of them, and the 3 claims, make 10 PUTs answered 200.
+        let part = status_puts(10, 1);
+        // Taking the part's completions from its PUTs: 11 - 8 = 3 writes for 4 claim writes
+        // sent, a third of them 409.
+        assert_eq!(share(claim_writes(&part, 8.0)), 1.0 / 3.0);
+        // Counting the claims that landed: 4 claim writes, 1 of them 409.
         assert_eq!(part_claim_writes(&part, 3.0), (4.0, 1.0));
-        assert_eq!(share(part_claim_writes(&status_puts(9, 0), 0.0)), 0.0);
+        assert_eq!(share(part_claim_writes(&part, 3.0)), 0.25);
+        // Had 11 completions been counted in the part (read after its scrape, while some of
+        // their PUTs fell in the next part), the old count fell under its 409s and was floored
+        // to them: 100 %. The landed claims do not depend on the completions.
+        assert_eq!(share(claim_writes(&part, 11.0)), 1.0);
+        assert_eq!(share(part_claim_writes(&part, 3.0)), 0.25);
     }
 }
