@@ -1,8 +1,9 @@
 //! Sizes of JSON documents, counted as they are written, without building the text.
 
 /// The length of `value` as compact JSON (`serde_json::to_vec`), in bytes, counted as it is
-/// written (no buffer kept). None if it cannot be written as JSON (a map with keys that are not
-/// strings, a `Serialize` that fails); a `serde_json::Value` always can.
+/// written (no buffer kept). None if it cannot be written as JSON (a map whose keys serde_json
+/// cannot write as strings, a tuple say; a `Serialize` that fails); a `serde_json::Value`
+/// always can.
 pub fn encoded_len(value: &impl serde::Serialize) -> Option<usize> {
     struct Count(usize);
     impl std::io::Write for Count {

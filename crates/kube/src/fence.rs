@@ -166,7 +166,7 @@ fn end_patch(job: &LeasedJob, token: &Token, outcome: &Outcome) -> json_patch::P
 /// patch does; it costs the API server less (no patch to apply to the stored object). None
 /// when the snapshot is not to be ended so, and nothing was sent: it does not show the
 /// attempt, has no resourceVersion, or its status (a checkpoint handed over from an earlier
-/// attempt, say) is over [`MAX_REPLACED_STATUS_BYTES`].
+/// attempt, say) is over [`MAX_REPLACED_STATUS_BYTES`] or cannot be written as JSON.
 async fn replace_ended(
     api: &Api<LeasedJob>,
     name: &str,
