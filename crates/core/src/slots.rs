@@ -135,11 +135,16 @@ pub struct SlotHolder {
 }
 
 impl SlotHolder {
-    /// The holder a claim of `job` (the copy it is guarded by) puts in its slots.
+    /// The holder a claim of `job` (the copy it is guarded by) puts in its slots; None for a
+    /// copy without a name or a resourceVersion, which is never claimed.
     pub fn of_claim(job: &LeasedJob) -> Option<SlotHolder> {
         Some(SlotHolder {
             job: job.metadata.name.clone()?,
-            resource_version: job.metadata.resource_version.clone()?,
+            resource_version: job
+                .metadata
+                .resource_version
+                .clone()
+                .filter(|v| !v.is_empty())?,
             attempt: job.attempt() + 1,
         })
     }

@@ -59,6 +59,13 @@ pub enum ClaimError {
         /// The refusal, naming the rule.
         message: String,
     },
+    /// The snapshot has no resourceVersion: a claim is only written under one, or it would
+    /// not be conditional. Nothing was sent. (A copy read from the API server always has one.)
+    #[error("LeasedJob {job}'s copy has no resourceVersion; a claim is only written under one")]
+    Unversioned {
+        /// `namespace/name`.
+        job: String,
+    },
     /// Any other API failure; nothing was written.
     #[error("claim of LeasedJob {job} failed")]
     Api {
@@ -78,8 +85,8 @@ pub enum ClaimError {
 ///
 /// # Errors
 /// [`ClaimError::Conflict`] when anyone wrote the job since the snapshot;
-/// [`ClaimError::NotQueued`] when the snapshot is not claimable; [`ClaimError::Gone`];
-/// [`ClaimError::Api`].
+/// [`ClaimError::NotQueued`] when the snapshot is not claimable; [`ClaimError::Unversioned`]
+/// when it has no resourceVersion; [`ClaimError::Gone`]; [`ClaimError::Api`].
 pub async fn claim(
     api: &Api<LeasedJob>,
     snapshot: &LeasedJob,
@@ -104,6 +111,14 @@ pub async fn claim_with(
     token: Token,
 ) -> Result<(LeasedJob, Token), ClaimError> {
     let job = snapshot.reference();
+    if snapshot
+        .metadata
+        .resource_version
+        .as_deref()
+        .is_none_or(str::is_empty)
+    {
+        return Err(ClaimError::Unversioned { job });
+    }
     let next_attempt = token.attempt() == snapshot.attempt() + 1;
     if !next_attempt || !claimable(snapshot, &snapshot.spec.queue, Timestamp::now()) {
         return Err(ClaimError::NotQueued {

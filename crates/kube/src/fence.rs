@@ -174,7 +174,12 @@ async fn replace_ended(
     token: &Token,
     outcome: &Outcome,
 ) -> Option<Result<LeasedJob, kube::Error>> {
-    snapshot.metadata.resource_version.as_ref()?;
+    // Without a version the replace would not be conditional.
+    snapshot
+        .metadata
+        .resource_version
+        .as_deref()
+        .filter(|v| !v.is_empty())?;
     // The status subresource takes only the status from the body and keeps the rest as stored:
     // the payload and managedFields need not be sent, nor decoded. A Leased job has no result.
     let mut slim = snapshot.clone();

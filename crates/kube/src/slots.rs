@@ -75,6 +75,8 @@ pub async fn acquire(
     prefer: Preferred,
 ) -> Result<Acquired, SlotError> {
     let Some(mine) = SlotHolder::of_claim(job) else {
+        // A copy without a name or resourceVersion is never claimed: the claim refuses it
+        // before any write (`ClaimError::Unversioned`). No slot is taken for it.
         return Ok(Acquired::All(Vec::new()));
     };
     let claim = Claim {
