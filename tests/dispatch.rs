@@ -3,6 +3,8 @@
 //! offer stands, and answers only callers whose audience-bound service-account token the API
 //! server accepts and who may claim in the namespace asked about.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
@@ -511,10 +513,31 @@ async fn in_claim_order(client: &kube::Client, ns: &str, names: &[String]) -> Ve
         .collect()
 }
 
+/// A dispatcher that answers every poll with `offer()`, whoever asks, and counts in `declines`
+/// the offers the sidecars say they declined.
+fn scripted_dispatcher(
+    offer: impl Fn() -> Value + Clone + Send + Sync + 'static,
+    declines: Arc<AtomicUsize>,
+) -> axum::Router {
+    axum::Router::new()
+        .route(
+            "/v1/dispatch/poll",
+            axum::routing::post(move || {
+                let offer = offer();
+                async move { axum::Json(offer) }
+            }),
+        )
+        .route(
+            "/v1/dispatch/declined",
+            axum::routing::post(move || {
+                declines.fetch_add(1, Ordering::SeqCst);
+                async { axum::http::StatusCode::NO_CONTENT }
+            }),
+        )
+}
+
 #[tokio::test]
 async fn a_lying_dispatcher_costs_a_read_never_a_second_holder() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
     let Fixture { client, ns } = fixture!("dispatch-lies");
     // The real controller initialises and expires; it advertises no dispatcher.
     let _controller = controller_with(&ns.name, "test-controller", &["--dispatch", "false"]);
@@ -528,23 +551,15 @@ async fn a_lying_dispatcher_costs_a_read_never_a_second_holder() {
     let polls = Arc::new(AtomicUsize::new(0));
     let declines = Arc::new(AtomicUsize::new(0));
     let router = {
-        let (polls, declines) = (Arc::clone(&polls), Arc::clone(&declines));
-        axum::Router::new()
-            .route(
-                "/v1/dispatch/poll",
-                axum::routing::post(move || {
-                    let n = polls.fetch_add(1, Ordering::SeqCst);
-                    let name = if n % 2 == 0 { "taken" } else { "invented" };
-                    async move { axum::Json(json!({"name": name, "resourceVersion": "1"})) }
-                }),
-            )
-            .route(
-                "/v1/dispatch/declined",
-                axum::routing::post(move || {
-                    declines.fetch_add(1, Ordering::SeqCst);
-                    async { axum::http::StatusCode::NO_CONTENT }
-                }),
-            )
+        let polls = Arc::clone(&polls);
+        scripted_dispatcher(
+            move || {
+                let n = polls.fetch_add(1, Ordering::SeqCst);
+                let name = if n % 2 == 0 { "taken" } else { "invented" };
+                json!({"name": name, "resourceVersion": "1"})
+            },
+            Arc::clone(&declines),
+        )
     };
     let token = fake_dispatcher(&client, &ns.name, router).await;
     let asker = Sidecar::start(
@@ -582,6 +597,66 @@ async fn a_lying_dispatcher_costs_a_read_never_a_second_holder() {
     let taken = jobs.get("taken").await.unwrap().status.unwrap();
     assert_eq!(taken.holder.as_deref(), Some("pod-a"));
     assert_eq!(taken.attempt, 1, "nobody else claimed the held job");
+}
+
+#[tokio::test]
+async fn an_offer_at_a_version_the_api_server_has_not_reached_sets_the_dispatcher_aside_at_once() {
+    let Fixture { client, ns } = fixture!("dispatch-ahead");
+    let _controller = controller_with(&ns.name, "test-controller", &["--dispatch", "false"]);
+
+    // A dispatcher that first offers a job that does not exist (declined at once: the read
+    // finds nothing), then a real job at a resourceVersion far ahead of the API server's. A
+    // read not older than that version waits for the API server's cache to reach it (3 s,
+    // then 504): five such offers held a claim for 15 s before the sidecar chose on its own.
+    let ahead = Arc::new(AtomicBool::new(false));
+    let (offers_ahead, declines) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let router = {
+        let (ahead, offers_ahead) = (Arc::clone(&ahead), Arc::clone(&offers_ahead));
+        scripted_dispatcher(
+            move || {
+                if ahead.load(Ordering::SeqCst) {
+                    offers_ahead.fetch_add(1, Ordering::SeqCst);
+                    json!({"name": "free", "resourceVersion": "999999999999"})
+                } else {
+                    json!({"name": "invented", "resourceVersion": "1"})
+                }
+            },
+            Arc::clone(&declines),
+        )
+    };
+    let token = fake_dispatcher(&client, &ns.name, router).await;
+    let sidecar = Sidecar::start(
+        &ns.name,
+        "q",
+        "pod-a",
+        &["--dispatch-token-file", token.to_str().unwrap()],
+    )
+    .await;
+    // Claims of one second each until the sidecar asks the dispatcher (it follows the advert
+    // Lease, which may reach it a moment after it starts) and declines its invention.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while declines.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the dispatcher was never asked");
+        let (status, answer) = sidecar.claim(1).await;
+        assert_ne!(status, 200, "no job exists yet: {answer}");
+    }
+    // A set-aside from those declines is over before the next claim asks.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    ahead.store(true, Ordering::SeqCst);
+    create_job(&client, &ns.name, "free", 0).await;
+    wait_queued(&client, &ns.name, &["free"]).await;
+
+    let asked = Instant::now();
+    let (claim, _token) = sidecar.claim_ok(10).await;
+    let took = asked.elapsed();
+    assert_eq!(claim["name"], "free", "claimed on its own");
+    assert_eq!(
+        offers_ahead.load(Ordering::SeqCst),
+        1,
+        "one offer ahead of the API server set the dispatcher aside"
+    );
+    // The offer's read is cut at 700 ms; the claim on its own is one list and one write.
+    assert!(took < Duration::from_secs(5), "the claim took {took:?}");
 }
 
 /// Resident memory of process `pid`, in KiB.

@@ -103,6 +103,17 @@ fn slot_index<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u32>, D::
 }
 
 impl Hint {
+    /// Whether the hint can name a job at all: its name an object name (a lowercase RFC 1123
+    /// subdomain of at most 253 characters) and its resourceVersion 1 to 64 ASCII letters and
+    /// digits (an etcd revision is digits). Anything else is declined without a read: a name
+    /// with `/` or `..` would otherwise go into the read's path as it is.
+    pub fn is_well_formed(&self) -> bool {
+        let version = &self.resource_version;
+        leasehold_core::crd::is_dns_subdomain(&self.name)
+            && (1..=64).contains(&version.len())
+            && version.bytes().all(|b| b.is_ascii_alphanumeric())
+    }
+
     /// The slots the dispatcher suggests trying first.
     pub fn preferred(&self) -> Preferred {
         Preferred {
@@ -437,6 +448,35 @@ mod tests {
         assert_eq!(secs, [1000, 2000, 4000, 5000, 5000, 5000]);
         assert_eq!(aside_for(u32::MAX), SET_ASIDE);
         assert_eq!(aside_for(0), FIRST_SET_ASIDE);
+    }
+
+    #[test]
+    fn a_hint_names_a_job_only_with_an_object_name_and_a_resource_version_of_letters_and_digits() {
+        let hint = |name: &str, version: &str| Hint {
+            name: name.into(),
+            resource_version: version.into(),
+            queue_slot: None,
+            key_slot: None,
+        };
+        assert!(hint("job-1", "7").is_well_formed());
+        assert!(hint("a.b-c", &"9".repeat(64)).is_well_formed());
+        for (name, version) in [
+            ("", "7"),
+            ("../../other/leasedjobs/x", "7"),
+            ("x/status", "7"),
+            ("Upper", "7"),
+            ("job?watch=1", "7"),
+            (&*"a".repeat(254), "7"),
+            ("job", ""),
+            ("job", "7&limit=1"),
+            ("job", "-1"),
+            ("job", &*"9".repeat(65)),
+        ] {
+            assert!(
+                !hint(name, version).is_well_formed(),
+                "{name:?} {version:?}"
+            );
+        }
     }
 
     #[test]

@@ -72,6 +72,35 @@ enum Dispatch {
 /// aside: a sound one's offers fail only in a race with another claim or a change.
 const MAX_DECLINED: u32 = 5;
 
+/// The longest the read of an offered job may take ([`crate::dispatched::SILENCE_BOUND`],
+/// 700 ms). The read asks for a copy not older than the offer's resourceVersion, which the API
+/// server answers from its watch cache at once when its cache has reached it, and otherwise
+/// only once it has (up to 3 s, then 504). An offer ahead of the API server by more than this
+/// is a lie, or a view this API server is far behind: the dispatcher is set aside at once, so
+/// that such offers cannot hold a claim for seconds each.
+pub(crate) const OFFER_READ_BOUND: Duration = crate::dispatched::SILENCE_BOUND;
+
+/// What came of an offer.
+enum Offer {
+    /// The job offered is this worker's now (boxed: the other variants are empty).
+    Claimed(Box<Claimed>),
+    /// It could not be claimed: malformed, not this sidecar's to claim, gone, not claimable,
+    /// stale, held back by a limit, or its read failed.
+    Declined,
+    /// The API server did not reach the offer's resourceVersion within [`OFFER_READ_BOUND`].
+    Unreached,
+}
+
+/// What the read of an offered job found.
+enum OfferRead {
+    /// The job, claimable now, as the API server has it.
+    Claimable(Arc<LeasedJob>),
+    /// Not claimable, gone, not the job offered, or the read failed.
+    Not,
+    /// The API server had not reached the offer's resourceVersion within [`OFFER_READ_BOUND`].
+    Unreached,
+}
+
 /// What [`Worker::try_claim`] did.
 pub(crate) enum Tried {
     /// The job is this worker's (boxed: the other variants are empty).
@@ -301,9 +330,23 @@ impl Worker {
                 continue;
             }
             if !draining_now {
-                if let Some(claimed) = self.claim_hint(&hint).await? {
-                    dispatched.answered(&address);
-                    return Ok(Dispatch::Claimed(Box::new(claimed)));
+                match self.claim_hint(&hint).await? {
+                    Offer::Claimed(claimed) => {
+                        dispatched.answered(&address);
+                        return Ok(Dispatch::Claimed(claimed));
+                    }
+                    Offer::Unreached => {
+                        dispatched.declined(&address, &hint.name).await;
+                        dispatched.set_aside(
+                            &address,
+                            &format!(
+                                "offered a job at a resourceVersion the API server had not reached within {} ms",
+                                OFFER_READ_BOUND.as_millis()
+                            ),
+                        );
+                        return Ok(Dispatch::FallBack);
+                    }
+                    Offer::Declined => {}
                 }
             }
             dispatched.declined(&address, &hint.name).await;
@@ -331,23 +374,27 @@ impl Worker {
 
     /// Claims the job a hint names, from a copy read from the API server: one GET not older
     /// than the hint's resourceVersion, which the API server answers from its watch cache.
-    /// `Ok(None)` when it could not be claimed. The hint's word is never used in the write: a
-    /// lying resourceVersion costs a read that fails or a copy that is stale (409).
-    async fn claim_hint(
-        &self,
-        hint: &crate::dispatched::Hint,
-    ) -> Result<Option<Claimed>, WorkerError> {
-        match self
-            .read_claimable(&hint.name, &hint.resource_version)
-            .await
-        {
-            Some(snapshot) => match self.try_claim(&snapshot, Some(hint.preferred())).await? {
-                Tried::Claimed(claimed) => Ok(Some(*claimed)),
-                // An offer of a scope at its limit counts against the dispatcher, which knows
-                // the limits: one that keeps making such offers is set aside.
-                Tried::Lost | Tried::HeldBack => Ok(None),
-            },
-            None => Ok(None),
+    /// The hint's word is never used in the write: a lying resourceVersion costs a read that
+    /// fails, waits ([`Offer::Unreached`]) or gives a copy that is stale (409). A hint whose
+    /// name is not an object name, or whose resourceVersion is not one, is declined unread.
+    async fn claim_hint(&self, hint: &crate::dispatched::Hint) -> Result<Offer, WorkerError> {
+        if !hint.is_well_formed() {
+            debug!(
+                "Declined an offer that names no LeasedJob (a name or resourceVersion out of form)"
+            );
+            return Ok(Offer::Declined);
+        }
+        match self.read_offered(hint).await {
+            OfferRead::Claimable(snapshot) => {
+                match self.try_claim(&snapshot, Some(hint.preferred())).await? {
+                    Tried::Claimed(claimed) => Ok(Offer::Claimed(claimed)),
+                    // An offer of a scope at its limit counts against the dispatcher, which
+                    // knows the limits: one that keeps making such offers is set aside.
+                    Tried::Lost | Tried::HeldBack => Ok(Offer::Declined),
+                }
+            }
+            OfferRead::Not => Ok(Offer::Declined),
+            OfferRead::Unreached => Ok(Offer::Unreached),
         }
     }
 
@@ -446,19 +493,29 @@ impl Worker {
         Pick::Nothing
     }
 
-    /// Reads the job `name` from the API server (one GET not older than the resourceVersion
-    /// `not_older_than`, bounded by [`MAX_CALL_BOUND`]) and answers it if it is claimable;
-    /// `None` if it is not, is gone, or the read failed.
-    async fn read_claimable(&self, name: &str, not_older_than: &str) -> Option<Arc<LeasedJob>> {
+    /// Reads the job `hint` offers from the API server, in this sidecar's namespace: one GET
+    /// not older than the hint's resourceVersion, bounded by [`OFFER_READ_BOUND`]. Answers the
+    /// copy read if it is the job offered and claimable now.
+    async fn read_offered(&self, hint: &crate::dispatched::Hint) -> OfferRead {
         let params = GetParams {
-            resource_version: Some(not_older_than.to_string()),
+            resource_version: Some(hint.resource_version.clone()),
         };
-        let read =
-            tokio::time::timeout(MAX_CALL_BOUND, self.inner.jobs.get_with(name, &params)).await;
-        let Ok(Ok(found)) = read else {
-            return None;
+        let read = self.inner.jobs.get_with(&hint.name, &params);
+        let found = match tokio::time::timeout(OFFER_READ_BOUND, read).await {
+            Ok(Ok(found)) => found,
+            // The API server waited for its cache to reach the resourceVersion, and gave up.
+            Ok(Err(kube::Error::Api(e))) if e.code == 504 => return OfferRead::Unreached,
+            Ok(Err(_)) => return OfferRead::Not,
+            Err(_) => return OfferRead::Unreached,
         };
+        let namespace = &self.inner.config.namespace;
+        if found.metadata.name.as_deref() != Some(hint.name.as_str())
+            || found.metadata.namespace.as_deref() != Some(namespace.as_str())
+        {
+            return OfferRead::Not;
+        }
         self.if_claimable(found)
+            .map_or(OfferRead::Not, OfferRead::Claimable)
     }
 
     /// `job`, slimmed as the watch cache keeps it, if it is claimable now.
@@ -580,7 +637,11 @@ impl Worker {
                 self.widen_window();
                 return Ok(Tried::Lost);
             }
-            Ok(Err(ClaimError::NotQueued { .. } | ClaimError::Gone { .. })) => {
+            Ok(Err(
+                ClaimError::NotQueued { .. }
+                | ClaimError::Gone { .. }
+                | ClaimError::Unversioned { .. },
+            )) => {
                 self.mark_tried(snapshot);
                 // Not sent (or the job is gone): its slots name a claim that is not made.
                 self.give_back_slots(&slots).await;
