@@ -452,8 +452,10 @@ impl Dispatch {
 
     /// `worker` could not claim the job `name` of `queue` it was offered (it was no longer
     /// claimable when read, or the claim was refused): the offer ends, so the job is offered
-    /// to others at once. An offer standing for another worker is left alone (a worker can
-    /// only give back its own).
+    /// to others at once. An offer standing for another worker is left alone. `worker` is the
+    /// caller's word (the dispatcher checks that the caller may claim in the namespace, not
+    /// which pod it is): a caller could end another worker's offer, which costs that worker
+    /// one more poll, less than claiming the job itself, which the caller may.
     pub fn declined(&mut self, queue: &QueueKey, name: &str, worker: &str) {
         if let Some(view) = self.queues.get_mut(queue) {
             if view.offers.get(name).is_some_and(|o| o.worker == worker) {
