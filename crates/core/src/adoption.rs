@@ -82,11 +82,15 @@ pub fn counts(named: &Named, job: &LeasedJob) -> bool {
 
 /// The holder a slot adopting `job` (Leased, as read) names: the job at the version read, at
 /// its attempt. Marked with its token's mark, such a slot is busy exactly while that attempt
-/// lasts ([`state_of`]).
+/// lasts ([`state_of`]). None for a copy without a name or a resourceVersion.
 pub fn adopting(job: &LeasedJob) -> Option<SlotHolder> {
     Some(SlotHolder {
         job: job.metadata.name.clone()?,
-        resource_version: job.metadata.resource_version.clone()?,
+        resource_version: job
+            .metadata
+            .resource_version
+            .clone()
+            .filter(|v| !v.is_empty())?,
         attempt: job.attempt(),
     })
 }

@@ -59,8 +59,9 @@ pub enum ClaimError {
         /// The refusal, naming the rule.
         message: String,
     },
-    /// The snapshot has no resourceVersion: a claim is only written under one, or it would
-    /// not be conditional. Nothing was sent. (A copy read from the API server always has one.)
+    /// The snapshot has no resourceVersion: a claim is only written under one (the API server
+    /// refuses an update of a custom resource without one, 422). Nothing was sent. A copy read
+    /// from the API server always has one.
     #[error("LeasedJob {job}'s copy has no resourceVersion; a claim is only written under one")]
     Unversioned {
         /// `namespace/name`.

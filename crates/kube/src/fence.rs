@@ -174,7 +174,8 @@ async fn replace_ended(
     token: &Token,
     outcome: &Outcome,
 ) -> Option<Result<LeasedJob, kube::Error>> {
-    // Without a version the replace would not be conditional.
+    // Without a version the API server refuses the replace (422): the patch, with its tests,
+    // ends the attempt instead.
     snapshot
         .metadata
         .resource_version
