@@ -3,7 +3,7 @@
 //! offer stands, and answers only callers whose audience-bound service-account token the API
 //! server accepts and who may claim in the namespace asked about.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -600,26 +600,44 @@ async fn a_lying_dispatcher_costs_a_read_never_a_second_holder() {
 }
 
 #[tokio::test]
-async fn offers_at_versions_the_api_server_has_not_reached_set_the_dispatcher_aside_after_two() {
+async fn an_offer_ahead_of_the_api_server_costs_a_second_and_two_set_the_dispatcher_aside() {
     let Fixture { client, ns } = fixture!("dispatch-ahead");
     let _controller = controller_with(&ns.name, "test-controller", &["--dispatch", "false"]);
 
-    // A dispatcher that first offers a job that does not exist (declined at once: the read
-    // finds nothing), then a real job at a resourceVersion far ahead of the API server's. A
-    // read not older than that version waits for the API server's cache to reach it (3 s,
-    // then 504): five such offers held a claim for 15 s before the sidecar chose on its own.
-    // Now a read is cut at 1 s, and two such offers in a row set the dispatcher aside.
-    let ahead = Arc::new(AtomicBool::new(false));
-    let (offers_ahead, declines) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    // A read not older than a resourceVersion the API server has not reached waits for its
+    // cache (3 s, then 504): five offers at such a version held a claim for 15 s before the
+    // sidecar chose on its own. Now such a read is cut at 1 s, and two in one claim set the
+    // dispatcher aside. The dispatcher's script, by stage:
+    // 0: a job that does not exist (declined at once: the read finds nothing);
+    // 1: "one" at a version far ahead, then "one" at an old version (a sound offer);
+    // 2: "two" at a version far ahead, every time.
+    const AHEAD: &str = "999999999999";
+    let stage = Arc::new(AtomicUsize::new(0));
+    let (offers_ahead, sound_offers, declines) = (
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+    );
     let router = {
-        let (ahead, offers_ahead) = (Arc::clone(&ahead), Arc::clone(&offers_ahead));
+        let (stage, ahead, sound) = (
+            Arc::clone(&stage),
+            Arc::clone(&offers_ahead),
+            Arc::clone(&sound_offers),
+        );
         scripted_dispatcher(
-            move || {
-                if ahead.load(Ordering::SeqCst) {
-                    offers_ahead.fetch_add(1, Ordering::SeqCst);
-                    json!({"name": "free", "resourceVersion": "999999999999"})
-                } else {
-                    json!({"name": "invented", "resourceVersion": "1"})
+            move || match stage.load(Ordering::SeqCst) {
+                0 => json!({"name": "invented", "resourceVersion": "1"}),
+                1 if ahead.load(Ordering::SeqCst) == 0 => {
+                    ahead.fetch_add(1, Ordering::SeqCst);
+                    json!({"name": "one", "resourceVersion": AHEAD})
+                }
+                1 => {
+                    sound.fetch_add(1, Ordering::SeqCst);
+                    json!({"name": "one", "resourceVersion": "1"})
+                }
+                _ => {
+                    ahead.fetch_add(1, Ordering::SeqCst);
+                    json!({"name": "two", "resourceVersion": AHEAD})
                 }
             },
             Arc::clone(&declines),
@@ -643,21 +661,43 @@ async fn offers_at_versions_the_api_server_has_not_reached_set_the_dispatcher_as
         assert_ne!(status, 200, "no job exists yet: {answer}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    ahead.store(true, Ordering::SeqCst);
-    create_job(&client, &ns.name, "free", 0).await;
-    wait_queued(&client, &ns.name, &["free"]).await;
 
+    // One offer ahead, then a sound one: the claim goes through the dispatcher, a second late.
+    create_job(&client, &ns.name, "one", 0).await;
+    wait_queued(&client, &ns.name, &["one"]).await;
+    stage.store(1, Ordering::SeqCst);
+    let (claim, _token) = sidecar.claim_ok(10).await;
+    assert_eq!(claim["name"], "one");
+    assert_eq!(offers_ahead.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        sound_offers.load(Ordering::SeqCst),
+        1,
+        "after one slow read the dispatcher was asked again, not set aside"
+    );
+
+    // Offers ahead, every time: two set the dispatcher aside, and the claim goes on alone.
+    create_job(&client, &ns.name, "two", 0).await;
+    wait_queued(&client, &ns.name, &["two"]).await;
+    offers_ahead.store(0, Ordering::SeqCst);
+    stage.store(2, Ordering::SeqCst);
     let asked = Instant::now();
     let (claim, _token) = sidecar.claim_ok(10).await;
     let took = asked.elapsed();
-    assert_eq!(claim["name"], "free", "claimed on its own");
+    assert_eq!(claim["name"], "two", "claimed on its own");
     assert_eq!(
         offers_ahead.load(Ordering::SeqCst),
         2,
-        "two offers ahead of the API server in a row set the dispatcher aside"
+        "two offers ahead of the API server set the dispatcher aside"
     );
     // Two reads cut at 1 s each; the claim on its own is one list and one write.
     assert!(took < Duration::from_secs(6), "the claim took {took:?}");
+    // Every offer not claimed was declined: the invention, and the three ahead (those in the
+    // background).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while declines.load(Ordering::SeqCst) < 4 {
+        assert!(Instant::now() < deadline, "{declines:?} declines of 4");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Resident memory of process `pid`, in KiB.

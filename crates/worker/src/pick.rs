@@ -79,10 +79,11 @@ const MAX_DECLINED: u32 = 5;
 /// 504). An offer not read within this is declined as [`Offer::Unreached`].
 pub(crate) const OFFER_READ_BOUND: Duration = Duration::from_secs(1);
 
-/// Offers in a row not read within [`OFFER_READ_BOUND`] after which the dispatcher is set aside
-/// at once: offers ahead of the API server by that much are a lie, or a view this API server
-/// is far behind. One slow read alone (a replica catching up, a loaded moment) does not set a
-/// sound dispatcher aside; two cost a liar's victim at most 2 s.
+/// Offers not read within [`OFFER_READ_BOUND`], in one claim and from one dispatcher, after
+/// which the dispatcher is set aside at once: offers ahead of the API server by that much are
+/// a lie, or a view this API server is far behind. One slow read alone (a replica catching up,
+/// a loaded moment) does not set a sound dispatcher aside; two cost a liar's victim 2 s of
+/// reads (their declines are said in the background), whatever it offers between them.
 const MAX_UNREACHED: u32 = 2;
 
 /// Whether `status` is the API server's refusal of a read at a resourceVersion its watch cache
@@ -305,8 +306,10 @@ impl Worker {
         let Some(dispatched) = self.inner.dispatched.as_ref() else {
             return Ok(Dispatch::FallBack);
         };
+        // Counted per dispatcher: a new address (a new leader) starts afresh.
         let mut declined = 0u32;
         let mut unreached = 0u32;
+        let mut counted_for: Option<String> = None;
         let mut asked = false;
         loop {
             if declined > 0 {
@@ -322,6 +325,10 @@ impl Worker {
             let Some(address) = dispatched.usable() else {
                 return Ok(Dispatch::FallBack);
             };
+            if counted_for.as_deref() != Some(address.as_str()) {
+                (declined, unreached) = (0, 0);
+                counted_for = Some(address.clone());
+            }
             let remaining = deadline.saturating_duration_since(Instant::now());
             // A claim that will not wait (wait=0) still asks once.
             if remaining.is_zero() && asked {
@@ -353,26 +360,28 @@ impl Worker {
                         return Ok(Dispatch::Claimed(claimed));
                     }
                     Offer::Unreached => {
+                        // Said in the background: this offer has cost its read already.
+                        let (me, name, to) = (self.clone(), hint.name.clone(), address.clone());
+                        tokio::spawn(async move {
+                            if let Some(dispatched) = me.inner.dispatched.as_ref() {
+                                dispatched.declined(&to, &name).await;
+                            }
+                        });
                         unreached += 1;
-                        if unreached >= MAX_UNREACHED {
+                        declined += 1;
+                        if unreached >= MAX_UNREACHED || declined >= MAX_DECLINED {
                             dispatched.set_aside(
                                 &address,
                                 &format!(
-                                    "offered {unreached} jobs in a row at resourceVersions the API server had not reached within {} ms",
+                                    "offered {declined} jobs that could not be claimed, {unreached} of them at resourceVersions the API server had not reached within {} ms",
                                     OFFER_READ_BOUND.as_millis()
                                 ),
                             );
-                            // Said in the background: the claim goes on on its own now.
-                            let (me, name) = (self.clone(), hint.name.clone());
-                            tokio::spawn(async move {
-                                if let Some(dispatched) = me.inner.dispatched.as_ref() {
-                                    dispatched.declined(&address, &name).await;
-                                }
-                            });
                             return Ok(Dispatch::FallBack);
                         }
+                        continue;
                     }
-                    Offer::Declined => unreached = 0,
+                    Offer::Declined => {}
                 }
             }
             dispatched.declined(&address, &hint.name).await;
