@@ -606,27 +606,25 @@ async fn an_offer_ahead_of_the_api_server_costs_a_second_and_two_set_the_dispatc
 
     // A read not older than a resourceVersion the API server has not reached waits for its
     // cache (3 s, then 504): five offers at such a version held a claim for 15 s before the
-    // sidecar chose on its own. Now such a read is cut at 1 s, and two in one claim set the
-    // dispatcher aside. The dispatcher's script, by stage:
+    // sidecar chose on its own. Now such a read is cut at 1 s, and two in one round set the
+    // dispatcher aside, whatever comes between them. The dispatcher's script, by stage:
     // 0: a job that does not exist (declined at once: the read finds nothing);
     // 1: "one" at a version far ahead, then "one" at an old version (a sound offer);
-    // 2: "two" at a version far ahead, every time.
+    // 2: "two" at a version far ahead, every time;
+    // 3: "three" far ahead and the job that does not exist, by turns.
     const AHEAD: &str = "999999999999";
     let stage = Arc::new(AtomicUsize::new(0));
-    let (offers_ahead, sound_offers, declines) = (
-        Arc::new(AtomicUsize::new(0)),
-        Arc::new(AtomicUsize::new(0)),
-        Arc::new(AtomicUsize::new(0)),
-    );
+    let [probes, ahead, sound, stage3, declines] =
+        std::array::from_fn(|_| Arc::new(AtomicUsize::new(0)));
     let router = {
-        let (stage, ahead, sound) = (
-            Arc::clone(&stage),
-            Arc::clone(&offers_ahead),
-            Arc::clone(&sound_offers),
-        );
+        let [stage, probes, ahead, sound, stage3] =
+            [&stage, &probes, &ahead, &sound, &stage3].map(Arc::clone);
         scripted_dispatcher(
             move || match stage.load(Ordering::SeqCst) {
-                0 => json!({"name": "invented", "resourceVersion": "1"}),
+                0 => {
+                    probes.fetch_add(1, Ordering::SeqCst);
+                    json!({"name": "invented", "resourceVersion": "1"})
+                }
                 1 if ahead.load(Ordering::SeqCst) == 0 => {
                     ahead.fetch_add(1, Ordering::SeqCst);
                     json!({"name": "one", "resourceVersion": AHEAD})
@@ -635,10 +633,14 @@ async fn an_offer_ahead_of_the_api_server_costs_a_second_and_two_set_the_dispatc
                     sound.fetch_add(1, Ordering::SeqCst);
                     json!({"name": "one", "resourceVersion": "1"})
                 }
-                _ => {
+                2 => {
                     ahead.fetch_add(1, Ordering::SeqCst);
                     json!({"name": "two", "resourceVersion": AHEAD})
                 }
+                _ if stage3.fetch_add(1, Ordering::SeqCst) % 2 == 0 => {
+                    json!({"name": "three", "resourceVersion": AHEAD})
+                }
+                _ => json!({"name": "invented", "resourceVersion": "1"}),
             },
             Arc::clone(&declines),
         )
@@ -651,53 +653,83 @@ async fn an_offer_ahead_of_the_api_server_costs_a_second_and_two_set_the_dispatc
         &["--dispatch-token-file", token.to_str().unwrap()],
     )
     .await;
-    // Claims that do not wait, each asking the dispatcher once, until the sidecar asks it (it
-    // follows the advert Lease, which may reach it a moment after it starts) and declines its
-    // invention: one decline per claim never sets the dispatcher aside.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while declines.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the dispatcher was never asked");
-        let (status, answer) = sidecar.claim(0).await;
-        assert_ne!(status, 200, "no job exists yet: {answer}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // Claims that do not wait, each asking the dispatcher once, until one asks it (the sidecar
+    // follows the advert Lease, which may reach it a moment after it starts; a dispatcher set
+    // aside is not asked for 1 s): one decline per claim never sets it aside.
+    let asked_again = || {
+        stage.store(0, Ordering::SeqCst);
+        let (probes, sidecar) = (Arc::clone(&probes), &sidecar);
+        async move {
+            let before = probes.load(Ordering::SeqCst);
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while probes.load(Ordering::SeqCst) == before {
+                assert!(Instant::now() < deadline, "the dispatcher was not asked");
+                let (status, answer) = sidecar.claim(0).await;
+                assert_ne!(status, 200, "no job is queued: {answer}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let claim_in_stage = |n: usize, job: &'static str| {
+        let (client, ns, stage) = (client.clone(), ns.name.clone(), Arc::clone(&stage));
+        async move {
+            create_job(&client, &ns, job, 0).await;
+            wait_queued(&client, &ns, &[job]).await;
+            stage.store(n, Ordering::SeqCst);
+        }
+    };
 
     // One offer ahead, then a sound one: the claim goes through the dispatcher, a second late.
-    create_job(&client, &ns.name, "one", 0).await;
-    wait_queued(&client, &ns.name, &["one"]).await;
-    stage.store(1, Ordering::SeqCst);
+    asked_again().await;
+    claim_in_stage(1, "one").await;
     let (claim, _token) = sidecar.claim_ok(10).await;
     assert_eq!(claim["name"], "one");
-    assert_eq!(offers_ahead.load(Ordering::SeqCst), 1);
+    assert_eq!(ahead.load(Ordering::SeqCst), 1);
     assert_eq!(
-        sound_offers.load(Ordering::SeqCst),
+        sound.load(Ordering::SeqCst),
         1,
         "after one slow read the dispatcher was asked again, not set aside"
     );
 
     // Offers ahead, every time: two set the dispatcher aside, and the claim goes on alone.
-    create_job(&client, &ns.name, "two", 0).await;
-    wait_queued(&client, &ns.name, &["two"]).await;
-    offers_ahead.store(0, Ordering::SeqCst);
-    stage.store(2, Ordering::SeqCst);
+    claim_in_stage(2, "two").await;
+    ahead.store(0, Ordering::SeqCst);
     let asked = Instant::now();
     let (claim, _token) = sidecar.claim_ok(10).await;
     let took = asked.elapsed();
     assert_eq!(claim["name"], "two", "claimed on its own");
     assert_eq!(
-        offers_ahead.load(Ordering::SeqCst),
+        ahead.load(Ordering::SeqCst),
         2,
         "two offers ahead of the API server set the dispatcher aside"
     );
     // Two reads cut at 1 s each; the claim on its own is one list and one write.
     assert!(took < Duration::from_secs(6), "the claim took {took:?}");
-    // Every offer not claimed was declined: the invention, and the three ahead (those in the
-    // background).
+
+    // Offers ahead with a refused one between them: the two still set the dispatcher aside.
+    asked_again().await;
+    claim_in_stage(3, "three").await;
+    let (claim, _token) = sidecar.claim_ok(10).await;
+    assert_eq!(claim["name"], "three", "claimed on its own");
+    assert_eq!(
+        stage3.load(Ordering::SeqCst),
+        3,
+        "ahead, refused, ahead: the dispatcher was set aside after the third offer"
+    );
+
+    // Every offer not claimed was declined once: the inventions, and the five ahead (those
+    // declined in the background too).
+    let expected = probes.load(Ordering::SeqCst) + 6;
     let deadline = Instant::now() + Duration::from_secs(5);
-    while declines.load(Ordering::SeqCst) < 4 {
-        assert!(Instant::now() < deadline, "{declines:?} declines of 4");
+    while declines.load(Ordering::SeqCst) < expected {
+        assert!(
+            Instant::now() < deadline,
+            "{declines:?} declines of {expected}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(declines.load(Ordering::SeqCst), expected);
 }
 
 /// Resident memory of process `pid`, in KiB.

@@ -68,8 +68,9 @@ enum Dispatch {
     FallBack,
 }
 
-/// Offers in a row that could not be claimed, in one claim, after which the dispatcher is set
-/// aside: a sound one's offers fail only in a race with another claim or a change.
+/// Offers that could not be claimed, in one round through one dispatcher (see
+/// `claim_dispatched`), after which the dispatcher is set aside: a sound one's offers fail only
+/// in a race with another claim or a change.
 const MAX_DECLINED: u32 = 5;
 
 /// The longest the read of an offered job may take: 1 s, the API server's own objective for a
@@ -79,8 +80,8 @@ const MAX_DECLINED: u32 = 5;
 /// 504). An offer not read within this is declined as [`Offer::Unreached`].
 pub(crate) const OFFER_READ_BOUND: Duration = Duration::from_secs(1);
 
-/// Offers not read within [`OFFER_READ_BOUND`], in one claim and from one dispatcher, after
-/// which the dispatcher is set aside at once: offers ahead of the API server by that much are
+/// Offers not read within [`OFFER_READ_BOUND`], in one round through one dispatcher (see
+/// `claim_dispatched`), after which the dispatcher is set aside at once: offers ahead of the API server by that much are
 /// a lie, or a view this API server is far behind. One slow read alone (a replica catching up,
 /// a loaded moment) does not set a sound dispatcher aside; two cost a liar's victim 2 s of
 /// reads (their declines are said in the background), whatever it offers between them.
@@ -306,18 +307,14 @@ impl Worker {
         let Some(dispatched) = self.inner.dispatched.as_ref() else {
             return Ok(Dispatch::FallBack);
         };
-        // Counted per dispatcher: a new address (a new leader) starts afresh.
+        // Counted for this round through the dispatcher, per address: a new address (a new
+        // leader) starts afresh, and so does a dispatcher asked again after it was set aside
+        // (the next round).
         let mut declined = 0u32;
         let mut unreached = 0u32;
         let mut counted_for: Option<String> = None;
         let mut asked = false;
         loop {
-            if declined > 0 {
-                // A dispatcher offering job after job that cannot be claimed is asked again
-                // more slowly (10 ms, doubling to 160 ms), so it cannot drive this sidecar to
-                // read the API server in a tight loop.
-                tokio::time::sleep(Duration::from_millis(10 << declined.min(4))).await;
-            }
             // A paused queue is not asked about; a resumed one at once.
             if !self.wait_unpaused(deadline, gone, draining).await? {
                 return Ok(Dispatch::Nothing);
@@ -328,6 +325,12 @@ impl Worker {
             if counted_for.as_deref() != Some(address.as_str()) {
                 (declined, unreached) = (0, 0);
                 counted_for = Some(address.clone());
+            }
+            if declined > 0 {
+                // A dispatcher offering job after job that cannot be claimed is asked again
+                // more slowly (10 ms, doubling to 160 ms), so it cannot drive this sidecar to
+                // read the API server in a tight loop.
+                tokio::time::sleep(Duration::from_millis(10 << declined.min(4))).await;
             }
             let remaining = deadline.saturating_duration_since(Instant::now());
             // A claim that will not wait (wait=0) still asks once.
@@ -400,7 +403,7 @@ impl Worker {
                 // Its view is far from the API server's, or it lies: choose on our own.
                 dispatched.set_aside(
                     &address,
-                    &format!("offered {declined} jobs in a row that could not be claimed"),
+                    &format!("offered {declined} jobs that could not be claimed"),
                 );
                 return Ok(Dispatch::FallBack);
             }
