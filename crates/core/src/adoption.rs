@@ -86,11 +86,7 @@ pub fn counts(named: &Named, job: &LeasedJob) -> bool {
 pub fn adopting(job: &LeasedJob) -> Option<SlotHolder> {
     Some(SlotHolder {
         job: job.metadata.name.clone()?,
-        resource_version: job
-            .metadata
-            .resource_version
-            .clone()
-            .filter(|v| !v.is_empty())?,
+        resource_version: job.guarding_version()?.to_string(),
         attempt: job.attempt(),
     })
 }

@@ -516,6 +516,16 @@ impl LeasedJob {
             .unwrap_or(Phase::Queued)
     }
 
+    /// The resourceVersion a write guarded by this copy is sent under (a claim, an attempt's
+    /// ending) and a slot names; None for a copy without one, or with an empty one, which is
+    /// never written from (the API server refuses an update of a custom resource without one).
+    pub fn guarding_version(&self) -> Option<&str> {
+        self.metadata
+            .resource_version
+            .as_deref()
+            .filter(|v| !v.is_empty())
+    }
+
     /// status.attempt, 0 before the first claim.
     pub fn attempt(&self) -> i32 {
         self.status.as_ref().map_or(0, |s| s.attempt)

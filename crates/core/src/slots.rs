@@ -140,11 +140,7 @@ impl SlotHolder {
     pub fn of_claim(job: &LeasedJob) -> Option<SlotHolder> {
         Some(SlotHolder {
             job: job.metadata.name.clone()?,
-            resource_version: job
-                .metadata
-                .resource_version
-                .clone()
-                .filter(|v| !v.is_empty())?,
+            resource_version: job.guarding_version()?.to_string(),
             attempt: job.attempt() + 1,
         })
     }

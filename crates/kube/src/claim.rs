@@ -112,12 +112,7 @@ pub async fn claim_with(
     token: Token,
 ) -> Result<(LeasedJob, Token), ClaimError> {
     let job = snapshot.reference();
-    if snapshot
-        .metadata
-        .resource_version
-        .as_deref()
-        .is_none_or(str::is_empty)
-    {
+    if snapshot.guarding_version().is_none() {
         return Err(ClaimError::Unversioned { job });
     }
     let next_attempt = token.attempt() == snapshot.attempt() + 1;

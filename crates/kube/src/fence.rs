@@ -176,11 +176,7 @@ async fn replace_ended(
 ) -> Option<Result<LeasedJob, kube::Error>> {
     // Without a version the API server refuses the replace (422): the patch, with its tests,
     // ends the attempt instead.
-    snapshot
-        .metadata
-        .resource_version
-        .as_deref()
-        .filter(|v| !v.is_empty())?;
+    snapshot.guarding_version()?;
     // The status subresource takes only the status from the body and keeps the rest as stored:
     // the payload and managedFields need not be sent, nor decoded. A Leased job has no result.
     let mut slim = snapshot.clone();

@@ -81,8 +81,8 @@ const MAX_DECLINED: u32 = 5;
 pub(crate) const OFFER_READ_BOUND: Duration = Duration::from_secs(1);
 
 /// Offers not read within [`OFFER_READ_BOUND`], in one round through one dispatcher (see
-/// `claim_dispatched`), after which the dispatcher is set aside at once: offers ahead of the API server by that much are
-/// a lie, or a view this API server is far behind. One slow read alone (a replica catching up,
+/// `claim_dispatched`), after which the dispatcher is set aside at once: offers ahead of the
+/// API server by that much are a lie, or a view this API server is far behind. One slow read alone (a replica catching up,
 /// a loaded moment) does not set a sound dispatcher aside; two cost a liar's victim 2 s of
 /// reads (their declines are said in the background), whatever it offers between them.
 const MAX_UNREACHED: u32 = 2;
@@ -109,15 +109,8 @@ enum Offer {
     Unreached,
 }
 
-/// What the read of an offered job found.
-enum OfferRead {
-    /// The job, claimable now, as the API server has it.
-    Claimable(Arc<LeasedJob>),
-    /// Not claimable, gone, not the job offered, or the read failed.
-    Not,
-    /// The API server had not reached the offer's resourceVersion within [`OFFER_READ_BOUND`].
-    Unreached,
-}
+/// The API server had not reached an offer's resourceVersion within [`OFFER_READ_BOUND`].
+struct Unreached;
 
 /// What [`Worker::try_claim`] did.
 pub(crate) enum Tried {
@@ -356,54 +349,51 @@ impl Worker {
                 dispatched.declined(&address, &hint.name).await;
                 continue;
             }
-            if !draining_now {
-                match self.claim_hint(&hint).await? {
-                    Offer::Claimed(claimed) => {
-                        dispatched.answered(&address);
-                        return Ok(Dispatch::Claimed(claimed));
-                    }
-                    Offer::Unreached => {
-                        // Said in the background: this offer has cost its read already.
-                        let (me, name, to) = (self.clone(), hint.name.clone(), address.clone());
-                        tokio::spawn(async move {
-                            if let Some(dispatched) = me.inner.dispatched.as_ref() {
-                                dispatched.declined(&to, &name).await;
-                            }
-                        });
-                        unreached += 1;
-                        declined += 1;
-                        if unreached >= MAX_UNREACHED || declined >= MAX_DECLINED {
-                            dispatched.set_aside(
-                                &address,
-                                &format!(
-                                    "offered {declined} jobs that could not be claimed, {unreached} of them at resourceVersions the API server had not reached within {} ms",
-                                    OFFER_READ_BOUND.as_millis()
-                                ),
-                            );
-                            return Ok(Dispatch::FallBack);
+            let offer = if draining_now {
+                Offer::Declined
+            } else {
+                self.claim_hint(&hint).await?
+            };
+            let slow = match offer {
+                Offer::Claimed(claimed) => {
+                    dispatched.answered(&address);
+                    return Ok(Dispatch::Claimed(claimed));
+                }
+                Offer::Unreached => {
+                    // Said in the background: this offer has cost its read already.
+                    let (me, name, to) = (self.clone(), hint.name.clone(), address.clone());
+                    tokio::spawn(async move {
+                        if let Some(dispatched) = me.inner.dispatched.as_ref() {
+                            dispatched.declined(&to, &name).await;
                         }
+                    });
+                    true
+                }
+                Offer::Declined => {
+                    dispatched.declined(&address, &hint.name).await;
+                    if draining_now {
+                        return Err(WorkerError::ShuttingDown);
+                    }
+                    // The API server refused the claim as outside the limits its copy of the
+                    // LeasedQueue sets: the copies differ, which is not the dispatcher's
+                    // doing. The offer does not count against it; the next round waits out
+                    // the hold (wait_unpaused).
+                    if self.outside_limits_hold().is_some() {
                         continue;
                     }
-                    Offer::Declined => {}
+                    false
                 }
-            }
-            dispatched.declined(&address, &hint.name).await;
-            if draining_now {
-                return Err(WorkerError::ShuttingDown);
-            }
-            // The API server refused the claim as outside the limits its copy of the
-            // LeasedQueue sets: the copies differ, which is not the dispatcher's doing. The
-            // offer does not count against it; the next round waits out the hold
-            // (wait_unpaused).
-            if self.outside_limits_hold().is_some() {
-                continue;
-            }
+            };
             declined += 1;
-            if declined >= MAX_DECLINED {
+            unreached += u32::from(slow);
+            if declined >= MAX_DECLINED || unreached >= MAX_UNREACHED {
                 // Its view is far from the API server's, or it lies: choose on our own.
                 dispatched.set_aside(
                     &address,
-                    &format!("offered {declined} jobs that could not be claimed"),
+                    &format!(
+                        "offered {declined} jobs that could not be claimed, {unreached} of them at resourceVersions the API server had not reached within {} ms",
+                        OFFER_READ_BOUND.as_millis()
+                    ),
                 );
                 return Ok(Dispatch::FallBack);
             }
@@ -422,17 +412,17 @@ impl Worker {
             );
             return Ok(Offer::Declined);
         }
-        match self.read_offered(hint).await {
-            OfferRead::Claimable(snapshot) => {
-                match self.try_claim(&snapshot, Some(hint.preferred())).await? {
-                    Tried::Claimed(claimed) => Ok(Offer::Claimed(claimed)),
-                    // An offer of a scope at its limit counts against the dispatcher, which
-                    // knows the limits: one that keeps making such offers is set aside.
-                    Tried::Lost | Tried::HeldBack => Ok(Offer::Declined),
-                }
-            }
-            OfferRead::Not => Ok(Offer::Declined),
-            OfferRead::Unreached => Ok(Offer::Unreached),
+        let Ok(read) = self.read_offered(hint).await else {
+            return Ok(Offer::Unreached);
+        };
+        let Some(snapshot) = read else {
+            return Ok(Offer::Declined);
+        };
+        match self.try_claim(&snapshot, Some(hint.preferred())).await? {
+            Tried::Claimed(claimed) => Ok(Offer::Claimed(claimed)),
+            // An offer of a scope at its limit counts against the dispatcher, which knows the
+            // limits: one that keeps making such offers is set aside.
+            Tried::Lost | Tried::HeldBack => Ok(Offer::Declined),
         }
     }
 
@@ -533,8 +523,12 @@ impl Worker {
 
     /// Reads the job `hint` offers from the API server, in this sidecar's namespace: one GET
     /// not older than the hint's resourceVersion, bounded by [`OFFER_READ_BOUND`]. Answers the
-    /// copy read if it is the job offered and claimable now.
-    async fn read_offered(&self, hint: &crate::dispatched::Hint) -> OfferRead {
+    /// copy read if it is the job offered and claimable now; None if it is not, is gone, or
+    /// the read failed.
+    async fn read_offered(
+        &self,
+        hint: &crate::dispatched::Hint,
+    ) -> Result<Option<Arc<LeasedJob>>, Unreached> {
         let params = GetParams {
             resource_version: Some(hint.resource_version.clone()),
         };
@@ -542,18 +536,17 @@ impl Worker {
         let found = match tokio::time::timeout(OFFER_READ_BOUND, read).await {
             Ok(Ok(found)) => found,
             // The API server waited for its cache to reach the resourceVersion, and gave up.
-            Ok(Err(kube::Error::Api(e))) if too_large_version(&e) => return OfferRead::Unreached,
-            Ok(Err(_)) => return OfferRead::Not,
-            Err(_) => return OfferRead::Unreached,
+            Ok(Err(kube::Error::Api(e))) if too_large_version(&e) => return Err(Unreached),
+            Ok(Err(_)) => return Ok(None),
+            Err(_) => return Err(Unreached),
         };
         let namespace = &self.inner.config.namespace;
         if found.metadata.name.as_deref() != Some(hint.name.as_str())
             || found.metadata.namespace.as_deref() != Some(namespace.as_str())
         {
-            return OfferRead::Not;
+            return Ok(None);
         }
-        self.if_claimable(found)
-            .map_or(OfferRead::Not, OfferRead::Claimable)
+        Ok(self.if_claimable(found))
     }
 
     /// `job`, slimmed as the watch cache keeps it, if it is claimable now.
