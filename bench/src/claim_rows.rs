@@ -6,9 +6,10 @@ use std::fmt::Write as _;
 use crate::report::{Report, Row, Verdict};
 use crate::*;
 
-/// Rows 1, 2, 2d and 2k, round by round: at each N, the ceiling, then (with `claims`) the
+/// Rows 1, 2, 2d, 2k and 2b, round by round: at each N, the ceiling, then (with `claims`) the
 /// claim run compared with it, and at N > 1 the same through the dispatcher, without limits
-/// and with a limit per key. A failed measurement is recorded and the rest goes on.
+/// and with a limit per key, then the bound (two writes per job, nothing else). A failed
+/// measurement is recorded and the rest goes on.
 pub(crate) async fn rows_1_and_2(
     bench: &cluster::Bench,
     sizes: &Sizes,
@@ -61,6 +62,15 @@ pub(crate) async fn rows_1_and_2(
                 match claims::run(bench, n, sizes.claim_jobs, round, claims::Mode::Limited).await {
                     Ok(c) => results.push(c),
                     Err(e) => failures.push(("2k", e)),
+                }
+                // Last, so that rows 2d and 2k keep their place after the ceiling: the bound.
+                eprintln!(
+                    "row 2b: two writes per job and nothing else, N = {n}, round {}",
+                    round + 1
+                );
+                match claims::run(bench, n, sizes.claim_jobs, round, claims::Mode::Bound).await {
+                    Ok(c) => results.push(c),
+                    Err(e) => failures.push(("2b", e)),
                 }
             }
         }
@@ -393,6 +403,49 @@ pub(crate) const FLEET_WRITES_GOAL: f64 = 2.1;
 
 /// Row 2d: the claim runs through the dispatcher (`at`: the dispatched runs only), each
 /// against the ceiling of its round, as row 2.
+/// Rows 2b: the bound, at each N; a reference, without a goal of its own.
+pub(crate) fn bound_claim_rows(
+    report: &mut Report,
+    at: &[paired::AtN],
+    ceilings: &[ceiling::Ceiling],
+    sizes: &Sizes,
+) {
+    let mut detail = String::new();
+    for a in at {
+        report.rows.push(Row {
+            id: format!("2b (N={})", a.claimers),
+            what: "Bound: the two writes of each job and nothing else (claim + complete)".into(),
+            figure: format!(
+                "{:.1} claims/s (median); {} of the ceiling",
+                a.per_second,
+                paired::ratio_text(a),
+            ),
+            goal: "- (reference: the most a claim path with two writes per job reaches here)"
+                .into(),
+            verdict: Verdict::NoGoal,
+            method: format!(
+                "as row 2 at the same N, in the same rounds, but with no Worker, read, watch, \
+                 dispatcher or controller (stopped once the jobs are Queued): N claimers, each \
+                 with its own kube-rs client, take the {} jobs of one list read before the \
+                 clock, dealt out in turn, and make each job's claim (status replace under the \
+                 listed resourceVersion) and completion (status replace from the claim's \
+                 answer); the median of {} paired ratios",
+                sizes.claim_jobs,
+                a.ratios.iter().flatten().count()
+            ),
+        });
+        for (c, ratio) in a.runs.iter().zip(&a.ratios) {
+            claim_detail(&mut detail, c, *ratio, ceilings);
+        }
+    }
+    if !at.is_empty() {
+        report.details.push((
+            "Row 2b: the bound, two writes per job and nothing else".into(),
+            detail,
+        ));
+    }
+}
+
 pub(crate) fn dispatched_claim_rows(
     report: &mut Report,
     at: &[paired::AtN],

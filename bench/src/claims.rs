@@ -10,8 +10,10 @@
 //! Limited runs (row 2k) are dispatched runs in a queue with limits: its LeasedQueue sets
 //! `maxLeasedPerKey` ([`PER_KEY`]) and every job has one of [`KEYS`] concurrency keys, so
 //! every claim first takes a slot Lease of its key (docs/protocol.md, "Limits").
+//!
+//! Bound runs (row 2b) make the same two writes per job and nothing else ([`crate::bound`]).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,6 +40,8 @@ pub enum Mode {
     Dispatched,
     /// As `Dispatched`, in a queue whose LeasedQueue limits every key (row 2k).
     Limited,
+    /// No Worker: the two writes of each job from one list, nothing else (row 2b).
+    Bound,
 }
 
 impl Mode {
@@ -47,6 +51,7 @@ impl Mode {
             Mode::Plain => "",
             Mode::Dispatched => "d",
             Mode::Limited => "k",
+            Mode::Bound => "b",
         }
     }
 }
@@ -144,7 +149,8 @@ pub async fn run(
         .namespace(&format!("bench-claim{}{claimers}-{round}", mode.part()))
         .await?;
     let queue = "claim";
-    let dispatched = mode != Mode::Plain;
+    let dispatched = matches!(mode, Mode::Dispatched | Mode::Limited);
+    let bound = mode == Mode::Bound;
     let dispatch = if dispatched {
         Some(DispatchConfig {
             token_file: crate::fleet::dispatch_token(bench, &ns).await?,
@@ -168,11 +174,18 @@ pub async fn run(
         let queued = watch.wait_phase(jobs, Phase::Queued, Duration::from_secs(300));
         controller.while_running(queued).await?;
     }
+    // The bound's claimers need nothing of the controller once the jobs are Queued.
+    let hands = if bound {
+        controller.kill().await;
+        crate::bound::deal(bench, &ns, claimers).await?
+    } else {
+        Vec::new()
+    };
     let mut workers = Vec::new();
     // Aborted when dropped, as the claim loops' JoinSet is: a run that fails half-way leaves
     // no claimer or watch running into the next measurement.
     let mut watches = procs::AbortOnDrop::default();
-    for i in 0..claimers {
+    for i in 0..if bound { 0 } else { claimers } {
         let (w, task) = Worker::start(
             bench.new_client()?,
             WorkerConfig {
@@ -222,12 +235,16 @@ pub async fn run(
         vec![std::process::id()],
     ));
     let cpu = CpuWindow::start(groups);
-    let completed = Arc::new(AtomicU64::new(0));
-    let claimed = Arc::new(AtomicU64::new(0));
-    let errors = Arc::new(AtomicU64::new(0));
+    let counts = crate::bound::Counts::default();
+    let (completed, claimed, errors) = (
+        Arc::clone(&counts.completed),
+        Arc::clone(&counts.claimed),
+        Arc::clone(&counts.errors),
+    );
     let t0 = Instant::now();
     let total = jobs as u64;
     let mut tasks = JoinSet::new();
+    crate::bound::start(bench, &ns, hands, &counts, &mut tasks)?;
     for w in &workers {
         let (w, completed, claimed, errors) = (
             w.clone(),
@@ -282,7 +299,15 @@ pub async fn run(
             mark_claimed.push(claimed.load(Ordering::Relaxed));
             at_marks.push(metrics::scrape(&bench.client).await?);
         }
-        controller.check_running()?;
+        if bound {
+            // A bound claimer does not try a job again: a failed write would leave the run
+            // waiting for it.
+            if errors.load(Ordering::Relaxed) > 0 {
+                bail!("bound run with {claimers} claimers: a claim or completion failed");
+            }
+        } else {
+            controller.check_running()?;
+        }
         if t0.elapsed() > deadline {
             bail!(
                 "claim run with {claimers} claimers: only {} of {jobs} jobs done after {deadline:?}",

@@ -12,6 +12,7 @@
 //! (on loopback only).
 
 mod args;
+mod bound;
 mod ceiling;
 mod claim_rows;
 mod claims;
@@ -109,14 +110,17 @@ async fn main() -> anyhow::Result<()> {
             let of = |mode: claims::Mode| -> Vec<&claims::Claims> {
                 results.iter().filter(|c| c.mode == mode).collect()
             };
-            let (plain, dispatched, limited) = (
+            let (plain, dispatched, limited, bound) = (
                 of(claims::Mode::Plain),
                 of(claims::Mode::Dispatched),
                 of(claims::Mode::Limited),
+                of(claims::Mode::Bound),
             );
             let at = paired::at_each_n(&ceilings, &plain);
             claim_rows(&mut report, &at, &ceilings, &sizes);
             charts.extend(claim_charts(&at));
+            let at_bound = paired::at_each_n(&ceilings, &bound);
+            bound_claim_rows(&mut report, &at_bound, &ceilings, &sizes);
             let at_dispatched = paired::at_each_n(&ceilings, &dispatched);
             dispatched_claim_rows(&mut report, &at_dispatched, &ceilings, &sizes);
             let at_limited = paired::at_each_n(&ceilings, &limited);
