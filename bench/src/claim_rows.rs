@@ -401,9 +401,8 @@ pub(crate) const FLEET_CONFLICT_GOAL: f64 = 0.002;
 /// ... and at most this many API writes per short job, everything counted.
 pub(crate) const FLEET_WRITES_GOAL: f64 = 2.1;
 
-/// Row 2d: the claim runs through the dispatcher (`at`: the dispatched runs only), each
-/// against the ceiling of its round, as row 2.
-/// Rows 2b: the bound, at each N; a reference, without a goal of its own.
+/// Rows 2b: the bound (`at`: the bound's runs only), at each N, each against the ceiling of
+/// its round, as row 2; a reference, without a goal of its own.
 pub(crate) fn bound_claim_rows(
     report: &mut Report,
     at: &[paired::AtN],
@@ -446,6 +445,8 @@ pub(crate) fn bound_claim_rows(
     }
 }
 
+/// Row 2d: the claim runs through the dispatcher (`at`: the dispatched runs only), each
+/// against the ceiling of its round, as row 2.
 pub(crate) fn dispatched_claim_rows(
     report: &mut Report,
     at: &[paired::AtN],
