@@ -1,6 +1,7 @@
 //! Row 2, claim throughput: M queued jobs, N claimers each with its own `Worker` (the library
 //! the sidecar serves, with its own client and watch, as N sidecars would have), claiming and
-//! completing as fast as they can while the real controller runs. Conflicts are counted by the
+//! completing as fast as they can while the real controller runs (but in bound runs, below).
+//! Conflicts are counted by the
 //! API server: the share of claim writes (PUT leasedjobs/status, the completions' own PUTs
 //! aside) answered 409.
 //!
@@ -11,9 +12,13 @@
 //! `maxLeasedPerKey` ([`PER_KEY`]) and every job has one of [`KEYS`] concurrency keys, so
 //! every claim first takes a slot Lease of its key (docs/protocol.md, "Limits").
 //!
-//! Bound runs (row 2b) make the same two writes per job and nothing else ([`crate::bound`]).
+//! Bound runs (row 2b) make the same two writes per job and nothing else, with no Worker, and
+//! the controller stopped once the jobs are Queued ([`crate::bound`]).
+//!
+//! Before its clock starts, every run counts the API server's requests for [`IDLE`] while its
+//! claimers wait, ready and idle: the writes counted by the second, not by the job.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,6 +35,17 @@ use tokio::task::JoinSet;
 use crate::cluster::{wait_until, Bench, JobWatch};
 use crate::metrics::{self, Key, Requests};
 use crate::procs::{self, CpuWindow};
+
+/// The counts a claim run reads, shared with its claim loops (the Workers' or the bound's).
+#[derive(Clone, Default)]
+pub struct Counts {
+    /// Claims that landed.
+    pub claimed: Arc<AtomicU64>,
+    /// Jobs completed.
+    pub completed: Arc<AtomicU64>,
+    /// Claims and completions that failed (should be 0).
+    pub errors: Arc<AtomicU64>,
+}
 
 /// How the claimers of a run find their jobs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +78,11 @@ pub const KEYS: usize = 10;
 /// so that the run measures what the slots cost rather than claimers waiting for a key.
 pub const PER_KEY: i32 = 4;
 
+/// How long a run's claimers wait, ready and idle, before its clock starts, while the API
+/// server's requests are counted: the writes it counts by the second whether or not a claim
+/// runs ([`Claims::background`]).
+pub const IDLE: Duration = Duration::from_secs(4);
+
 /// The claim throughput at one N.
 pub struct Claims {
     /// Concurrent claimers.
@@ -89,12 +110,29 @@ pub struct Claims {
     pub split_seconds: [f64; 4],
     /// All requests counted by the API server during the run.
     pub requests: Requests,
-    /// Worker calls that failed (should be 0).
+    /// All requests counted by the API server in the [`IDLE`] window just before the run,
+    /// while its claimers waited and nothing was claimed.
+    pub idle: Requests,
+    /// That window's length, in seconds.
+    pub idle_seconds: f64,
+    /// Claims and completions that failed (should be 0).
     pub errors: u64,
     /// CPU by process during the run, in cores.
     pub cpu: Vec<(String, f64)>,
     /// Wall time of the run.
     pub elapsed: Duration,
+}
+
+impl Claims {
+    /// Of the requests matching `matches` counted during the run, about how many the API
+    /// server would have counted in that time with no claim running: their rate in the idle
+    /// window before the run ([`IDLE`]) times the run's length. 0 without such a window.
+    pub fn background(&self, matches: impl Fn(&Key) -> bool) -> f64 {
+        if self.idle_seconds <= 0.0 {
+            return 0.0;
+        }
+        self.idle.sum(matches) / self.idle_seconds * self.elapsed.as_secs_f64()
+    }
 }
 
 /// True for a status replace: PUT on leasedjobs/status, a claim or a holder's completion (a
@@ -107,7 +145,7 @@ pub fn is_status_put(k: &Key) -> bool {
 /// Claim writes, and those answered 409, among `requests` of a window in which `completed`
 /// jobs were completed: every status PUT but one per completed job (its completion). Every 409
 /// is counted as a claim's: a completion refused for a stale snapshot is counted so too. In a
-/// window whose status PUTs are claims and completions only (rows 2, 2d, 2k) the share so errs
+/// window whose status PUTs are claims and completions only (rows 2, 2b, 2d, 2k) the share so errs
 /// high, never low; where the controller writes initial statuses in the window (row 11), those
 /// PUTs count as claim writes too, and the share errs low by them.
 pub fn claim_writes(requests: &Requests, completed: f64) -> (f64, f64) {
@@ -137,7 +175,8 @@ pub fn share((writes, conflicts): (f64, f64)) -> f64 {
 }
 
 /// Runs M = `jobs` jobs through N = `claimers` claimers, in the namespace
-/// `bench-claim<N>-<round>` (`bench-claimd…` dispatched, `bench-claimk…` limited).
+/// `bench-claim<N>-<round>` (`bench-claimd…` dispatched, `bench-claimk…` limited,
+/// `bench-claimb…` the bound).
 pub async fn run(
     bench: &Bench,
     claimers: usize,
@@ -174,13 +213,11 @@ pub async fn run(
         let queued = watch.wait_phase(jobs, Phase::Queued, Duration::from_secs(300));
         controller.while_running(queued).await?;
     }
-    // The bound's claimers need nothing of the controller once the jobs are Queued.
-    let hands = if bound {
+    // The bound's claimers need nothing of the controller once the jobs are Queued; they
+    // list the jobs after the idle window below, when no write of the controller is in flight.
+    if bound {
         controller.kill().await;
-        crate::bound::deal(bench, &ns, claimers).await?
-    } else {
-        Vec::new()
-    };
+    }
     let mut workers = Vec::new();
     // Aborted when dropped, as the claim loops' JoinSet is: a run that fails half-way leaves
     // no claimer or watch running into the next measurement.
@@ -227,6 +264,20 @@ pub async fn run(
         .await?;
     }
 
+    // What the API server counts while no claim runs (the control plane's own Leases, the
+    // controller's leader and advert Leases): writes by the second, not by the job, which a
+    // longer run would otherwise count as more writes per job.
+    let idle_from = metrics::scrape(&bench.client).await?;
+    let idle_start = Instant::now();
+    tokio::time::sleep(IDLE).await;
+    let idle = metrics::scrape(&bench.client).await?.since(&idle_from);
+    let idle_seconds = idle_start.elapsed().as_secs_f64();
+    let bound_claimers = if bound {
+        crate::bound::ready(bench, &ns, claimers).await?
+    } else {
+        Vec::new()
+    };
+
     let m0 = metrics::scrape(&bench.client).await?;
     let mut groups = bench.controlplane.groups();
     groups.push(("leasehold controller".into(), vec![controller.pid()]));
@@ -235,7 +286,7 @@ pub async fn run(
         vec![std::process::id()],
     ));
     let cpu = CpuWindow::start(groups);
-    let counts = crate::bound::Counts::default();
+    let counts = Counts::default();
     let (completed, claimed, errors) = (
         Arc::clone(&counts.completed),
         Arc::clone(&counts.claimed),
@@ -244,7 +295,7 @@ pub async fn run(
     let t0 = Instant::now();
     let total = jobs as u64;
     let mut tasks = JoinSet::new();
-    crate::bound::start(bench, &ns, hands, &counts, &mut tasks)?;
+    crate::bound::start(bound_claimers, &counts, &mut tasks);
     for w in &workers {
         let (w, completed, claimed, errors) = (
             w.clone(),
@@ -366,6 +417,8 @@ pub async fn run(
         split_seconds,
         conflict_share: share(whole),
         requests,
+        idle,
+        idle_seconds,
         errors: errors.load(Ordering::Relaxed),
         cpu,
         elapsed,
@@ -422,6 +475,60 @@ mod tests {
             )
         };
         Requests::parse(&(line("200", ok) + &line("409", conflicts)))
+    }
+
+    fn lease_puts(n: u32) -> Requests {
+        Requests::parse(&format!(
+            "apiserver_request_total{{code=\"200\",group=\"coordination.k8s.io\",resource=\"leases\",scope=\"resource\",subresource=\"\",verb=\"PUT\",version=\"v1\"}} {n}\n"
+        ))
+    }
+
+    fn run(requests: Requests, idle: Requests, idle_seconds: f64, seconds: f64) -> Claims {
+        Claims {
+            claimers: 8,
+            round: 0,
+            mode: Mode::Limited,
+            jobs: 1000,
+            per_second: 1000.0 / seconds,
+            conflict_share: 0.0,
+            conflict_split: [f64::NAN; 4],
+            split_seconds: [f64::NAN; 4],
+            requests,
+            idle,
+            idle_seconds,
+            errors: 0,
+            cpu: Vec::new(),
+            elapsed: Duration::from_secs_f64(seconds),
+        }
+    }
+
+    #[test]
+    fn writes_counted_by_the_second_while_idle_are_taken_as_the_runs_background() {
+        // 2 Lease writes in a 4 s idle window: 0.5 a second, so 5 in a 10 s run.
+        let c = run(lease_puts(1005), lease_puts(2), 4.0, 10.0);
+        assert!((c.background(Key::is_write) - 5.0).abs() < 1e-9);
+        // Only what matches is counted; without an idle window there is no background.
+        assert_eq!(c.background(|k| k.resource == "leasedjobs"), 0.0);
+        assert_eq!(
+            run(lease_puts(1005), lease_puts(2), 0.0, 10.0).background(Key::is_write),
+            0.0
+        );
+    }
+
+    #[test]
+    fn writes_per_job_net_of_the_background_add_up_over_rounds() {
+        // Two rounds of 1000 jobs, each with one Lease write per job and some by the second: 3
+        // (0.5/s for 6 s) and 2 (0.25/s for 8 s).
+        let first = run(lease_puts(1003), lease_puts(2), 4.0, 6.0);
+        let mut second = run(lease_puts(1002), lease_puts(1), 4.0, 8.0);
+        second.round = 1;
+        let runs = [&first, &second];
+        let at = crate::paired::at_each_n(&[], &runs);
+        assert_eq!(at.len(), 1);
+        assert!((at[0].background(Key::is_write) - 5.0).abs() < 1e-9);
+        assert!((at[0].net_per_job(Key::is_write) - 1.0).abs() < 1e-9);
+        // Without the correction the longer runs seem to cost more per job.
+        assert!(at[0].requests.sum(Key::is_write) / 2000.0 > 1.002);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Rows 1 and 2 over several rounds: each round measures the ceiling at N and then the claim
-//! run at N, so each claim run is compared with the ceiling measured just before it, on a
-//! machine in the same state. The verdict reads the median of the rounds' ratios; the spread
+//! runs at N, so each claim run is compared with the ceiling measured at the start of its
+//! round, on a machine in the same state. The verdict reads the median of the rounds' ratios; the spread
 //! is printed beside it.
 //!
 //! Why rounds: on a small shared machine the ceiling alone moved from 363 to 630 writes/s
@@ -35,6 +35,20 @@ pub struct AtN<'a> {
     pub conflict_share: f64,
     /// Every request the API server counted during the claim runs, all rounds together.
     pub requests: Requests,
+}
+
+impl AtN<'_> {
+    /// Of the requests matching `matches`, those the API server would have counted in the
+    /// runs' time with no claim running ([`Claims::background`]), all rounds together.
+    pub fn background(&self, matches: impl Fn(&crate::metrics::Key) -> bool + Copy) -> f64 {
+        self.runs.iter().map(|c| c.background(matches)).sum()
+    }
+
+    /// Per job claimed and completed, the requests matching `matches`, less their
+    /// [`AtN::background`]: what the jobs themselves cost.
+    pub fn net_per_job(&self, matches: impl Fn(&crate::metrics::Key) -> bool + Copy) -> f64 {
+        (self.requests.sum(matches) - self.background(matches)) / self.jobs.max(1) as f64
+    }
 }
 
 /// Groups the claim runs by N (in the order the Ns first appear) and pairs each with the
@@ -144,6 +158,8 @@ mod tests {
             conflict_split: [0.0; 4],
             split_seconds: [0.0; 4],
             requests,
+            idle: Requests::default(),
+            idle_seconds: 0.0,
             errors: 0,
             cpu: vec![],
             elapsed: Duration::from_secs(1),
