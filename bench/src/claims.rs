@@ -1,9 +1,8 @@
 //! Row 2, claim throughput: M queued jobs, N claimers each with its own `Worker` (the library
 //! the sidecar serves, with its own client and watch, as N sidecars would have), claiming and
 //! completing as fast as they can while the real controller runs (but in bound runs, below).
-//! Conflicts are counted by the
-//! API server: the share of claim writes (PUT leasedjobs/status, the completions' own PUTs
-//! aside) answered 409.
+//! Conflicts are counted by the API server: the share of claim writes (PUT leasedjobs/status,
+//! the completions' own PUTs aside) answered 409.
 //!
 //! Dispatched runs (row 2d) are the same with the dispatcher: each `Worker` has a dispatcher
 //! token, keeps no copy of the queue and claims what the controller's dispatcher offers it.
@@ -264,9 +263,9 @@ pub async fn run(
         .await?;
     }
 
-    // What the API server counts while no claim runs (the control plane's own Leases, the
-    // controller's leader and advert Leases): writes by the second, not by the job, which a
-    // longer run would otherwise count as more writes per job.
+    // What the API server counts while no claim runs (the control plane's own Leases and the
+    // controller's leader Lease, renewed by the second): writes by the second, not by the
+    // job, which a longer run would otherwise count as more writes per job.
     let idle_from = metrics::scrape(&bench.client).await?;
     let idle_start = Instant::now();
     tokio::time::sleep(IDLE).await;
