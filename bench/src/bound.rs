@@ -24,6 +24,7 @@ use tokio::task::JoinSet;
 
 use crate::claims::Counts;
 use crate::cluster::Bench;
+use crate::counted::CountedClients;
 
 /// One claimer of the bound: its own client, warmed, and its jobs.
 pub struct Claimer {
@@ -37,11 +38,16 @@ pub struct Claimer {
 /// `claimers` in turn (job i to claimer i mod N, so that none conflicts), each job without its
 /// payload (a claim does not send it: docs/protocol.md); each claimer with its own client,
 /// which has read its first job once so that its connection is made before the clock, as the
-/// Workers' are.
+/// Workers' are, and counts its requests in `counted`, as theirs do.
 ///
 /// # Errors
 /// The list or a read failed, or a client could not be made.
-pub async fn ready(bench: &Bench, ns: &str, claimers: usize) -> anyhow::Result<Vec<Claimer>> {
+pub async fn ready(
+    bench: &Bench,
+    ns: &str,
+    claimers: usize,
+    counted: &CountedClients,
+) -> anyhow::Result<Vec<Claimer>> {
     let api: Api<LeasedJob> = Api::namespaced(bench.client.clone(), ns);
     let listed = api.list(&ListParams::default()).await?;
     let mut hands: Vec<Vec<LeasedJob>> = (0..claimers.max(1)).map(|_| Vec::new()).collect();
@@ -52,7 +58,7 @@ pub async fn ready(bench: &Bench, ns: &str, claimers: usize) -> anyhow::Result<V
     }
     let mut ready = Vec::with_capacity(n);
     for (i, hand) in hands.into_iter().enumerate() {
-        let api: Api<LeasedJob> = Api::namespaced(bench.new_client()?, ns);
+        let api: Api<LeasedJob> = Api::namespaced(counted.client(bench.new_client()?), ns);
         if let Some(first) = hand.first() {
             api.get_metadata(&first.name_any()).await?;
         }

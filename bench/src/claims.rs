@@ -32,6 +32,7 @@ use serde_json::json;
 use tokio::task::JoinSet;
 
 use crate::cluster::{wait_until, Bench, JobWatch};
+use crate::counted::CountedClients;
 use crate::metrics::{self, Key, Requests};
 use crate::procs::{self, CpuWindow};
 
@@ -114,6 +115,9 @@ pub struct Claims {
     pub idle: Requests,
     /// That window's length, in seconds.
     pub idle_seconds: f64,
+    /// The requests the claimers' own clients sent during the run ([`crate::counted`]): all
+    /// of them and nothing else, whatever else the API server counted meanwhile.
+    pub by_claimers: Requests,
     /// Claims and completions that failed (should be 0).
     pub errors: u64,
     /// CPU by process during the run, in cores.
@@ -217,13 +221,14 @@ pub async fn run(
     if bound {
         controller.kill().await;
     }
+    let counted = CountedClients::default();
     let mut workers = Vec::new();
     // Aborted when dropped, as the claim loops' JoinSet is: a run that fails half-way leaves
     // no claimer or watch running into the next measurement.
     let mut watches = procs::AbortOnDrop::default();
     for i in 0..if bound { 0 } else { claimers } {
         let (w, task) = Worker::start(
-            bench.new_client()?,
+            counted.client(bench.new_client()?),
             WorkerConfig {
                 namespace: ns.clone(),
                 queue: queue.into(),
@@ -272,7 +277,7 @@ pub async fn run(
     let idle = metrics::scrape(&bench.client).await?.since(&idle_from);
     let idle_seconds = idle_start.elapsed().as_secs_f64();
     let bound_claimers = if bound {
-        crate::bound::ready(bench, &ns, claimers).await?
+        crate::bound::ready(bench, &ns, claimers, &counted).await?
     } else {
         Vec::new()
     };
@@ -286,50 +291,12 @@ pub async fn run(
     ));
     let cpu = CpuWindow::start(groups);
     let counts = Counts::default();
-    let (completed, claimed, errors) = (
-        Arc::clone(&counts.completed),
-        Arc::clone(&counts.claimed),
-        Arc::clone(&counts.errors),
-    );
+    let sent_before = counted.read();
     let t0 = Instant::now();
     let total = jobs as u64;
     let mut tasks = JoinSet::new();
     crate::bound::start(bound_claimers, &counts, &mut tasks);
-    for w in &workers {
-        let (w, completed, claimed, errors) = (
-            w.clone(),
-            Arc::clone(&completed),
-            Arc::clone(&claimed),
-            Arc::clone(&errors),
-        );
-        tasks.spawn(async move {
-            while completed.load(Ordering::Relaxed) < total {
-                match w.claim(Duration::from_secs(1)).await {
-                    Ok(Some(c)) => {
-                        claimed.fetch_add(1, Ordering::Relaxed);
-                        match w
-                            .complete(&c.name, c.token.as_str(), json!({"ok": true}))
-                            .await
-                        {
-                            Ok(_) => {
-                                completed.fetch_add(1, Ordering::Relaxed);
-                            }
-                            Err(e) => {
-                                tracing::warn!(error = %e, "complete failed");
-                                errors.fetch_add(1, Ordering::Relaxed);
-                            }
-                        }
-                    }
-                    Ok(None) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "claim failed");
-                        errors.fetch_add(1, Ordering::Relaxed);
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                }
-            }
-        });
-    }
+    start_workers(&workers, total, &counts, &mut tasks);
     let deadline = Duration::from_secs(600);
     let marks = [
         total / 4,
@@ -340,19 +307,19 @@ pub async fn run(
     let mut mark_times: Vec<Duration> = Vec::new();
     // Claims landed when each mark was scraped: a part's claim writes are those and its 409s.
     let mut mark_claimed: Vec<u64> = Vec::new();
-    while completed.load(Ordering::Relaxed) < total {
-        let done = completed.load(Ordering::Relaxed);
+    while counts.completed.load(Ordering::Relaxed) < total {
+        let done = counts.completed.load(Ordering::Relaxed);
         while at_marks.len() < marks.len() && done >= marks[at_marks.len()] {
             // Read just before the scrape: the API server counts a request as it answers it,
             // and renders its counters as the scrape begins, before the page is sent and read.
             mark_times.push(t0.elapsed());
-            mark_claimed.push(claimed.load(Ordering::Relaxed));
+            mark_claimed.push(counts.claimed.load(Ordering::Relaxed));
             at_marks.push(metrics::scrape(&bench.client).await?);
         }
         if bound {
             // A bound claimer does not try a job again: a failed write would leave the run
             // waiting for it.
-            if errors.load(Ordering::Relaxed) > 0 {
+            if counts.errors.load(Ordering::Relaxed) > 0 {
                 bail!("bound run with {claimers} claimers: a claim or completion failed");
             }
         } else {
@@ -361,16 +328,17 @@ pub async fn run(
         if t0.elapsed() > deadline {
             bail!(
                 "claim run with {claimers} claimers: only {} of {jobs} jobs done after {deadline:?}",
-                completed.load(Ordering::Relaxed)
+                counts.completed.load(Ordering::Relaxed)
             );
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let elapsed = t0.elapsed();
-    let claimed = claimed.load(Ordering::Relaxed);
+    let claimed = counts.claimed.load(Ordering::Relaxed);
     let cpu = cpu.finish();
     let m1 = metrics::scrape(&bench.client).await?;
     let requests = m1.since(&m0);
+    let by_claimers = counted.read().since(&sent_before);
     while let Some(t) = tasks.join_next().await {
         t?;
     }
@@ -418,10 +386,46 @@ pub async fn run(
         requests,
         idle,
         idle_seconds,
-        errors: errors.load(Ordering::Relaxed),
+        by_claimers,
+        errors: counts.errors.load(Ordering::Relaxed),
         cpu,
         elapsed,
     })
+}
+
+/// Starts one claim loop per Worker of `workers`: claim (waiting up to 1 s for a job), then
+/// complete, until `total` jobs are completed, counted in `counts`.
+fn start_workers(workers: &[Worker], total: u64, counts: &Counts, tasks: &mut JoinSet<()>) {
+    for w in workers {
+        let (w, counts) = (w.clone(), counts.clone());
+        tasks.spawn(async move {
+            while counts.completed.load(Ordering::Relaxed) < total {
+                match w.claim(Duration::from_secs(1)).await {
+                    Ok(Some(c)) => {
+                        counts.claimed.fetch_add(1, Ordering::Relaxed);
+                        match w
+                            .complete(&c.name, c.token.as_str(), json!({"ok": true}))
+                            .await
+                        {
+                            Ok(_) => {
+                                counts.completed.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "complete failed");
+                                counts.errors.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "claim failed");
+                        counts.errors.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        });
+    }
 }
 
 /// Creates the LeasedQueue `queue` of a limited run: [`PER_KEY`] Leased jobs per key.
@@ -495,6 +499,7 @@ mod tests {
             requests,
             idle,
             idle_seconds,
+            by_claimers: Requests::default(),
             errors: 0,
             cpu: Vec::new(),
             elapsed: Duration::from_secs_f64(seconds),

@@ -13,6 +13,11 @@ pub(crate) const LIMITED_RATIO_GOAL: f64 = 0.3;
 /// ... and at most this many API writes per keyed job more than the same claims without
 /// limits (the slot's one conditional write).
 pub(crate) const LIMITED_EXTRA_WRITES_GOAL: f64 = 1.0;
+/// What the writes of everyone but the claimers (the controller, the control plane) may differ
+/// by per job, with limits and without, and still be read as no difference: they are the API
+/// server's count less the claimers' own, net of the writes it counts by the second, an
+/// estimate that errs by about 0.01 writes per job in a run.
+pub(crate) const OTHERS_NOISE: f64 = 0.05;
 
 /// Rows 2k: `limited`, the limited runs grouped by N, and `plain`, the dispatched runs
 /// without limits (row 2d) to compare their writes with.
@@ -25,29 +30,39 @@ pub(crate) fn limited_claim_rows(
 ) {
     let mut detail = String::new();
     for a in limited {
-        // Compared net of the writes the API server counts by the second whatever runs (the
-        // control plane's own Leases): a limited run is longer, and would otherwise seem to
-        // make more writes per job than it does.
+        // The claimers' writes are counted by their own clients, exactly; everyone else's
+        // are what the API server counted beyond those, net of the writes it counts by the
+        // second whatever runs (the control plane's own Leases), since a limited run is
+        // longer.
+        let mine = |x: &paired::AtN| x.by_claimers_per_job(is_job_write);
+        let others = |x: &paired::AtN| x.net_per_job(is_job_write) - mine(x);
         let extra = plain
             .iter()
             .find(|p| p.claimers == a.claimers)
-            .map(|p| a.net_per_job(is_job_write) - p.net_per_job(is_job_write));
-        let slot_writes =
-            a.net_per_job(|k| k.is_write() && k.resource == "leases" && k.code.starts_with('2'));
-        let background = a.background(is_job_write) / a.jobs.max(1) as f64;
+            .map(|p| (mine(a) - mine(p), others(a) - others(p)));
+        let slot_writes = a.by_claimers_per_job(|k| k.is_write() && k.resource == "leases");
+        let slot_refused = a.by_claimers_per_job(|k| {
+            k.is_write() && k.resource == "leases" && !k.code.starts_with('2')
+        });
         report.rows.push(Row {
             id: format!("2k (N={})", a.claimers),
             what: "Claim throughput with a limit per key (claim + complete)".into(),
             figure: format!(
-                "{:.1} claims/s (median); {} of the ceiling; {:.2} writes/job ({background:.3} \
-                 of them by the second, not by the job), {} than without limits (row 2d), net \
-                 of those; {slot_writes:.2} Lease writes/job, net",
+                "{:.1} claims/s (median); {} of the ceiling; {}; {slot_writes:.3} slot Lease \
+                 writes/job ({slot_refused:.3} of them refused); {:.2} writes/job as the API \
+                 server counts them",
                 a.per_second,
                 paired::ratio_text(a),
+                extra.map_or(
+                    "? more writes/job (no row 2d at this N)".into(),
+                    |(m, o)| {
+                        format!(
+                            "{m:+.3} writes/job by the claimers than without limits (row 2d), \
+                         {o:+.3} by everyone else"
+                        )
+                    }
+                ),
                 writes_per_job(a),
-                extra.map_or("? more (no row 2d at this N)".into(), |x| format!(
-                    "{x:+.2}"
-                )),
             ),
             goal: format!(
                 ">= {LIMITED_RATIO_GOAL} of the ceiling; <= {LIMITED_EXTRA_WRITES_GOAL} more \
@@ -55,16 +70,19 @@ pub(crate) fn limited_claim_rows(
             ),
             verdict: Verdict::of(
                 a.ratio.is_some_and(|r| r >= LIMITED_RATIO_GOAL)
-                    && extra.is_some_and(|x| x <= LIMITED_EXTRA_WRITES_GOAL),
+                    && extra
+                        .is_some_and(|(m, o)| m <= LIMITED_EXTRA_WRITES_GOAL && o <= OTHERS_NOISE),
             ),
             method: format!(
                 "as row 2d at the same N, in the same rounds, but the queue has a LeasedQueue \
                  with maxLeasedPerKey: {} and each of the {} jobs one of {} concurrency keys in \
                  turn, so every claim first takes a slot Lease of its key; writes/job as row 2 \
-                 (LeasedJobs, Leases, Events, whatever their answer), compared with row 2d's \
-                 net of the writes counted by the second (each run's rate in the {} s before \
-                 its clock, claimers ready and idle, times its length); the median of {} \
-                 paired ratios",
+                 (LeasedJobs, Leases, Events, whatever their answer); the claimers' counted by \
+                 their own clients, exactly; everyone else's (the controller's, the control \
+                 plane's) are the API server's count less those, net of the writes it counts \
+                 by the second (each run's rate in the {} s before its clock, claimers ready \
+                 and idle, times its length), read as no more than row 2d's within {OTHERS_NOISE} \
+                 per job; the median of {} paired ratios",
                 claims::PER_KEY,
                 sizes.claim_jobs,
                 claims::KEYS,
@@ -83,6 +101,23 @@ pub(crate) fn limited_claim_rows(
         detail,
         "\nRequests per job, counted by the API server over every round (all clients):\n\n{}",
         requests_per_n(limited)
+    );
+    let names: Vec<String> = limited
+        .iter()
+        .map(|a| format!("2k, N={}", a.claimers))
+        .chain(plain.iter().map(|p| format!("2d, N={}", p.claimers)))
+        .collect();
+    let columns: Vec<(&str, &metrics::Requests, f64)> = limited
+        .iter()
+        .chain(plain)
+        .zip(&names)
+        .map(|(a, n)| (n.as_str(), &a.by_claimers, a.jobs.max(1) as f64))
+        .collect();
+    let _ = write!(
+        detail,
+        "\nRequests per job sent by the claimers' own clients over every round, with limits \
+         (2k) and without (2d):\n\n{}",
+        requests_table(&columns)
     );
     report.details.push((
         "Row 2k: claim throughput with a limit per key".into(),

@@ -18,6 +18,7 @@ mod claim_rows;
 mod claims;
 mod cluster;
 mod cost_rows;
+mod counted;
 mod dispatch;
 mod expiry;
 mod failover;

@@ -35,6 +35,9 @@ pub struct AtN<'a> {
     pub conflict_share: f64,
     /// Every request the API server counted during the claim runs, all rounds together.
     pub requests: Requests,
+    /// Every request the claimers' own clients sent during the claim runs, all rounds
+    /// together ([`Claims::by_claimers`]).
+    pub by_claimers: Requests,
 }
 
 impl AtN<'_> {
@@ -48,6 +51,12 @@ impl AtN<'_> {
     /// [`AtN::background`]: what the jobs themselves cost.
     pub fn net_per_job(&self, matches: impl Fn(&crate::metrics::Key) -> bool + Copy) -> f64 {
         (self.requests.sum(matches) - self.background(matches)) / self.jobs.max(1) as f64
+    }
+
+    /// Per job claimed and completed, the requests matching `matches` that the claimers'
+    /// own clients sent: exact, with no background to take off.
+    pub fn by_claimers_per_job(&self, matches: impl Fn(&crate::metrics::Key) -> bool) -> f64 {
+        self.by_claimers.sum(matches) / self.jobs.max(1) as f64
     }
 }
 
@@ -82,6 +91,9 @@ pub fn at_each_n<'a>(ceilings: &[Ceiling], results: &[&'a Claims]) -> Vec<AtN<'a
             let requests = runs
                 .iter()
                 .fold(Requests::default(), |all, c| all.plus(&c.requests));
+            let by_claimers = runs
+                .iter()
+                .fold(Requests::default(), |all, c| all.plus(&c.by_claimers));
             let jobs: usize = runs.iter().map(|c| c.jobs).sum();
             let (claim_writes, conflicts) = claims::claim_writes(&requests, jobs as f64);
             AtN {
@@ -93,6 +105,7 @@ pub fn at_each_n<'a>(ceilings: &[Ceiling], results: &[&'a Claims]) -> Vec<AtN<'a
                 claim_writes,
                 conflict_share: claims::share((claim_writes, conflicts)),
                 requests,
+                by_claimers,
                 runs,
             }
         })
@@ -160,6 +173,7 @@ mod tests {
             requests,
             idle: Requests::default(),
             idle_seconds: 0.0,
+            by_claimers: Requests::default(),
             errors: 0,
             cpu: vec![],
             elapsed: Duration::from_secs(1),
