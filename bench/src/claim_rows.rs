@@ -136,6 +136,33 @@ pub(crate) fn ceiling_rows(report: &mut Report, ceilings: &[ceiling::Ceiling], s
 /// N = 8 and N = 32 (the median of the rounds).
 pub(crate) const SCALE_RATIO_GOAL: f64 = 0.28;
 
+/// `133.4 claims/s (median); 0.31 (median of paired rounds ...) of the ceiling`: how every
+/// throughput row of row 2 (2, 2b, 2d, 2k) begins its figure.
+pub(crate) fn throughput_figure(a: &paired::AtN) -> String {
+    format!(
+        "{:.1} claims/s (median); {} of the ceiling",
+        a.per_second,
+        paired::ratio_text(a)
+    )
+}
+
+/// One throughput row per N of `at`, made by `row`, each followed by one detail line per run
+/// of it, against its round's ceiling, in `detail`.
+pub(crate) fn throughput_rows(
+    report: &mut Report,
+    at: &[paired::AtN],
+    ceilings: &[ceiling::Ceiling],
+    detail: &mut String,
+    row: impl Fn(&paired::AtN) -> Row,
+) {
+    for a in at {
+        report.rows.push(row(a));
+        for (c, ratio) in a.runs.iter().zip(&a.ratios) {
+            claim_detail(detail, c, *ratio, ceilings);
+        }
+    }
+}
+
 pub(crate) fn claim_rows(
     report: &mut Report,
     at: &[paired::AtN],
@@ -144,51 +171,44 @@ pub(crate) fn claim_rows(
 ) {
     let most = sizes.claimers.iter().copied().max().unwrap_or(1);
     let mut detail = String::new();
-    for a in at {
+    throughput_rows(report, at, ceilings, &mut detail, |a| Row {
+        id: format!("2 (N={})", a.claimers),
+        what: "Claim throughput (claim + complete)".into(),
+        figure: format!(
+            "{}; 409 on {:.1}% of claim writes",
+            throughput_figure(a),
+            a.conflict_share * 100.0
+        ),
+        goal: ">= 0.40 of the ceiling".into(),
+        verdict: a.ratio.map_or(Verdict::Missed, |r| Verdict::of(r >= 0.4)),
+        method: format!(
+            "{} queued jobs; {} Worker instances (the sidecar's library, each with its own \
+             client and watch) claim then complete in a loop, controller running; claims/s = \
+             jobs / time until all completed; ratio = claims/s / the ceiling at the same N \
+             measured before it in the same round, the median of the {} ratios measured ({} \
+             rounds); 409 share from apiserver_request_total (PUT leasedjobs/status, one per \
+             job aside: its completion), all rounds together",
+            sizes.claim_jobs,
+            a.claimers,
+            a.ratios.iter().flatten().count(),
+            a.runs.len()
+        ),
+    });
+    if let Some(a) = at.iter().find(|a| a.claimers == most) {
         report.rows.push(Row {
             id: format!("2 (N={})", a.claimers),
-            what: "Claim throughput (claim + complete)".into(),
+            what: "Claim conflicts".into(),
             figure: format!(
-                "{:.1} claims/s (median); {} of the ceiling; 409 on {:.1}% of claim writes",
-                a.per_second,
-                paired::ratio_text(a),
-                a.conflict_share * 100.0
+                "{:.1}% of {:.0} claim writes answered 409",
+                a.conflict_share * 100.0,
+                a.claim_writes
             ),
-            goal: ">= 0.40 of the ceiling".into(),
-            verdict: a.ratio.map_or(Verdict::Missed, |r| Verdict::of(r >= 0.4)),
-            method: format!(
-                "{} queued jobs; {} Worker instances (the sidecar's library, each with its own \
-                 client and watch) claim then complete in a loop, controller running; claims/s = \
-                 jobs / time until all completed; ratio = claims/s / the ceiling at the same N \
-                 measured before it in the same round, the median of the {} ratios measured \
-                 ({} rounds); 409 share from apiserver_request_total (PUT leasedjobs/status, \
-                 one per job aside: its completion), all rounds together",
-                sizes.claim_jobs,
-                a.claimers,
-                a.ratios.iter().flatten().count(),
-                a.runs.len()
-            ),
+            goal: format!("< 10% at {most} claimers"),
+            verdict: Verdict::of(a.conflict_share < 0.10),
+            method: "apiserver_request_total: PUT leasedjobs/status with code 409 / the PUT \
+                     leasedjobs/status but one per job (its completion), during the runs above"
+                .into(),
         });
-        if a.claimers == most {
-            report.rows.push(Row {
-                id: format!("2 (N={})", a.claimers),
-                what: "Claim conflicts".into(),
-                figure: format!(
-                    "{:.1}% of {:.0} claim writes answered 409",
-                    a.conflict_share * 100.0,
-                    a.claim_writes
-                ),
-                goal: format!("< 10% at {most} claimers"),
-                verdict: Verdict::of(a.conflict_share < 0.10),
-                method: "apiserver_request_total: PUT leasedjobs/status with code 409 / the \
-                         PUT leasedjobs/status but one per job (its completion), during the runs \
-                         above"
-                    .into(),
-            });
-        }
-        for (c, ratio) in a.runs.iter().zip(&a.ratios) {
-            claim_detail(&mut detail, c, *ratio, ceilings);
-        }
     }
     if at.is_empty() {
         return;
@@ -410,32 +430,23 @@ pub(crate) fn bound_claim_rows(
     sizes: &Sizes,
 ) {
     let mut detail = String::new();
-    for a in at {
-        report.rows.push(Row {
-            id: format!("2b (N={})", a.claimers),
-            what: "Bound: the two writes of each job and nothing else (claim + complete)".into(),
-            figure: format!(
-                "{:.1} claims/s (median); {} of the ceiling",
-                a.per_second,
-                paired::ratio_text(a),
-            ),
-            goal: "- (reference: what the two writes alone reach here)".into(),
-            verdict: Verdict::NoGoal,
-            method: format!(
-                "as row 2 at the same N, in the same rounds (the last run of each), but with no \
-                 Worker, read, watch, dispatcher or controller (stopped once the jobs are \
-                 Queued): N claimers, each with its own kube-rs client, take the {} jobs of one \
-                 list read before the clock, dealt out in turn, and make each job's claim \
-                 (status replace under the listed resourceVersion) and completion (status \
-                 replace from the claim's answer); the median of {} paired ratios",
-                sizes.claim_jobs,
-                a.ratios.iter().flatten().count()
-            ),
-        });
-        for (c, ratio) in a.runs.iter().zip(&a.ratios) {
-            claim_detail(&mut detail, c, *ratio, ceilings);
-        }
-    }
+    throughput_rows(report, at, ceilings, &mut detail, |a| Row {
+        id: format!("2b (N={})", a.claimers),
+        what: "Bound: the two writes of each job and nothing else (claim + complete)".into(),
+        figure: throughput_figure(a),
+        goal: "- (reference: what the two writes alone reach here)".into(),
+        verdict: Verdict::NoGoal,
+        method: format!(
+            "as row 2 at the same N, in the same rounds (the last run of each), but with no \
+             Worker, read, watch, dispatcher or controller (stopped once the jobs are Queued): \
+             N claimers, each with its own kube-rs client, take the {} jobs of one list read \
+             before the clock, dealt out in turn, and make each job's claim (status replace \
+             under the listed resourceVersion) and completion (status replace from the claim's \
+             answer); the median of {} paired ratios",
+            sizes.claim_jobs,
+            a.ratios.iter().flatten().count()
+        ),
+    });
     if !at.is_empty() {
         report.details.push((
             "Row 2b: the bound, two writes per job and nothing else".into(),
@@ -452,41 +463,32 @@ pub(crate) fn dispatched_claim_rows(
     ceilings: &[ceiling::Ceiling],
     sizes: &Sizes,
 ) {
-    let method = |a: &paired::AtN| {
-        format!(
+    let mut detail = String::new();
+    throughput_rows(report, at, ceilings, &mut detail, |a| Row {
+        id: format!("2d (N={})", a.claimers),
+        what: "Claim throughput through the dispatcher (claim + complete)".into(),
+        figure: format!(
+            "{}; 409 on {:.2}% of {:.0} claim writes",
+            throughput_figure(a),
+            a.conflict_share * 100.0,
+            a.claim_writes
+        ),
+        goal: format!(
+            ">= {FLEET_RATIO_GOAL} of the ceiling; 409 < {:.1}%",
+            FLEET_CONFLICT_GOAL * 100.0
+        ),
+        verdict: Verdict::of(
+            a.ratio.is_some_and(|r| r >= FLEET_RATIO_GOAL)
+                && a.conflict_share < FLEET_CONFLICT_GOAL,
+        ),
+        method: format!(
             "as row 2 at the same N, in the same rounds, but each Worker has a dispatcher token \
              and keeps no copy of the queue: it claims the job the controller's dispatcher \
              offers it; {} queued jobs; the median of {} paired ratios",
             sizes.claim_jobs,
             a.ratios.iter().flatten().count()
-        )
-    };
-    let mut detail = String::new();
-    for a in at {
-        report.rows.push(Row {
-            id: format!("2d (N={})", a.claimers),
-            what: "Claim throughput through the dispatcher (claim + complete)".into(),
-            figure: format!(
-                "{:.1} claims/s (median); {} of the ceiling; 409 on {:.2}% of {:.0} claim writes",
-                a.per_second,
-                paired::ratio_text(a),
-                a.conflict_share * 100.0,
-                a.claim_writes
-            ),
-            goal: format!(
-                ">= {FLEET_RATIO_GOAL} of the ceiling; 409 < {:.1}%",
-                FLEET_CONFLICT_GOAL * 100.0
-            ),
-            verdict: Verdict::of(
-                a.ratio.is_some_and(|r| r >= FLEET_RATIO_GOAL)
-                    && a.conflict_share < FLEET_CONFLICT_GOAL,
-            ),
-            method: method(a),
-        });
-        for (c, ratio) in a.runs.iter().zip(&a.ratios) {
-            claim_detail(&mut detail, c, *ratio, ceilings);
-        }
-    }
+        ),
+    });
     if at.is_empty() {
         return;
     }

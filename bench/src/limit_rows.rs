@@ -29,7 +29,7 @@ pub(crate) fn limited_claim_rows(
     sizes: &Sizes,
 ) {
     let mut detail = String::new();
-    for a in limited {
+    throughput_rows(report, limited, ceilings, &mut detail, |a| {
         // The claimers' writes are counted by their own clients, exactly; everyone else's
         // are what the API server counted beyond those, net of the writes it counts by the
         // second whatever runs (the control plane's own Leases), since a limited run is
@@ -44,15 +44,13 @@ pub(crate) fn limited_claim_rows(
         let slot_refused = a.by_claimers_per_job(|k| {
             k.is_write() && k.resource == "leases" && !k.code.starts_with('2')
         });
-        report.rows.push(Row {
+        Row {
             id: format!("2k (N={})", a.claimers),
             what: "Claim throughput with a limit per key (claim + complete)".into(),
             figure: format!(
-                "{:.1} claims/s (median); {} of the ceiling; {}; {slot_writes:.3} slot Lease \
-                 writes/job ({slot_refused:.3} of them refused); {:.2} writes/job as the API \
-                 server counts them",
-                a.per_second,
-                paired::ratio_text(a),
+                "{}; {}; {slot_writes:.3} slot Lease writes/job ({slot_refused:.3} of them \
+                 refused); {:.2} writes/job as the API server counts them",
+                throughput_figure(a),
                 extra.map_or(
                     "? more writes/job (no row 2d at this N)".into(),
                     |(m, o)| {
@@ -89,11 +87,8 @@ pub(crate) fn limited_claim_rows(
                 claims::IDLE.as_secs(),
                 a.ratios.iter().flatten().count()
             ),
-        });
-        for (c, ratio) in a.runs.iter().zip(&a.ratios) {
-            claim_detail(&mut detail, c, *ratio, ceilings);
         }
-    }
+    });
     if limited.is_empty() {
         return;
     }
