@@ -10,10 +10,16 @@
 //! a reference for the claim paths of rows 2, 2d and 2k, which make the same two writes per
 //! job and more besides. It is not a strict ceiling: a round of another row can beat the
 //! bound's round on this noisy machine.
+//!
+//! Row 2bk, the keyed bound, is the same with the third write each job of row 2k costs,
+//! before its claim: a slot. Each claimer replaces a Lease of its own under the resourceVersion
+//! its last write returned, naming the job as a slot names its claim (`<job>@<R0>#<a>`), so
+//! that, like the bound's claims, none conflicts.
 
 use std::sync::atomic::Ordering;
 
-use kube::api::{ListParams, PostParams};
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use kube::api::{ListParams, ObjectMeta, PostParams};
 use kube::{Api, ResourceExt as _};
 use leasehold_core::claim;
 use leasehold_core::crd::LeasedJob;
@@ -32,13 +38,17 @@ pub struct Claimer {
     ns: String,
     holder: String,
     hand: Vec<LeasedJob>,
+    /// The keyed bound's: the claimer's own Lease, as its last write returned it.
+    slot: Option<(Api<Lease>, Lease)>,
 }
 
 /// The claimers of a bound run in `ns`: the queued jobs, read in one list, dealt out to
 /// `claimers` in turn (job i to claimer i mod N, so that none conflicts), each job without its
 /// payload (a claim does not send it: docs/protocol.md); each claimer with its own client,
 /// which has read its first job once so that its connection is made before the clock, as the
-/// Workers' are, and counts its requests in `counted`, as theirs do.
+/// Workers' are, and counts its requests in `counted`, as theirs do. With `slots` (the keyed
+/// bound), each claimer also creates a Lease of its own (`bench-slot-<i>`) to write before
+/// each claim.
 ///
 /// # Errors
 /// The list or a read failed, or a client could not be made.
@@ -47,6 +57,7 @@ pub async fn ready(
     ns: &str,
     claimers: usize,
     counted: &CountedClients,
+    slots: bool,
 ) -> anyhow::Result<Vec<Claimer>> {
     let api: Api<LeasedJob> = Api::namespaced(bench.client.clone(), ns);
     let listed = api.list(&ListParams::default()).await?;
@@ -58,30 +69,85 @@ pub async fn ready(
     }
     let mut ready = Vec::with_capacity(n);
     for (i, hand) in hands.into_iter().enumerate() {
-        let api: Api<LeasedJob> = Api::namespaced(counted.client(bench.new_client()?), ns);
+        let client = counted.client(bench.new_client()?);
+        let api: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
         if let Some(first) = hand.first() {
             api.get_metadata(&first.name_any()).await?;
         }
+        let holder = format!("claimer-{i}");
+        let slot = if slots {
+            let leases: Api<Lease> = Api::namespaced(client, ns);
+            let lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some(format!("bench-slot-{i}")),
+                    ..Default::default()
+                },
+                spec: Some(LeaseSpec::default()),
+            };
+            let lease = leases.create(&PostParams::default(), &lease).await?;
+            Some((leases, lease))
+        } else {
+            None
+        };
         ready.push(Claimer {
             api,
             ns: ns.to_string(),
-            holder: format!("claimer-{i}"),
+            holder,
             hand,
+            slot,
         });
     }
     Ok(ready)
 }
 
-/// Starts one claim loop per claimer of [`ready`]: claim, then complete, job after job,
-/// counted in `counts`.
+/// Starts one claim loop per claimer of [`ready`]: (its slot, then) claim, then complete, job
+/// after job, counted in `counts`.
 pub fn start(claimers: Vec<Claimer>, counts: &Counts, tasks: &mut JoinSet<()>) {
-    for c in claimers {
+    for mut c in claimers {
         let counts = counts.clone();
         tasks.spawn(async move {
             for job in &c.hand {
+                if let Some(slot) = c.slot.as_mut() {
+                    if !take_slot(slot, job, &counts).await {
+                        continue;
+                    }
+                }
                 two_writes(&c.api, &c.ns, &c.holder, job, &counts).await;
             }
         });
+    }
+}
+
+/// Names `job`'s claim on the claimer's own Lease, by a replace under the resourceVersion its
+/// last write returned (the write a slot's take makes); false, counted as an error, if it
+/// failed.
+async fn take_slot(
+    (api, lease): &mut (Api<Lease>, Lease),
+    job: &LeasedJob,
+    counts: &Counts,
+) -> bool {
+    let named = format!(
+        "{}@{}#{}",
+        job.name_any(),
+        job.resource_version().unwrap_or_default(),
+        job.attempt() + 1
+    );
+    if let Some(spec) = lease.spec.as_mut() {
+        spec.holder_identity = Some(named);
+    }
+    match api
+        .replace(&lease.name_any(), &PostParams::default(), lease)
+        .await
+    {
+        Ok(written) => {
+            *lease = written;
+            true
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "keyed bound: slot write failed");
+            counts.errors.fetch_add(1, Ordering::Relaxed);
+            false
+        }
     }
 }
 

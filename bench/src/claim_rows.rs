@@ -6,9 +6,10 @@ use std::fmt::Write as _;
 use crate::report::{Report, Row, Verdict};
 use crate::*;
 
-/// Rows 1, 2, 2d, 2k and 2b, round by round: at each N, the ceiling, then (with `claims`) the
-/// claim run compared with it, and at N > 1 the same through the dispatcher, without limits
-/// and with a limit per key, then the bound (two writes per job, nothing else). A failed
+/// Rows 1, 2, 2d, 2k, 2b and 2bk, round by round: at each N, the ceiling, then (with
+/// `claims`) the claim run compared with it, and at N > 1 the same through the dispatcher,
+/// without limits and with a limit per key, then the bounds (two writes per job and nothing
+/// else, then three). A failed
 /// measurement is recorded and the rest goes on.
 pub(crate) async fn rows_1_and_2(
     bench: &cluster::Bench,
@@ -63,14 +64,21 @@ pub(crate) async fn rows_1_and_2(
                     Ok(c) => results.push(c),
                     Err(e) => failures.push(("2k", e)),
                 }
-                // Last, so that rows 2d and 2k keep their place after the ceiling: the bound.
-                eprintln!(
-                    "row 2b: two writes per job and nothing else, N = {n}, round {}",
-                    round + 1
-                );
-                match claims::run(bench, n, sizes.claim_jobs, round, claims::Mode::Bound).await {
-                    Ok(c) => results.push(c),
-                    Err(e) => failures.push(("2b", e)),
+                // Last, so that rows 2d and 2k keep their place after the ceiling: the bounds,
+                // of two writes per job (row 2b) and of three (row 2bk).
+                for (mode, row) in [
+                    (claims::Mode::Bound, "2b"),
+                    (claims::Mode::BoundKeyed, "2bk"),
+                ] {
+                    eprintln!(
+                        "row {row}: {} writes per job and nothing else, N = {n}, round {}",
+                        if row == "2b" { "two" } else { "three" },
+                        round + 1
+                    );
+                    match claims::run(bench, n, sizes.claim_jobs, round, mode).await {
+                        Ok(c) => results.push(c),
+                        Err(e) => failures.push((row, e)),
+                    }
                 }
             }
         }
@@ -137,7 +145,7 @@ pub(crate) fn ceiling_rows(report: &mut Report, ceilings: &[ceiling::Ceiling], s
 pub(crate) const SCALE_RATIO_GOAL: f64 = 0.28;
 
 /// `133.4 claims/s (median); 0.31 (median of paired rounds ...) of the ceiling`: how every
-/// throughput row of row 2 (2, 2b, 2d, 2k) begins its figure.
+/// throughput row of row 2 (2, 2b, 2bk, 2d, 2k) begins its figure.
 pub(crate) fn throughput_figure(a: &paired::AtN) -> String {
     format!(
         "{:.1} claims/s (median); {} of the ceiling",
@@ -421,37 +429,57 @@ pub(crate) const FLEET_CONFLICT_GOAL: f64 = 0.002;
 /// ... and at most this many API writes per short job, everything counted.
 pub(crate) const FLEET_WRITES_GOAL: f64 = 2.1;
 
-/// Rows 2b: the bound (`at`: the bound's runs only), at each N, each against the ceiling of
-/// its round, as row 2; a reference, without a goal of its own.
+/// Rows 2b: the bound (`at`: the bound's runs only), or with `keyed` rows 2bk, the keyed bound
+/// (its runs only), at each N, each against the ceiling of its round, as row 2; a reference,
+/// without a goal of its own.
 pub(crate) fn bound_claim_rows(
     report: &mut Report,
     at: &[paired::AtN],
     ceilings: &[ceiling::Ceiling],
     sizes: &Sizes,
+    keyed: bool,
 ) {
+    let (id, what, writes, title) = if keyed {
+        (
+            "2bk",
+            "Keyed bound: the three writes of each job of row 2k and nothing else (slot + claim \
+             + complete)",
+            "a replace of a Lease of the claimer's own under the resourceVersion its last \
+             write returned, naming the job as a slot does (the write row 2k's slot costs), then \
+             the job's claim",
+            "Row 2bk: the keyed bound, three writes per job and nothing else",
+        )
+    } else {
+        (
+            "2b",
+            "Bound: the two writes of each job and nothing else (claim + complete)",
+            "each job's claim",
+            "Row 2b: the bound, two writes per job and nothing else",
+        )
+    };
     let mut detail = String::new();
     throughput_rows(report, at, ceilings, &mut detail, |a| Row {
-        id: format!("2b (N={})", a.claimers),
-        what: "Bound: the two writes of each job and nothing else (claim + complete)".into(),
+        id: format!("{id} (N={})", a.claimers),
+        what: what.into(),
         figure: throughput_figure(a),
-        goal: "- (reference: what the two writes alone reach here)".into(),
+        goal: format!(
+            "- (reference: what the {} writes alone reach here)",
+            if keyed { "three" } else { "two" }
+        ),
         verdict: Verdict::NoGoal,
         method: format!(
-            "as row 2 at the same N, in the same rounds (the last run of each), but with no \
+            "as row 2 at the same N, in the same rounds (after rows 2d and 2k), but with no \
              Worker, read, watch, dispatcher or controller (stopped once the jobs are Queued): \
              N claimers, each with its own kube-rs client, take the {} jobs of one list read \
-             before the clock, dealt out in turn, and make each job's claim (status replace \
-             under the listed resourceVersion) and completion (status replace from the claim's \
-             answer); the median of {} paired ratios",
+             before the clock, dealt out in turn, and make {writes} (status replace under the \
+             listed resourceVersion) and completion (status replace from the claim's answer); \
+             the median of {} paired ratios",
             sizes.claim_jobs,
             a.ratios.iter().flatten().count()
         ),
     });
     if !at.is_empty() {
-        report.details.push((
-            "Row 2b: the bound, two writes per job and nothing else".into(),
-            detail,
-        ));
+        report.details.push((title.into(), detail));
     }
 }
 

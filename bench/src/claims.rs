@@ -12,7 +12,8 @@
 //! every claim first takes a slot Lease of its key (docs/protocol.md, "Limits").
 //!
 //! Bound runs (row 2b) make the same two writes per job and nothing else, with no Worker, and
-//! the controller stopped once the jobs are Queued ([`crate::bound`]).
+//! the controller stopped once the jobs are Queued ([`crate::bound`]); keyed bound runs (row
+//! 2bk) make row 2k's three: a slot's, then the same two.
 //!
 //! Before its clock starts, every run counts the API server's requests for [`IDLE`] while its
 //! claimers wait, ready and idle: the writes counted by the second, not by the job.
@@ -58,6 +59,9 @@ pub enum Mode {
     Limited,
     /// No Worker: the two writes of each job from one list, nothing else (row 2b).
     Bound,
+    /// As `Bound`, with the write a slot costs before each claim: three writes per job,
+    /// nothing else (row 2bk, the bound of row 2k).
+    BoundKeyed,
 }
 
 impl Mode {
@@ -68,6 +72,7 @@ impl Mode {
             Mode::Dispatched => "d",
             Mode::Limited => "k",
             Mode::Bound => "b",
+            Mode::BoundKeyed => "bk",
         }
     }
 }
@@ -148,7 +153,7 @@ pub fn is_status_put(k: &Key) -> bool {
 /// Claim writes, and those answered 409, among `requests` of a window in which `completed`
 /// jobs were completed: every status PUT but one per completed job (its completion). Every 409
 /// is counted as a claim's: a completion refused for a stale snapshot is counted so too. In a
-/// window whose status PUTs are claims and completions only (rows 2, 2b, 2d, 2k) the share so errs
+/// window whose status PUTs are claims and completions only (rows 2, 2b, 2bk, 2d, 2k) the share so errs
 /// high, never low; where the controller writes initial statuses in the window (row 11), those
 /// PUTs count as claim writes too, and the share errs low by them.
 pub fn claim_writes(requests: &Requests, completed: f64) -> (f64, f64) {
@@ -179,7 +184,7 @@ pub fn share((writes, conflicts): (f64, f64)) -> f64 {
 
 /// Runs M = `jobs` jobs through N = `claimers` claimers, in the namespace
 /// `bench-claim<N>-<round>` (`bench-claimd…` dispatched, `bench-claimk…` limited,
-/// `bench-claimb…` the bound).
+/// `bench-claimb…` the bound, `bench-claimbk…` the keyed bound).
 pub async fn run(
     bench: &Bench,
     claimers: usize,
@@ -192,7 +197,7 @@ pub async fn run(
         .await?;
     let queue = "claim";
     let dispatched = matches!(mode, Mode::Dispatched | Mode::Limited);
-    let bound = mode == Mode::Bound;
+    let bound = matches!(mode, Mode::Bound | Mode::BoundKeyed);
     let dispatch = if dispatched {
         Some(DispatchConfig {
             token_file: crate::fleet::dispatch_token(bench, &ns).await?,
@@ -277,7 +282,8 @@ pub async fn run(
     let idle = metrics::scrape(&bench.client).await?.since(&idle_from);
     let idle_seconds = idle_start.elapsed().as_secs_f64();
     let bound_claimers = if bound {
-        crate::bound::ready(bench, &ns, claimers, &counted).await?
+        let slots = mode == Mode::BoundKeyed;
+        crate::bound::ready(bench, &ns, claimers, &counted, slots).await?
     } else {
         Vec::new()
     };

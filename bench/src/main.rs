@@ -2,7 +2,8 @@
 //! run, and prints the table (also written into docs/benchmarks.md with `--out`).
 //!
 //! Rows: 1 the ceiling (raw conditional status updates/s), 2 claim throughput (2d through
-//! the dispatcher, 2k with limits per key), 3 dispatch
+//! the dispatcher, 2k with limits per key, 2b and 2bk the bounds of two and three writes per
+//! job), 3 dispatch
 //! latency, 4 expiry latency, 5 heartbeat cost, 6 footprint, 7 against batch/v1 Jobs, 8 memory
 //! against payload bytes, 9 watch fan-out against sidecars, 10 queue length, 11 the fleet
 //! (waiting sidecars with the dispatcher), 12 the leading dispatcher killed. Every
@@ -111,17 +112,20 @@ async fn main() -> anyhow::Result<()> {
             let of = |mode: claims::Mode| -> Vec<&claims::Claims> {
                 results.iter().filter(|c| c.mode == mode).collect()
             };
-            let (plain, dispatched, limited, bound) = (
+            let (plain, dispatched, limited, bound, bound_keyed) = (
                 of(claims::Mode::Plain),
                 of(claims::Mode::Dispatched),
                 of(claims::Mode::Limited),
                 of(claims::Mode::Bound),
+                of(claims::Mode::BoundKeyed),
             );
             let at = paired::at_each_n(&ceilings, &plain);
             claim_rows(&mut report, &at, &ceilings, &sizes);
             charts.extend(claim_charts(&at));
             let at_bound = paired::at_each_n(&ceilings, &bound);
-            bound_claim_rows(&mut report, &at_bound, &ceilings, &sizes);
+            bound_claim_rows(&mut report, &at_bound, &ceilings, &sizes, false);
+            let at_bound_keyed = paired::at_each_n(&ceilings, &bound_keyed);
+            bound_claim_rows(&mut report, &at_bound_keyed, &ceilings, &sizes, true);
             let at_dispatched = paired::at_each_n(&ceilings, &dispatched);
             dispatched_claim_rows(&mut report, &at_dispatched, &ceilings, &sizes);
             let at_limited = paired::at_each_n(&ceilings, &limited);
