@@ -12,9 +12,12 @@
 //! bound's round on this noisy machine.
 //!
 //! Row 2bk, the keyed bound, is the same with the third write each job of row 2k costs,
-//! before its claim: a slot. Each claimer replaces a Lease of its own under the resourceVersion
-//! its last write returned, naming the job as a slot names its claim (`<job>@<R0>#<a>`), so
-//! that, like the bound's claims, none conflicts.
+//! before its claim: a slot's take. Each claimer replaces a Lease of its own (so that, like the
+//! bound's claims, none conflicts) under the resourceVersion its last write returned, written
+//! as a slot is (`leasehold_core::slots`: its labels, its holderIdentity naming the claim, the
+//! claim's token's mark, the claimer, acquireTime), but with no owner (a slot's is its
+//! LeasedQueue; there is none here) and without the list of the scope's slots and the read
+//! that judges one, which a take makes before its write: the bound of the writes alone.
 
 use std::sync::atomic::Ordering;
 
@@ -24,31 +27,39 @@ use kube::{Api, ResourceExt as _};
 use leasehold_core::claim;
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::fence::Outcome;
+use leasehold_core::slots::{self, Named, SlotHolder};
 use leasehold_core::token::Token;
 use serde_json::json;
 use tokio::task::JoinSet;
 
-use crate::claims::Counts;
+use crate::claims::{Counts, Mode};
 use crate::cluster::Bench;
 use crate::counted::CountedClients;
 
-/// One claimer of the bound: its own client, warmed, and its jobs.
+/// One claimer of the bound: its own client, warmed, its jobs, and in the keyed bound its
+/// slot.
 pub struct Claimer {
     api: Api<LeasedJob>,
     ns: String,
     holder: String,
     hand: Vec<LeasedJob>,
-    /// The keyed bound's: the claimer's own Lease, as its last write returned it.
-    slot: Option<(Api<Lease>, Lease)>,
+    slot: Option<Slot>,
+}
+
+/// The keyed bound's stand-in for a slot: a Lease of the claimer's own, as its last write
+/// returned it.
+struct Slot {
+    leases: Api<Lease>,
+    lease: Lease,
 }
 
 /// The claimers of a bound run in `ns`: the queued jobs, read in one list, dealt out to
 /// `claimers` in turn (job i to claimer i mod N, so that none conflicts), each job without its
 /// payload (a claim does not send it: docs/protocol.md); each claimer with its own client,
 /// which has read its first job once so that its connection is made before the clock, as the
-/// Workers' are, and counts its requests in `counted`, as theirs do. With `slots` (the keyed
-/// bound), each claimer also creates a Lease of its own (`bench-slot-<i>`) to write before
-/// each claim.
+/// Workers' are, and counts its requests in `counted`, as theirs do. In the keyed bound
+/// ([`Mode::BoundKeyed`]), each claimer also creates a Lease of its own (`bench-slot-<i>`),
+/// labelled as a slot of queue `claim` is, to write before each claim.
 ///
 /// # Errors
 /// The list or a read failed, or a client could not be made.
@@ -57,7 +68,7 @@ pub async fn ready(
     ns: &str,
     claimers: usize,
     counted: &CountedClients,
-    slots: bool,
+    mode: Mode,
 ) -> anyhow::Result<Vec<Claimer>> {
     let api: Api<LeasedJob> = Api::namespaced(bench.client.clone(), ns);
     let listed = api.list(&ListParams::default()).await?;
@@ -75,17 +86,24 @@ pub async fn ready(
             api.get_metadata(&first.name_any()).await?;
         }
         let holder = format!("claimer-{i}");
-        let slot = if slots {
+        let slot = if mode == Mode::BoundKeyed {
             let leases: Api<Lease> = Api::namespaced(client, ns);
             let lease = Lease {
                 metadata: ObjectMeta {
                     name: Some(format!("bench-slot-{i}")),
+                    labels: Some(
+                        [
+                            (slots::SLOT_OF_LABEL.to_string(), "claim".to_string()),
+                            (slots::SLOT_SCOPE_LABEL.to_string(), format!("k{i:012x}")),
+                        ]
+                        .into(),
+                    ),
                     ..Default::default()
                 },
                 spec: Some(LeaseSpec::default()),
             };
             let lease = leases.create(&PostParams::default(), &lease).await?;
-            Some((leases, lease))
+            Some(Slot { leases, lease })
         } else {
             None
         };
@@ -107,40 +125,52 @@ pub fn start(claimers: Vec<Claimer>, counts: &Counts, tasks: &mut JoinSet<()>) {
         let counts = counts.clone();
         tasks.spawn(async move {
             for job in &c.hand {
+                let token = Token::issue(job.attempt() + 1);
                 if let Some(slot) = c.slot.as_mut() {
-                    if !take_slot(slot, job, &counts).await {
+                    if !take(slot, job, &token, &c.holder, &counts).await {
                         continue;
                     }
                 }
-                two_writes(&c.api, &c.ns, &c.holder, job, &counts).await;
+                two_writes(&c.api, &c.ns, &c.holder, job, &token, &counts).await;
             }
         });
     }
 }
 
-/// Names `job`'s claim on the claimer's own Lease, by a replace under the resourceVersion its
-/// last write returned (the write a slot's take makes); false, counted as an error, if it
-/// failed.
-async fn take_slot(
-    (api, lease): &mut (Api<Lease>, Lease),
+/// Names the claim of `job` with `token` on `slot`, written as a slot's take writes it, by a
+/// replace under the resourceVersion its last write returned; false, counted as an error, if
+/// it failed.
+async fn take(
+    slot: &mut Slot,
     job: &LeasedJob,
+    token: &Token,
+    holder: &str,
     counts: &Counts,
 ) -> bool {
-    let named = format!(
-        "{}@{}#{}",
-        job.name_any(),
-        job.resource_version().unwrap_or_default(),
-        job.attempt() + 1
-    );
+    let Some(claim) = SlotHolder::of_claim(job) else {
+        counts.errors.fetch_add(1, Ordering::Relaxed);
+        return false;
+    };
+    let named = Named::taken(claim, slots::mark_of(token.as_str()));
+    let lease = &mut slot.lease;
     if let Some(spec) = lease.spec.as_mut() {
-        spec.holder_identity = Some(named);
+        spec.holder_identity = Some(named.holder.render());
+        spec.acquire_time = Some(leasehold_core::lease::micro_time(
+            k8s_openapi::jiff::Timestamp::now(),
+        ));
     }
-    match api
+    let annotations = lease.annotations_mut();
+    if let Some(text) = named.annotation() {
+        annotations.insert(slots::CLAIMS_ANNOTATION.into(), text);
+    }
+    annotations.insert(slots::TAKEN_BY_ANNOTATION.into(), holder.into());
+    match slot
+        .leases
         .replace(&lease.name_any(), &PostParams::default(), lease)
         .await
     {
         Ok(written) => {
-            *lease = written;
+            slot.lease = written;
             true
         }
         Err(e) => {
@@ -151,20 +181,20 @@ async fn take_slot(
     }
 }
 
-/// Claims `job` and completes it, counting what landed and what failed.
+/// Claims `job` with `token` and completes it, counting what landed and what failed.
 async fn two_writes(
     api: &Api<LeasedJob>,
     ns: &str,
     holder: &str,
     job: &LeasedJob,
+    token: &Token,
     counts: &Counts,
 ) {
     let name = job.name_any();
-    let token = Token::issue(job.attempt() + 1);
     let mut claimed = job.clone();
     claimed.status = Some(claim::claimed_status(
         job,
-        &token,
+        token,
         holder,
         k8s_openapi::jiff::Timestamp::now(),
         None,
@@ -184,7 +214,7 @@ async fn two_writes(
     let done = Outcome::Complete {
         result: json!({"ok": true}),
     };
-    match leasehold_kube::fence::apply_from(api, ns, &name, &token, &done, Some(&stored)).await {
+    match leasehold_kube::fence::apply_from(api, ns, &name, token, &done, Some(&stored)).await {
         Ok(_) => {
             counts.completed.fetch_add(1, Ordering::Relaxed);
         }

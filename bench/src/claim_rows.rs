@@ -8,8 +8,8 @@ use crate::*;
 
 /// Rows 1, 2, 2d, 2k, 2b and 2bk, round by round: at each N, the ceiling, then (with
 /// `claims`) the claim run compared with it, and at N > 1 the same through the dispatcher,
-/// without limits and with a limit per key, then the bounds (two writes per job and nothing
-/// else, then three). A failed
+/// without limits and with a limit per key, then the bounds: two writes per job and nothing
+/// else, then three. A failed
 /// measurement is recorded and the rest goes on.
 pub(crate) async fn rows_1_and_2(
     bench: &cluster::Bench,
@@ -66,18 +66,18 @@ pub(crate) async fn rows_1_and_2(
                 }
                 // Last, so that rows 2d and 2k keep their place after the ceiling: the bounds,
                 // of two writes per job (row 2b) and of three (row 2bk).
-                for (mode, row) in [
-                    (claims::Mode::Bound, "2b"),
-                    (claims::Mode::BoundKeyed, "2bk"),
+                for (mode, writes) in [
+                    (claims::Mode::Bound, "two"),
+                    (claims::Mode::BoundKeyed, "three"),
                 ] {
                     eprintln!(
-                        "row {row}: {} writes per job and nothing else, N = {n}, round {}",
-                        if row == "2b" { "two" } else { "three" },
+                        "row {}: {writes} writes per job and nothing else, N = {n}, round {}",
+                        mode.row(),
                         round + 1
                     );
                     match claims::run(bench, n, sizes.claim_jobs, round, mode).await {
                         Ok(c) => results.push(c),
-                        Err(e) => failures.push((row, e)),
+                        Err(e) => failures.push((mode.row(), e)),
                     }
                 }
             }
@@ -429,29 +429,29 @@ pub(crate) const FLEET_CONFLICT_GOAL: f64 = 0.002;
 /// ... and at most this many API writes per short job, everything counted.
 pub(crate) const FLEET_WRITES_GOAL: f64 = 2.1;
 
-/// Rows 2b: the bound (`at`: the bound's runs only), or with `keyed` rows 2bk, the keyed bound
-/// (its runs only), at each N, each against the ceiling of its round, as row 2; a reference,
-/// without a goal of its own.
+/// Rows 2b, the bound, or 2bk, the keyed bound (`mode`; `at`: that mode's runs only), at each
+/// N, each against the ceiling of its round, as row 2; a reference, without a goal of its own.
 pub(crate) fn bound_claim_rows(
     report: &mut Report,
     at: &[paired::AtN],
     ceilings: &[ceiling::Ceiling],
     sizes: &Sizes,
-    keyed: bool,
+    mode: claims::Mode,
 ) {
-    let (id, what, writes, title) = if keyed {
+    let keyed = mode == claims::Mode::BoundKeyed;
+    let id = mode.row();
+    let (what, writes, title) = if keyed {
         (
-            "2bk",
             "Keyed bound: the three writes of each job of row 2k and nothing else (slot + claim \
              + complete)",
             "a replace of a Lease of the claimer's own under the resourceVersion its last \
-             write returned, naming the job as a slot does (the write row 2k's slot costs), then \
-             the job's claim",
+             write returned, written as a slot's take writes it (without the list of the \
+             scope's slots and the judging read a take makes first, and without an owner), \
+             then the job's claim",
             "Row 2bk: the keyed bound, three writes per job and nothing else",
         )
     } else {
         (
-            "2b",
             "Bound: the two writes of each job and nothing else (claim + complete)",
             "each job's claim",
             "Row 2b: the bound, two writes per job and nothing else",

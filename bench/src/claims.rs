@@ -65,6 +65,17 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// The row its runs make: `2`, `2d`, `2k`, `2b`, `2bk`.
+    pub fn row(self) -> &'static str {
+        match self {
+            Mode::Plain => "2",
+            Mode::Dispatched => "2d",
+            Mode::Limited => "2k",
+            Mode::Bound => "2b",
+            Mode::BoundKeyed => "2bk",
+        }
+    }
+
     /// The part of the run's namespace that tells the mode: `bench-claim<part><N>-<round>`.
     fn part(self) -> &'static str {
         match self {
@@ -153,8 +164,8 @@ pub fn is_status_put(k: &Key) -> bool {
 /// Claim writes, and those answered 409, among `requests` of a window in which `completed`
 /// jobs were completed: every status PUT but one per completed job (its completion). Every 409
 /// is counted as a claim's: a completion refused for a stale snapshot is counted so too. In a
-/// window whose status PUTs are claims and completions only (rows 2, 2b, 2bk, 2d, 2k) the share so errs
-/// high, never low; where the controller writes initial statuses in the window (row 11), those
+/// window whose status PUTs are claims and completions only (rows 2, 2b, 2bk, 2d, 2k) the share
+/// so errs high, never low; where the controller writes initial statuses in the window (row 11), those
 /// PUTs count as claim writes too, and the share errs low by them.
 pub fn claim_writes(requests: &Requests, completed: f64) -> (f64, f64) {
     let puts = requests.sum(is_status_put);
@@ -282,8 +293,7 @@ pub async fn run(
     let idle = metrics::scrape(&bench.client).await?.since(&idle_from);
     let idle_seconds = idle_start.elapsed().as_secs_f64();
     let bound_claimers = if bound {
-        let slots = mode == Mode::BoundKeyed;
-        crate::bound::ready(bench, &ns, claimers, &counted, slots).await?
+        crate::bound::ready(bench, &ns, claimers, &counted, mode).await?
     } else {
         Vec::new()
     };
@@ -342,9 +352,12 @@ pub async fn run(
     let elapsed = t0.elapsed();
     let claimed = counts.claimed.load(Ordering::Relaxed);
     let cpu = cpu.finish();
+    // The claimers' count first: a write of theirs answered between the two readings is then
+    // in the API server's count only, so everyone else's (the difference) errs high, never
+    // low.
+    let by_claimers = counted.read().since(&sent_before);
     let m1 = metrics::scrape(&bench.client).await?;
     let requests = m1.since(&m0);
-    let by_claimers = counted.read().since(&sent_before);
     while let Some(t) = tasks.join_next().await {
         t?;
     }

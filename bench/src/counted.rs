@@ -1,5 +1,11 @@
-//! Requests counted by the claimers' own clients: exactly what they sent, whatever else the API
-//! server counts meanwhile.
+//! Requests counted by the claimers' own clients: what they sent, whatever else the API server
+//! counts meanwhile.
+//!
+//! Each request is counted as it is sent, under the [`Key`] the API server would count it
+//! under, with the answer's status once it comes (`code` empty when none came: a request
+//! whose wait was given up is still counted, as the API server counts it). A WATCH is counted
+//! as it opens, where the API server counts it as it closes; paths that name no resource
+//! (`/version`) are not counted. Only writes are read from it (row 2k).
 //!
 //! Why: the API server's `apiserver_request_total` counts every client's requests, among them
 //! the control plane's own Lease renewals (leader election, by the second, not by the job). Net
@@ -29,23 +35,21 @@ impl CountedClients {
         let service = tower::service_fn(move |request: Request<kube::client::Body>| {
             let (inner, counts) = (inner.clone(), counts.clone());
             async move {
-                let key = key_of(&request);
+                // Counted when dropped: when the answer came, or when the caller stopped
+                // waiting for it (a timeout drops this future mid-request).
+                let mut sent = Sent {
+                    counts,
+                    key: key_of(&request),
+                };
                 let answer = inner.send(request).await;
-                if let Some(mut key) = key {
-                    if let Ok(response) = &answer {
-                        key.code = response.status().as_u16().to_string();
-                    }
-                    counts.add(key);
+                if let (Some(key), Ok(response)) = (sent.key.as_mut(), &answer) {
+                    key.code = response.status().as_u16().to_string();
                 }
+                drop(sent);
                 answer
             }
         });
         Client::new(service, namespace)
-    }
-
-    fn add(&self, key: Key) {
-        let mut counts = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        *counts.entry(key).or_insert(0.0) += 1.0;
     }
 
     /// Everything counted so far: [`Requests::since`] of two readings is what was sent
@@ -55,15 +59,32 @@ impl CountedClients {
     }
 }
 
+/// One request sent, counted when dropped.
+struct Sent {
+    counts: CountedClients,
+    key: Option<Key>,
+}
+
+impl Drop for Sent {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            let mut counts = self.counts.0.lock().unwrap_or_else(|e| e.into_inner());
+            *counts.entry(key).or_insert(0.0) += 1.0;
+        }
+    }
+}
+
 /// The [`Key`] the API server would count `request` under, without its `code`; None for a path
-/// that names no resource (`/version`, `/metrics`).
+/// that names no resource (`/version`, `/metrics`). A namespace's own subresources
+/// (`/api/v1/namespaces/<ns>/status`) would read as a resource of the namespace: the claimers
+/// send none.
 ///
 /// Paths: `/api/v1/...` (the core group) or `/apis/<group>/<version>/...`, then
 /// `namespaces/<ns>/` for a namespaced resource, then `<resource>[/<name>[/<subresource>]]`.
 /// Verbs as the API server names them: a GET without a name is a LIST, or a WATCH with
 /// `watch=true`; a DELETE without a name is a DELETECOLLECTION; a PATCH whose body is an
 /// apply configuration is an APPLY.
-pub fn key_of<B>(request: &Request<B>) -> Option<Key> {
+pub(crate) fn key_of<B>(request: &Request<B>) -> Option<Key> {
     let segments: Vec<&str> = request
         .uri()
         .path()
@@ -133,6 +154,32 @@ mod tests {
         verb: &str,
     ) -> Option<(String, String, String, String)> {
         Some((group.into(), resource.into(), sub.into(), verb.into()))
+    }
+
+    #[test]
+    fn a_request_is_counted_with_its_answer_or_without_one_when_given_up() {
+        let counted = CountedClients::default();
+        let put = key_of(
+            &Request::builder()
+                .method(Method::PUT)
+                .uri("/apis/coordination.k8s.io/v1/namespaces/ns/leases/s")
+                .body(())
+                .unwrap(),
+        );
+        let mut answered = Sent {
+            counts: counted.clone(),
+            key: put.clone(),
+        };
+        answered.key.as_mut().unwrap().code = "409".into();
+        drop(answered);
+        drop(Sent {
+            counts: counted.clone(),
+            key: put,
+        });
+        let read = counted.read();
+        let codes: Vec<(&str, f64)> = read.0.iter().map(|(k, n)| (k.code.as_str(), *n)).collect();
+        assert_eq!(codes, vec![("", 1.0), ("409", 1.0)]);
+        assert_eq!(read.sum(Key::is_write), 2.0);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The API server's own request counter, `apiserver_request_total`, read from its `/metrics`
-//! endpoint: what the benchmark counts requests with, instead of trusting our own code.
+//! endpoint: what the benchmark counts requests with, instead of trusting our own code (row
+//! 2k also reads its claimers' writes from their own clients' count, [`crate::counted`]).
 
 use std::collections::BTreeMap;
 
