@@ -185,60 +185,74 @@ mod tests {
     #[test]
     fn requests_are_keyed_as_the_api_server_labels_them() {
         let jobs = "/apis/leasehold.dev/v1/namespaces/ns/leasedjobs";
-        assert_eq!(
-            key(Method::PUT, &format!("{jobs}/j-1/status")),
-            k("leasehold.dev", "leasedjobs", "status", "PUT")
-        );
-        assert_eq!(
-            key(Method::GET, &format!("{jobs}/j-1")),
-            k("leasehold.dev", "leasedjobs", "", "GET")
-        );
-        assert_eq!(
-            key(Method::GET, jobs),
-            k("leasehold.dev", "leasedjobs", "", "LIST")
-        );
-        assert_eq!(
-            key(Method::GET, &format!("{jobs}?watch=true&resourceVersion=5")),
-            k("leasehold.dev", "leasedjobs", "", "WATCH")
-        );
         let leases = "/apis/coordination.k8s.io/v1/namespaces/ns/leases";
-        assert_eq!(
-            key(Method::POST, leases),
-            k("coordination.k8s.io", "leases", "", "POST")
-        );
-        assert_eq!(
-            key(Method::PUT, &format!("{leases}/lhq-claim-k0-1")),
-            k("coordination.k8s.io", "leases", "", "PUT")
-        );
-        assert_eq!(
-            key(Method::DELETE, leases),
-            k("coordination.k8s.io", "leases", "", "DELETECOLLECTION")
-        );
-        assert_eq!(
-            key(Method::PATCH, &format!("{leases}/x?fieldManager=apply")),
-            k("coordination.k8s.io", "leases", "", "APPLY")
-        );
-        assert_eq!(
-            key(Method::POST, "/api/v1/namespaces/ns/events"),
-            k("", "events", "", "POST")
-        );
-        assert_eq!(
-            key(Method::GET, "/api/v1/namespaces/ns"),
-            k("", "namespaces", "", "GET")
-        );
-        assert_eq!(
-            key(
-                Method::GET,
-                "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/x"
+        let (lh, co) = ("leasehold.dev", "coordination.k8s.io");
+        let cases = [
+            (
+                Method::PUT,
+                format!("{jobs}/j-1/status"),
+                k(lh, "leasedjobs", "status", "PUT"),
             ),
-            k(
-                "apiextensions.k8s.io",
-                "customresourcedefinitions",
-                "",
-                "GET"
-            )
-        );
-        assert_eq!(key(Method::GET, "/version"), None);
-        assert_eq!(key(Method::GET, "/metrics"), None);
+            (
+                Method::GET,
+                format!("{jobs}/j-1"),
+                k(lh, "leasedjobs", "", "GET"),
+            ),
+            (
+                Method::GET,
+                jobs.to_string(),
+                k(lh, "leasedjobs", "", "LIST"),
+            ),
+            (
+                Method::GET,
+                format!("{jobs}?watch=true&resourceVersion=5"),
+                k(lh, "leasedjobs", "", "WATCH"),
+            ),
+            (
+                Method::POST,
+                leases.to_string(),
+                k(co, "leases", "", "POST"),
+            ),
+            (
+                Method::PUT,
+                format!("{leases}/lhq-claim-k0-1"),
+                k(co, "leases", "", "PUT"),
+            ),
+            (
+                Method::DELETE,
+                leases.to_string(),
+                k(co, "leases", "", "DELETECOLLECTION"),
+            ),
+            (
+                Method::PATCH,
+                format!("{leases}/x?fieldManager=apply"),
+                k(co, "leases", "", "APPLY"),
+            ),
+            (
+                Method::POST,
+                "/api/v1/namespaces/ns/events".into(),
+                k("", "events", "", "POST"),
+            ),
+            (
+                Method::GET,
+                "/api/v1/namespaces/ns".into(),
+                k("", "namespaces", "", "GET"),
+            ),
+            (
+                Method::GET,
+                "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/x".into(),
+                k(
+                    "apiextensions.k8s.io",
+                    "customresourcedefinitions",
+                    "",
+                    "GET",
+                ),
+            ),
+            (Method::GET, "/version".into(), None),
+            (Method::GET, "/metrics".into(), None),
+        ];
+        for (method, uri, expected) in cases {
+            assert_eq!(key(method, &uri), expected, "{uri}");
+        }
     }
 }
