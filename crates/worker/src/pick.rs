@@ -82,9 +82,10 @@ pub(crate) const OFFER_READ_BOUND: Duration = Duration::from_secs(1);
 
 /// Offers not read within [`OFFER_READ_BOUND`], in one round through one dispatcher (see
 /// `claim_dispatched`), after which the dispatcher is set aside at once: offers ahead of the
-/// API server by that much are a lie, or a view this API server is far behind. One slow read alone (a replica catching up,
-/// a loaded moment) does not set a sound dispatcher aside; two cost a liar's victim 2 s of
-/// reads (their declines are said in the background), whatever it offers between them.
+/// API server by that much are a lie, or a view this API server is far behind. One slow read
+/// alone (a replica catching up, a loaded moment) does not set a sound dispatcher aside; two
+/// cost a liar's victim 2 s of reads (their declines are said in the background), whatever it
+/// offers between them.
 const MAX_UNREACHED: u32 = 2;
 
 /// Whether `status` is the API server's refusal of a read at a resourceVersion its watch cache
