@@ -13,7 +13,10 @@
 //!   as below (a refusal of the caller too). The
 //!   newlines let a sidecar tell a waiting dispatcher from a frozen one, or a stalled path,
 //!   within a bound, without asking again and again;
-//! - `POST /v1/dispatch/declined` `{namespace, queue, worker, name}` -> 204.
+//! - `POST /v1/dispatch/declined` `{namespace, queue, worker, name}` -> 204: ends the offer
+//!   of `name` if it stands for this `worker` of this caller (the user and, for a token bound
+//!   to a pod, the pod that the TokenReview names: [`Caller`]); a decline by anyone else
+//!   changes nothing, and is answered 204 all the same.
 //!
 //! Errors are `{"error": "<code>", "message": "..."}`: 400 `invalid_request`; 413
 //! `too_large` (a body over [`MAX_BODY_BYTES`]); 401
@@ -37,7 +40,7 @@ use serde_json::json;
 use leasehold_controller::dispatch::{Answer, Dispatcher};
 use leasehold_core::crd::is_dns_label;
 use leasehold_core::dispatch::{Hint, QueueKey};
-use leasehold_kube::access::{Access, Refusal};
+use leasehold_kube::access::{Access, Caller, Refusal};
 
 /// Largest request body accepted, in bytes: a poll is a few hundred.
 pub const MAX_BODY_BYTES: usize = 4096;
@@ -147,13 +150,14 @@ impl Refused {
     }
 }
 
-/// Checks a namespace and queue name, and the caller's right to claim in the namespace.
+/// Checks a namespace and queue name, and the caller's right to claim in the namespace: the
+/// queue, and who the caller is.
 async fn admit(
     shared: &Shared,
     token: Option<String>,
     namespace: &str,
     queue: &str,
-) -> Result<QueueKey, Refused> {
+) -> Result<(QueueKey, Caller), Refused> {
     if !is_dns_label(namespace) {
         return Err(Refused::new(
             StatusCode::BAD_REQUEST,
@@ -169,10 +173,13 @@ async fn admit(
         ));
     }
     match shared.access.check(token.as_deref(), namespace).await {
-        Ok(Ok(())) => Ok(QueueKey {
-            namespace: namespace.to_string(),
-            queue: queue.to_string(),
-        }),
+        Ok(Ok(caller)) => Ok((
+            QueueKey {
+                namespace: namespace.to_string(),
+                queue: queue.to_string(),
+            },
+            caller,
+        )),
         Ok(Err(refusal @ (Refusal::NoToken | Refusal::NotAuthenticated))) => Err(Refused::new(
             StatusCode::UNAUTHORIZED,
             "unauthenticated",
@@ -201,19 +208,19 @@ fn bearer(request: &Request) -> Option<String> {
 }
 
 /// Reads a request's body and admits its caller for the queue the body names (`queue_of`):
-/// the body and the queue, or the refusal to answer.
+/// the body, the queue and the caller, or the refusal to answer.
 async fn admitted<T: serde::de::DeserializeOwned>(
     shared: &Shared,
     request: Request,
     queue_of: fn(&T) -> (&str, &str),
-) -> Result<(T, QueueKey), Response> {
+) -> Result<(T, QueueKey, Caller), Response> {
     let token = bearer(&request);
     let body: T = body(request).await?;
     let (namespace, queue) = queue_of(&body);
-    let queue = admit(shared, token, namespace, queue)
+    let (queue, caller) = admit(shared, token, namespace, queue)
         .await
         .map_err(Refused::response)?;
-    Ok((body, queue))
+    Ok((body, queue, caller))
 }
 
 async fn poll(State(shared): State<Shared>, request: Request) -> Response {
@@ -242,8 +249,10 @@ async fn poll(State(shared): State<Shared>, request: Request) -> Response {
     // of a token whose cached answer lapsed, on a busy API server) without the caller taking
     // the silence for a frozen dispatcher.
     let mut answer = Box::pin(async move {
-        let queue = admit(&shared, token, &body.namespace, &body.queue).await?;
-        match shared.dispatcher.poll(&queue, &body.worker, wait).await {
+        let (queue, caller) = admit(&shared, token, &body.namespace, &body.queue).await?;
+        // The offer stands for this caller's worker: only the same caller can decline it.
+        let worker = caller.worker(&body.worker);
+        match shared.dispatcher.poll(&queue, &worker, wait).await {
             Answer::Offer(hint) => Ok(Some(hint)),
             Answer::Empty => Ok(None),
             Answer::NotLeading => Err(Refused::new(
@@ -319,10 +328,16 @@ fn offer(hint: &Hint) -> serde_json::Value {
 }
 
 async fn declined(State(shared): State<Shared>, request: Request) -> Response {
-    let (body, queue) = match admitted(&shared, request, DeclinedBody::queue).await {
+    let (body, queue, caller) = match admitted(&shared, request, DeclinedBody::queue).await {
         Ok(admitted) => admitted,
         Err(refused) => return refused,
     };
-    shared.dispatcher.declined(&queue, &body.name, &body.worker);
+    // Ends the offer only if it stands for this caller's worker of that name: a caller with
+    // other credentials (another ServiceAccount, or a token bound to another pod) cannot end
+    // it, whatever `worker` it gives. The answer is 204 either way, so it tells nothing of
+    // others' offers.
+    shared
+        .dispatcher
+        .declined(&queue, &body.name, &caller.worker(&body.worker));
     StatusCode::NO_CONTENT.into_response()
 }

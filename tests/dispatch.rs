@@ -71,6 +71,97 @@ fn name(answer: &(u16, Value)) -> &str {
     answer.1["name"].as_str().expect("name")
 }
 
+/// A token of `sa` for the dispatcher's audience, bound to a new pod `pod` of that
+/// ServiceAccount (a pod object only: nothing runs it), as the kubelet projects one.
+fn pod_bound_token(ns: &str, sa: &str, pod: &str) -> String {
+    let manifest = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": pod, "namespace": ns},
+        "spec": {"serviceAccountName": sa, "automountServiceAccountToken": false,
+            "containers": [{"name": "worker", "image": "worker:never-pulled"}]}});
+    let (ok, out) = kubectl(&["create", "-f", "-"], &manifest.to_string());
+    assert!(ok, "kubectl create pod: {out}");
+    let args = [
+        "create",
+        "token",
+        sa,
+        "--namespace",
+        ns,
+        "--duration",
+        "1h",
+        "--audience",
+        "leasehold-dispatcher",
+        "--bound-object-kind",
+        "Pod",
+        "--bound-object-name",
+        pod,
+    ];
+    let (ok, out) = kubectl(&args, "");
+    assert!(ok, "kubectl create token: {out}");
+    out.trim().to_string()
+}
+
+#[tokio::test]
+async fn only_the_caller_an_offer_stands_for_can_decline_it() {
+    let Fixture { client, ns } = fixture!("declines");
+    let controller = controller(&ns.name);
+    let address = advertised(&client, &ns.name).await;
+    service_account(&ns.name, "claimer", true);
+    service_account(&ns.name, "rival", true);
+    // Two pods of one ServiceAccount, and another ServiceAccount that may claim too.
+    let a = pod_bound_token(&ns.name, "claimer", "pod-a");
+    let b = pod_bound_token(&ns.name, "claimer", "pod-b");
+    let rival = sa_token(&ns.name, "rival", Some("leasehold-dispatcher"));
+    // Each token reviewed before the offer (a poll of another queue), so that what follows
+    // takes well under the offer's 2 s.
+    for token in [&a, &b, &rival] {
+        let warm = post(
+            &address,
+            "/v1/dispatch/poll",
+            Some(token),
+            json!({"namespace": ns.name, "queue": "warm", "worker": "w", "waitMs": 1}),
+        )
+        .await;
+        assert_eq!(warm.0, 204, "{warm:?}");
+    }
+    create_job(&client, &ns.name, "only", 0).await;
+    wait_queued(&client, &ns.name, &["only"]).await;
+    dispatcher_sees(controller.port.unwrap(), 1).await;
+
+    assert_eq!(
+        name(&poll(&address, Some(&a), &ns.name, "w", 2000).await),
+        "only"
+    );
+    // Declines of w's offer by the other pod of the same ServiceAccount, and by another
+    // ServiceAccount, each giving w's name: answered as any decline is, and ignored.
+    let decline = |token: String| {
+        let (address, ns) = (address.clone(), ns.name.clone());
+        async move {
+            post(
+                &address,
+                "/v1/dispatch/declined",
+                Some(&token),
+                json!({"namespace": ns, "queue": "q", "worker": "w", "name": "only"}),
+            )
+            .await
+        }
+    };
+    for other in [&b, &rival] {
+        let forged = decline(other.clone()).await;
+        assert_eq!(forged.0, 204, "{forged:?}");
+    }
+    let withheld = poll(&address, Some(&b), &ns.name, "w2", 300).await;
+    assert_eq!(
+        withheld.0, 204,
+        "the offer to pod-a's w still stands: {withheld:?}"
+    );
+    // Its own caller's decline ends it: the job goes to the next worker at once.
+    assert_eq!(decline(a.clone()).await.0, 204);
+    assert_eq!(
+        name(&poll(&address, Some(&b), &ns.name, "w2", 1000).await),
+        "only"
+    );
+}
+
 #[tokio::test]
 async fn offers_go_in_claim_order_never_twice_and_only_to_those_who_may_claim() {
     let Fixture { client, ns } = fixture!("dispatch");

@@ -56,6 +56,59 @@ pub enum Refusal {
     },
 }
 
+/// Who a caller is, as the API server's TokenReview named it: the user (for a service-account
+/// token, `system:serviceaccount:<namespace>:<name>`) and, for a token bound to a pod (the
+/// tokens the kubelet projects into pods are), that pod: its name and uid, from the review's
+/// `extra` (`authentication.kubernetes.io/pod-name`, `.../pod-uid`). Two sidecars with tokens
+/// of one ServiceAccount are one caller unless their tokens are bound to their pods.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller {
+    /// The user's name.
+    pub user: String,
+    /// The pod the token is bound to, `<name>/<uid>` (only the name when the review gives no
+    /// uid); None for a token bound to no pod.
+    pub pod: Option<String>,
+}
+
+impl Caller {
+    /// The worker `word` (the name a request gives) as this caller: a key that two requests
+    /// share only when both the caller and the word are the same. Lengths prefix the parts,
+    /// so no choice of names makes two callers' keys equal.
+    pub fn worker(&self, word: &str) -> String {
+        let pod = self.pod.as_deref().unwrap_or("");
+        format!(
+            "{}:{}|{}:{}|{word}",
+            self.user.len(),
+            self.user,
+            pod.len(),
+            pod
+        )
+    }
+
+    fn of(user: &k8s_openapi::api::authentication::v1::UserInfo) -> Caller {
+        let one = |key: &str| {
+            let values = user.extra.as_ref()?.get(key)?;
+            match values.as_slice() {
+                [value] if !value.is_empty() => Some(value.clone()),
+                _ => None,
+            }
+        };
+        let pod = one(POD_NAME).map(|name| match one(POD_UID) {
+            Some(uid) => format!("{name}/{uid}"),
+            None => name,
+        });
+        Caller {
+            user: user.username.clone().unwrap_or_default(),
+            pod,
+        }
+    }
+}
+
+/// The TokenReview's `extra` key naming the pod a token is bound to.
+const POD_NAME: &str = "authentication.kubernetes.io/pod-name";
+/// The TokenReview's `extra` key giving that pod's uid.
+const POD_UID: &str = "authentication.kubernetes.io/pod-uid";
+
 /// A review could not be made (the API server failed or is unreachable).
 #[derive(Debug, Error)]
 #[error("{review} failed")]
@@ -68,7 +121,7 @@ pub struct ReviewFailed {
 }
 
 /// An answer, and when it was given.
-type Cached = (Result<(), Refusal>, Instant);
+type Cached = (Result<Caller, Refusal>, Instant);
 
 /// Whom an answer is for: the token's hash and the namespace asked about.
 type Key = (u64, String);
@@ -100,7 +153,8 @@ impl Access {
         }
     }
 
-    /// Whether the holder of `token` may ask about the queues of `namespace`.
+    /// Whether the holder of `token` may ask about the queues of `namespace`: who it is, or
+    /// why not.
     ///
     /// # Errors
     /// [`ReviewFailed`] when a review could not be made; the caller answers 503.
@@ -108,7 +162,7 @@ impl Access {
         &self,
         token: Option<&str>,
         namespace: &str,
-    ) -> Result<Result<(), Refusal>, ReviewFailed> {
+    ) -> Result<Result<Caller, Refusal>, ReviewFailed> {
         let Some(token) = token.filter(|t| !t.is_empty()) else {
             return Ok(Err(Refusal::NoToken));
         };
@@ -140,7 +194,7 @@ impl Access {
     }
 
     /// The answer cached for `key`, if it is younger than [`ACCESS_TTL`].
-    fn cached(&self, key: &Key) -> Option<Result<(), Refusal>> {
+    fn cached(&self, key: &Key) -> Option<Result<Caller, Refusal>> {
         let cache = self.cache.lock().unwrap();
         let (answer, at) = cache.get(key)?;
         (at.elapsed() < ACCESS_TTL).then(|| answer.clone())
@@ -150,7 +204,7 @@ impl Access {
         &self,
         token: &str,
         namespace: &str,
-    ) -> Result<Result<(), Refusal>, ReviewFailed> {
+    ) -> Result<Result<Caller, Refusal>, ReviewFailed> {
         let reviews: Api<TokenReview> = Api::all(self.client.clone());
         let review = TokenReview {
             spec: TokenReviewSpec {
@@ -197,12 +251,87 @@ impl Access {
                 source,
             })?;
         if answered.status.is_some_and(|s| s.allowed) {
-            Ok(Ok(()))
+            Ok(Ok(Caller::of(&user)))
         } else {
             Ok(Err(Refusal::NotAllowed {
                 user: user.username.unwrap_or_default(),
                 namespace: namespace.to_string(),
             }))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::api::authentication::v1::UserInfo;
+
+    use super::*;
+
+    fn user(name: &str, extra: &[(&str, &[&str])]) -> UserInfo {
+        UserInfo {
+            username: Some(name.into()),
+            extra: Some(
+                extra
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.iter().map(|s| s.to_string()).collect()))
+                    .collect::<BTreeMap<_, _>>(),
+            ),
+            ..UserInfo::default()
+        }
+    }
+
+    #[test]
+    fn a_caller_is_its_user_and_the_pod_its_token_is_bound_to() {
+        let sa = "system:serviceaccount:ns:claimer";
+        let plain = Caller::of(&user(sa, &[]));
+        assert_eq!(
+            plain,
+            Caller {
+                user: sa.into(),
+                pod: None
+            }
+        );
+        let bound = Caller::of(&user(sa, &[(POD_NAME, &["w-1"]), (POD_UID, &["u1"])]));
+        assert_eq!(bound.pod.as_deref(), Some("w-1/u1"));
+        let no_uid = Caller::of(&user(sa, &[(POD_NAME, &["w-1"])]));
+        assert_eq!(no_uid.pod.as_deref(), Some("w-1"));
+        // Anything but one pod name is no pod.
+        for odd in [&[][..], &["a", "b"][..], &[""][..]] {
+            assert_eq!(
+                Caller::of(&user(sa, &[(POD_NAME, odd)])).pod,
+                None,
+                "{odd:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn two_callers_never_share_a_worker_key() {
+        let caller = |user: &str, pod: Option<&str>| Caller {
+            user: user.into(),
+            pod: pod.map(str::to_string),
+        };
+        let a = caller("system:serviceaccount:ns:a", Some("p/1"));
+        assert_eq!(a.worker("w"), a.clone().worker("w"));
+        let others = [
+            caller("system:serviceaccount:ns:b", Some("p/1")),
+            caller("system:serviceaccount:ns:a", Some("p/2")),
+            caller("system:serviceaccount:ns:a", None),
+        ];
+        for other in &others {
+            assert_ne!(a.worker("w"), other.worker("w"), "{other:?}");
+        }
+        assert_ne!(a.worker("w"), a.worker("w2"));
+        // Separators inside names do not make two keys meet.
+        assert_ne!(
+            caller("a|1:b", None).worker("c"),
+            caller("a", Some("b")).worker("c")
+        );
+        assert_ne!(
+            caller("u", Some("x|1:y")).worker("z"),
+            caller("u", Some("x")).worker("y|z")
+        );
     }
 }

@@ -453,11 +453,12 @@ impl Dispatch {
     /// `worker` could not claim the job `name` of `queue` it was offered (it was no longer
     /// claimable when read, or the claim was refused): the offer ends, so the job is offered
     /// to others at once. An offer standing for another worker is left alone. `worker` is the
-    /// caller's word (the dispatcher checks that the caller may claim in the namespace, not
-    /// which pod it is): a caller could end another worker's offer, which costs what a doubled
-    /// offer costs (the job is offered to another worker at once, and one of the two loses the
-    /// race: a read or a 409, and a decline), never a second holder. The caller may claim the
-    /// job itself anyway.
+    /// identity [`Dispatch::offer`] was given: the dispatcher's HTTP edge binds the name a
+    /// request gives to the credentials it came with (the caller's user, and the pod its token
+    /// is bound to), so a caller cannot end an offer made to another's worker. Even if one
+    /// could, it would cost what a doubled offer costs (the job is offered to another worker at
+    /// once, and one of the two loses the race: a read or a 409, and a decline), never a second
+    /// holder.
     pub fn declined(&mut self, queue: &QueueKey, name: &str, worker: &str) {
         if let Some(view) = self.queues.get_mut(queue) {
             if view.offers.get(name).is_some_and(|o| o.worker == worker) {
