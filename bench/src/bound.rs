@@ -32,7 +32,7 @@ use leasehold_core::token::Token;
 use serde_json::json;
 use tokio::task::JoinSet;
 
-use crate::claims::{Counts, Mode};
+use crate::claim_mode::{Counts, Mode};
 use crate::cluster::Bench;
 use crate::counted::CountedClients;
 
@@ -86,7 +86,7 @@ pub async fn ready(
             api.get_metadata(&first.name_any()).await?;
         }
         let holder = format!("claimer-{i}");
-        let slot = if mode == Mode::BoundKeyed {
+        let slot = if mode.takes_slots() {
             let leases: Api<Lease> = Api::namespaced(client, ns);
             let lease = Lease {
                 metadata: ObjectMeta {

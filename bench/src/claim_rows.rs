@@ -3,14 +3,16 @@
 
 use std::fmt::Write as _;
 
+use crate::claim_mode::Mode;
 use crate::report::{Report, Row, Verdict};
 use crate::*;
 
 /// Rows 1, 2, 2d, 2k, 2b and 2bk, round by round: at each N, the ceiling, then (with
-/// `claims`) the claim run compared with it, and at N > 1 the same through the dispatcher,
-/// without limits and with a limit per key, then the bounds: two writes per job and nothing
-/// else, then three. A failed
-/// measurement is recorded and the rest goes on.
+/// `claims`) the claim run compared with it, and at N > 1 two pairs of runs against the same
+/// ceiling: through the dispatcher without limits and with a limit per key (2d, 2k), and the
+/// bounds of two and of three writes per job (2b, 2bk); the first pair in rounds 1, 3, ...,
+/// the bounds first in rounds 2, 4, .... A failed measurement is recorded and the rest goes
+/// on.
 pub(crate) async fn rows_1_and_2(
     bench: &cluster::Bench,
     sizes: &Sizes,
@@ -37,42 +39,33 @@ pub(crate) async fn rows_1_and_2(
                 }
             }
             if claims {
-                eprintln!("row 2: claim throughput, N = {n}, round {}", round + 1);
-                match claims::run(bench, n, sizes.claim_jobs, round, claims::Mode::Plain).await {
+                eprintln!(
+                    "row 2: {}, N = {n}, round {}",
+                    progress(Mode::Plain),
+                    round + 1
+                );
+                match claims::run(bench, n, sizes.claim_jobs, round, Mode::Plain).await {
                     Ok(c) => results.push(c),
                     Err(e) => failures.push(("2", e)),
                 }
             }
-            // Several claimers again, through the dispatcher, against the same ceiling: row
-            // 2d (at N = 8 and 32 in the full run).
+            // Several claimers again, against the same ceiling: through the dispatcher (row
+            // 2d), with a limit per concurrency key (row 2k), and the bounds of two writes per
+            // job (row 2b) and three (row 2bk). The pairs take turns going first, round by
+            // round, so that neither is always the one measured further from its ceiling.
             if claims && n > 1 {
-                eprintln!(
-                    "row 2d: claim throughput through the dispatcher, N = {n}, round {}",
-                    round + 1
-                );
-                match claims::run(bench, n, sizes.claim_jobs, round, claims::Mode::Dispatched).await
-                {
-                    Ok(c) => results.push(c),
-                    Err(e) => failures.push(("2d", e)),
-                }
-                // And with a limit per concurrency key: row 2k.
-                eprintln!(
-                    "row 2k: claim throughput with limits per key, N = {n}, round {}",
-                    round + 1
-                );
-                match claims::run(bench, n, sizes.claim_jobs, round, claims::Mode::Limited).await {
-                    Ok(c) => results.push(c),
-                    Err(e) => failures.push(("2k", e)),
-                }
-                // Last, so that rows 2d and 2k keep their place after the ceiling: the bounds,
-                // of two writes per job (row 2b) and of three (row 2bk).
-                for (mode, writes) in [
-                    (claims::Mode::Bound, "two"),
-                    (claims::Mode::BoundKeyed, "three"),
-                ] {
+                let rows = [Mode::Dispatched, Mode::Limited];
+                let bounds = [Mode::Bound, Mode::BoundKeyed];
+                let order = if round % 2 == 0 {
+                    [rows, bounds]
+                } else {
+                    [bounds, rows]
+                };
+                for mode in order.into_iter().flatten() {
                     eprintln!(
-                        "row {}: {writes} writes per job and nothing else, N = {n}, round {}",
+                        "row {}: {}, N = {n}, round {}",
                         mode.row(),
+                        progress(mode),
                         round + 1
                     );
                     match claims::run(bench, n, sizes.claim_jobs, round, mode).await {
@@ -429,6 +422,18 @@ pub(crate) const FLEET_CONFLICT_GOAL: f64 = 0.002;
 /// ... and at most this many API writes per short job, everything counted.
 pub(crate) const FLEET_WRITES_GOAL: f64 = 2.1;
 
+/// What a claim run of `mode` measures, for the progress line.
+fn progress(mode: Mode) -> String {
+    match mode {
+        Mode::Plain => "claim throughput".into(),
+        Mode::Dispatched => "claim throughput through the dispatcher".into(),
+        Mode::Limited => "claim throughput with limits per key".into(),
+        Mode::Bound | Mode::BoundKeyed => {
+            format!("{} writes per job and nothing else", mode.writes_per_job())
+        }
+    }
+}
+
 /// Rows 2b, the bound, or 2bk, the keyed bound (`mode`; `at`: that mode's runs only), at each
 /// N, each against the ceiling of its round, as row 2; a reference, without a goal of its own.
 pub(crate) fn bound_claim_rows(
@@ -436,9 +441,9 @@ pub(crate) fn bound_claim_rows(
     at: &[paired::AtN],
     ceilings: &[ceiling::Ceiling],
     sizes: &Sizes,
-    mode: claims::Mode,
+    mode: Mode,
 ) {
-    let keyed = mode == claims::Mode::BoundKeyed;
+    let keyed = mode.takes_slots();
     let id = mode.row();
     let (what, writes, title) = if keyed {
         (
@@ -468,7 +473,8 @@ pub(crate) fn bound_claim_rows(
         ),
         verdict: Verdict::NoGoal,
         method: format!(
-            "as row 2 at the same N, in the same rounds (after rows 2d and 2k), but with no \
+            "as row 2 at the same N, in the same rounds (after rows 2d and 2k in rounds 1, 3, \
+             ..., before them in rounds 2, 4, ...), but with no \
              Worker, read, watch, dispatcher or controller (stopped once the jobs are Queued): \
              N claimers, each with its own kube-rs client, take the {} jobs of one list read \
              before the clock, dealt out in turn, and make {writes} (status replace under the \

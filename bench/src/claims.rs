@@ -18,8 +18,7 @@
 //! Before its clock starts, every run counts the API server's requests for [`IDLE`] while its
 //! claimers wait, ready and idle: the writes counted by the second, not by the job.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
@@ -32,61 +31,11 @@ use leasehold_worker::{Worker, WorkerConfig, DEFAULT_SPREAD, DEFAULT_WORKER_TIME
 use serde_json::json;
 use tokio::task::JoinSet;
 
+pub use crate::claim_mode::{Counts, Mode};
 use crate::cluster::{wait_until, Bench, JobWatch};
 use crate::counted::CountedClients;
 use crate::metrics::{self, Key, Requests};
 use crate::procs::{self, CpuWindow};
-
-/// The counts a claim run reads, shared with its claim loops (the Workers' or the bound's).
-#[derive(Clone, Default)]
-pub struct Counts {
-    /// Claims that landed.
-    pub claimed: Arc<AtomicU64>,
-    /// Jobs completed.
-    pub completed: Arc<AtomicU64>,
-    /// Claims and completions that failed (should be 0).
-    pub errors: Arc<AtomicU64>,
-}
-
-/// How the claimers of a run find their jobs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
-    /// Each chooses from its own copy of the queue (row 2).
-    Plain,
-    /// Each claims what the dispatcher offers it (row 2d).
-    Dispatched,
-    /// As `Dispatched`, in a queue whose LeasedQueue limits every key (row 2k).
-    Limited,
-    /// No Worker: the two writes of each job from one list, nothing else (row 2b).
-    Bound,
-    /// As `Bound`, with the write a slot costs before each claim: three writes per job,
-    /// nothing else (row 2bk, the bound of row 2k).
-    BoundKeyed,
-}
-
-impl Mode {
-    /// The row its runs make: `2`, `2d`, `2k`, `2b`, `2bk`.
-    pub fn row(self) -> &'static str {
-        match self {
-            Mode::Plain => "2",
-            Mode::Dispatched => "2d",
-            Mode::Limited => "2k",
-            Mode::Bound => "2b",
-            Mode::BoundKeyed => "2bk",
-        }
-    }
-
-    /// The part of the run's namespace that tells the mode: `bench-claim<part><N>-<round>`.
-    fn part(self) -> &'static str {
-        match self {
-            Mode::Plain => "",
-            Mode::Dispatched => "d",
-            Mode::Limited => "k",
-            Mode::Bound => "b",
-            Mode::BoundKeyed => "bk",
-        }
-    }
-}
 
 /// Limited runs: the jobs' concurrency keys, `tenant-0` to `tenant-9`, in turn ...
 pub const KEYS: usize = 10;

@@ -15,6 +15,7 @@
 mod args;
 mod bound;
 mod ceiling;
+mod claim_mode;
 mod claim_rows;
 mod claims;
 mod cluster;
