@@ -282,10 +282,13 @@ impl Dispatcher {
         self.wake_one(queue);
     }
 
-    /// `worker` could not claim the job `name` of `queue` it was offered: offer it to others.
+    /// `worker` could not claim the job `name` of `queue` it was offered: offer it to others
+    /// (a waiting poll wakes), if that offer stood for `worker`; otherwise nothing changes.
     pub fn declined(&self, queue: &QueueKey, name: &str, worker: &str) {
-        self.state.lock().unwrap().declined(queue, name, worker);
-        self.wake_one(queue);
+        let ended = self.state.lock().unwrap().declined(queue, name, worker);
+        if ended {
+            self.wake_one(queue);
+        }
     }
 
     /// Wakes the poll of `queue` that has waited longest, if one waits; if it gets an offer,

@@ -129,6 +129,26 @@ type Key = (u64, String);
 /// Held while a key is reviewed.
 type Gate = Arc<tokio::sync::Mutex<()>>;
 
+/// Removes a gate from the map of reviews under way when dropped, if it is still the one there
+/// for its key (a later poll may have put another).
+struct GateGone<'a> {
+    reviewing: &'a Mutex<HashMap<Key, Gate>>,
+    key: &'a Key,
+    gate: &'a Gate,
+}
+
+impl Drop for GateGone<'_> {
+    fn drop(&mut self) {
+        let mut reviewing = self.reviewing.lock().unwrap();
+        if reviewing
+            .get(self.key)
+            .is_some_and(|g| Arc::ptr_eq(g, self.gate))
+        {
+            reviewing.remove(self.key);
+        }
+    }
+}
+
 /// The reviews, and their cached answers.
 pub struct Access {
     client: Client,
@@ -178,18 +198,23 @@ impl Access {
                 .or_default(),
         );
         let _reviewing = gate.lock().await;
+        // The gate leaves the map however this ends: answered, failed, or dropped mid-review
+        // (its poll's caller went away), which left it there for good.
+        let _gone = GateGone {
+            reviewing: &self.reviewing,
+            key: &key,
+            gate: &gate,
+        };
         // Another poll may have made the review while this one waited at the gate.
         if let Some(answer) = self.cached(&key) {
             return Ok(answer);
         }
-        let answer = self.review(token, namespace).await;
-        self.reviewing.lock().unwrap().remove(&key);
-        let answer = answer?;
+        let answer = self.review(token, namespace).await?;
         let mut cache = self.cache.lock().unwrap();
         if cache.len() >= MAX_CACHED {
             cache.clear();
         }
-        cache.insert(key, (answer.clone(), Instant::now()));
+        cache.insert(key.clone(), (answer.clone(), Instant::now()));
         Ok(answer)
     }
 
@@ -305,6 +330,36 @@ mod tests {
                 "{odd:?}"
             );
         }
+    }
+
+    #[tokio::test]
+    async fn a_review_given_up_half_way_leaves_no_gate_behind() {
+        // An API server that accepts the connection and never answers.
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", silent.local_addr().unwrap());
+        let _held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((socket, _)) = silent.accept().await {
+                open.push(socket);
+            }
+        });
+        let config = kube::Config::new(url.parse().unwrap());
+        let access = Arc::new(Access::new(Client::try_from(config).unwrap()));
+        let asking = {
+            let access = Arc::clone(&access);
+            tokio::spawn(async move { access.check(Some("a-token"), "ns").await })
+        };
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while access.reviewing.lock().unwrap().is_empty() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the review started");
+        asking.abort();
+        let _ = asking.await;
+        assert!(access.reviewing.lock().unwrap().is_empty());
+        assert!(access.cache.lock().unwrap().is_empty());
     }
 
     #[test]

@@ -74,7 +74,8 @@ pub struct Hint {
 struct Offer {
     /// The job's concurrency key (the empty key for none).
     key: String,
-    /// The worker (its identity) the job was offered to.
+    /// The worker the job was offered to, as the dispatcher's HTTP edge names it: the name the
+    /// poll gave, bound to the caller's credentials.
     worker: String,
     /// Until when the offer withholds the job from the others.
     until: Timestamp,
@@ -455,16 +456,20 @@ impl Dispatch {
     /// to others at once. An offer standing for another worker is left alone. `worker` is the
     /// identity [`Dispatch::offer`] was given: the dispatcher's HTTP edge binds the name a
     /// request gives to the credentials it came with (the caller's user, and the pod its token
-    /// is bound to), so a caller cannot end an offer made to another's worker. Even if one
-    /// could, it would cost what a doubled offer costs (the job is offered to another worker at
-    /// once, and one of the two loses the race: a read or a 409, and a decline), never a second
-    /// holder.
-    pub fn declined(&mut self, queue: &QueueKey, name: &str, worker: &str) {
-        if let Some(view) = self.queues.get_mut(queue) {
-            if view.offers.get(name).is_some_and(|o| o.worker == worker) {
-                view.offers.remove(name);
-            }
+    /// is bound to), so a caller cannot end an offer made to another's worker, unless both use
+    /// tokens of one ServiceAccount bound to no pod (one caller). Even then it costs what a
+    /// doubled offer costs (the job is offered to another worker at once, and one of the two
+    /// loses the race: a read or a 409, and a decline), never a second holder. Returns whether
+    /// an offer ended.
+    pub fn declined(&mut self, queue: &QueueKey, name: &str, worker: &str) -> bool {
+        let Some(view) = self.queues.get_mut(queue) else {
+            return false;
+        };
+        if view.offers.get(name).is_some_and(|o| o.worker == worker) {
+            view.offers.remove(name);
+            return true;
         }
+        false
     }
 
     /// When a worker of `queue` that got no offer at `now` should ask again, if before its
