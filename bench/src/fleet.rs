@@ -80,7 +80,7 @@ impl Fleet {
     /// Share of the claim writes (PUT leasedjobs/status, each job's completion aside)
     /// answered 409.
     pub fn conflict_share(&self) -> f64 {
-        crate::claims::share(crate::claims::claim_writes(
+        crate::conflicts::share(crate::conflicts::claim_writes(
             &self.requests,
             self.jobs as f64,
         ))

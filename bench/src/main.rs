@@ -19,6 +19,7 @@ mod claim_mode;
 mod claim_rows;
 mod claims;
 mod cluster;
+mod conflicts;
 mod cost_rows;
 mod counted;
 mod dispatch;

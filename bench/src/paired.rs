@@ -9,7 +9,7 @@
 //! hide the spread, it stops one slow minute from deciding.
 
 use crate::ceiling::Ceiling;
-use crate::claims::{self, Claims};
+use crate::claims::Claims;
 use crate::metrics::Requests;
 use crate::stats::median;
 
@@ -95,7 +95,7 @@ pub fn at_each_n<'a>(ceilings: &[Ceiling], results: &[&'a Claims]) -> Vec<AtN<'a
                 .iter()
                 .fold(Requests::default(), |all, c| all.plus(&c.by_claimers));
             let jobs: usize = runs.iter().map(|c| c.jobs).sum();
-            let (claim_writes, conflicts) = claims::claim_writes(&requests, jobs as f64);
+            let (claim_writes, conflicts) = crate::conflicts::claim_writes(&requests, jobs as f64);
             AtN {
                 claimers: n,
                 jobs,
@@ -103,7 +103,7 @@ pub fn at_each_n<'a>(ceilings: &[Ceiling], results: &[&'a Claims]) -> Vec<AtN<'a
                 ratio: median(&measured),
                 ratios,
                 claim_writes,
-                conflict_share: claims::share((claim_writes, conflicts)),
+                conflict_share: crate::conflicts::share((claim_writes, conflicts)),
                 requests,
                 by_claimers,
                 runs,
@@ -164,7 +164,7 @@ mod tests {
         Claims {
             claimers,
             round,
-            mode: claims::Mode::Plain,
+            mode: crate::claim_mode::Mode::Plain,
             jobs: 100,
             per_second,
             conflict_share: conflicts / puts,
