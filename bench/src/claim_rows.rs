@@ -462,6 +462,11 @@ pub(crate) fn bound_claim_rows(
             "Row 2b: the bound, two writes per job and nothing else",
         )
     };
+    let order = if sizes.rounds > 1 {
+        "after rows 2d and 2k in rounds 1, 3, ..., before them in rounds 2, 4, ..."
+    } else {
+        "after rows 2d and 2k"
+    };
     let mut detail = String::new();
     throughput_rows(report, at, ceilings, &mut detail, |a| Row {
         id: format!("{id} (N={})", a.claimers),
@@ -473,8 +478,7 @@ pub(crate) fn bound_claim_rows(
         ),
         verdict: Verdict::NoGoal,
         method: format!(
-            "as row 2 at the same N, in the same rounds (after rows 2d and 2k in rounds 1, 3, \
-             ..., before them in rounds 2, 4, ...), but with no \
+            "as row 2 at the same N, in the same rounds ({order}), but with no \
              Worker, read, watch, dispatcher or controller (stopped once the jobs are Queued): \
              N claimers, each with its own kube-rs client, take the {} jobs of one list read \
              before the clock, dealt out in turn, and make {writes} (status replace under the \

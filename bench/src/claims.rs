@@ -31,7 +31,7 @@ use leasehold_worker::{Worker, WorkerConfig, DEFAULT_SPREAD, DEFAULT_WORKER_TIME
 use serde_json::json;
 use tokio::task::JoinSet;
 
-pub use crate::claim_mode::{Counts, Mode};
+use crate::claim_mode::{Counts, Mode};
 use crate::cluster::{wait_until, Bench, JobWatch};
 use crate::conflicts::{claim_writes, part_claim_writes, share};
 use crate::counted::CountedClients;

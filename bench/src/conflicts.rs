@@ -1,6 +1,7 @@
 //! Claim writes and their 409s, counted from the API server's requests
-//! (`apiserver_request_total`): what rows 2, 2b, 2bk, 2d and 2k (bench/src/claims.rs) and
-//! row 11 (bench/src/fleet.rs) read their conflict shares from.
+//! (`apiserver_request_total`): the conflict shares of rows 2, 2b, 2bk, 2d and 2k (each run's
+//! and each part's in bench/src/claims.rs, each N's in bench/src/paired.rs) and of row 11
+//! (bench/src/fleet.rs).
 
 use crate::metrics::{Key, Requests};
 

@@ -111,15 +111,15 @@ async fn main() -> anyhow::Result<()> {
         let (ceilings, results) = rows_1_and_2(&bench, &sizes, want(2), &mut failures).await;
         ceiling_rows(&mut report, &ceilings, &sizes);
         if want(2) {
-            let of = |mode: claims::Mode| -> Vec<&claims::Claims> {
+            let of = |mode: claim_mode::Mode| -> Vec<&claims::Claims> {
                 results.iter().filter(|c| c.mode == mode).collect()
             };
             let (plain, dispatched, limited, bound, bound_keyed) = (
-                of(claims::Mode::Plain),
-                of(claims::Mode::Dispatched),
-                of(claims::Mode::Limited),
-                of(claims::Mode::Bound),
-                of(claims::Mode::BoundKeyed),
+                of(claim_mode::Mode::Plain),
+                of(claim_mode::Mode::Dispatched),
+                of(claim_mode::Mode::Limited),
+                of(claim_mode::Mode::Bound),
+                of(claim_mode::Mode::BoundKeyed),
             );
             let at = paired::at_each_n(&ceilings, &plain);
             claim_rows(&mut report, &at, &ceilings, &sizes);
@@ -141,7 +141,7 @@ async fn main() -> anyhow::Result<()> {
                 &at_bound,
                 &ceilings,
                 &sizes,
-                claims::Mode::Bound,
+                claim_mode::Mode::Bound,
             );
             let at_bound_keyed = paired::at_each_n(&ceilings, &bound_keyed);
             bound_claim_rows(
@@ -149,7 +149,7 @@ async fn main() -> anyhow::Result<()> {
                 &at_bound_keyed,
                 &ceilings,
                 &sizes,
-                claims::Mode::BoundKeyed,
+                claim_mode::Mode::BoundKeyed,
             );
         }
     }
