@@ -3,10 +3,12 @@
 //!
 //! Routes (JSON; every caller presents a bearer token, checked by
 //! [`leasehold_kube::access::Access`] for the right to claim in the namespace asked about):
-//! - `POST /v1/dispatch/poll` `{namespace, queue, worker, waitMs, keepAliveMs?}` -> 200
-//!   `{name, resourceVersion, queueSlot?, keySlot?}` (the slots: in a queue with limits, the
-//!   index of the slot of each limited scope to try first, advice as the rest), or 204 when
-//!   no job came within the wait. With `keepAliveMs`
+//! - `POST /v1/dispatch/poll` `{namespace, queue, worker, waitMs, keepAliveMs?, ownSlots?}`
+//!   -> 200 `{name, resourceVersion, queueSlot?, keySlot?, ownQueueSlot?, ownKeySlot?}` (the
+//!   slots: in a queue with limits, the index of the slot of each limited scope to try first,
+//!   advice as the rest; `own...: true` when it is one of the caller's `ownSlots`, its own free
+//!   slots `[{key?, index}]`, for it to swap: docs/protocol.md, "Limits"), or 204 when no job
+//!   came within the wait. With `keepAliveMs`
 //!   (50 to 10,000), an answer that is not ready at once is 200 with a streamed body: a
 //!   newline every `keepAliveMs` while the caller is admitted and the poll waits, then one
 //!   JSON object, the offer as above, `{}` (no job within the wait) or an error object
@@ -39,11 +41,12 @@ use serde_json::json;
 
 use leasehold_controller::dispatch::{Answer, Dispatcher};
 use leasehold_core::crd::is_dns_label;
-use leasehold_core::dispatch::{Hint, QueueKey};
+use leasehold_core::dispatch::{Hint, OwnSlot, QueueKey};
 use leasehold_kube::access::{Access, Caller, Refusal};
 
-/// Largest request body accepted, in bytes: a poll is a few hundred.
-pub const MAX_BODY_BYTES: usize = 4096;
+/// Largest request body accepted, in bytes: a poll is a few hundred, or up to about 13,000
+/// with 16 `ownSlots` of the longest keys.
+pub const MAX_BODY_BYTES: usize = 16_384;
 
 /// What the routes share.
 #[derive(Clone)]
@@ -72,6 +75,58 @@ struct PollBody {
     wait_ms: u64,
     #[serde(default)]
     keep_alive_ms: Option<u64>,
+    /// Free slots the worker took itself and may swap (advice: [`OwnSlot`]).
+    #[serde(default)]
+    own_slots: Vec<OwnSlotBody>,
+}
+
+/// One of a poll's `ownSlots`: `{"key": <concurrencyKey>, "index": <n>}`, or `{"index": <n>}`
+/// for the queue's own limit.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct OwnSlotBody {
+    #[serde(default)]
+    key: Option<String>,
+    index: u32,
+}
+
+/// The most `ownSlots` a poll may name (a sidecar remembers at most 64).
+pub const MAX_OWN_SLOTS: usize = 64;
+
+/// Checks a poll's `ownSlots`: at most [`MAX_OWN_SLOTS`], each key 1 to 128 characters (as
+/// `spec.concurrencyKey`) and each index below 1000 (the largest limit). The error names the
+/// entry, the value and the rule.
+fn own_slots(body: &[OwnSlotBody]) -> Result<Vec<OwnSlot>, String> {
+    if body.len() > MAX_OWN_SLOTS {
+        return Err(format!(
+            "ownSlots has {} entries: at most {MAX_OWN_SLOTS}",
+            body.len()
+        ));
+    }
+    let most = leasehold_core::slots::MAX_LIMIT.unsigned_abs();
+    body.iter()
+        .enumerate()
+        .map(|(i, s)| {
+            if let Some(key) = &s.key {
+                let n = key.chars().count();
+                if !(1..=128).contains(&n) {
+                    return Err(format!(
+                        "ownSlots[{i}].key has {n} characters: a concurrencyKey has 1 to 128"
+                    ));
+                }
+            }
+            if s.index >= most {
+                return Err(format!(
+                    "ownSlots[{i}].index {}: must be below {most} (the largest limit)",
+                    s.index
+                ));
+            }
+            Ok(OwnSlot {
+                key: s.key.clone(),
+                index: s.index,
+            })
+        })
+        .collect()
 }
 
 /// Bounds of a poll's `keepAliveMs`, in ms.
@@ -245,6 +300,10 @@ async fn poll(State(shared): State<Shared>, request: Request) -> Response {
             )
         }
     };
+    let own = match own_slots(&body.own_slots) {
+        Ok(own) => own,
+        Err(message) => return error(StatusCode::BAD_REQUEST, "invalid_request", message),
+    };
     // The admission is part of the answer: with keep-alives it may take its time (a review
     // of a token whose cached answer lapsed, on a busy API server) without the caller taking
     // the silence for a frozen dispatcher.
@@ -252,7 +311,7 @@ async fn poll(State(shared): State<Shared>, request: Request) -> Response {
         let (queue, caller) = admit(&shared, token, &body.namespace, &body.queue).await?;
         // The offer stands for this caller's worker: only the same caller can decline it.
         let worker = caller.worker(&body.worker);
-        match shared.dispatcher.poll(&queue, &worker, wait).await {
+        match shared.dispatcher.poll(&queue, &worker, wait, &own).await {
             Answer::Offer(hint) => Ok(Some(hint)),
             Answer::Empty => Ok(None),
             Answer::NotLeading => Err(Refused::new(
@@ -322,6 +381,15 @@ fn offer(hint: &Hint) -> serde_json::Value {
     for (field, slot) in [("queueSlot", hint.slots.queue), ("keySlot", hint.slots.key)] {
         if let Some(slot) = slot {
             answer[field] = json!(slot);
+        }
+    }
+    // The asker's own free slot, suggested for it to swap.
+    for (field, swap) in [
+        ("ownQueueSlot", hint.swaps.queue),
+        ("ownKeySlot", hint.swaps.key),
+    ] {
+        if swap.is_some() {
+            answer[field] = json!(true);
         }
     }
     answer

@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use chart_support::*;
+use futures::FutureExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, Client, ResourceExt};
 use leasehold_core::crd::{LeasedJob, Phase};
@@ -422,6 +423,135 @@ async fn a_claim_records_the_policy_its_job_s_spec_sets() {
     );
 }
 
+/// Makes the LeasedQueue `name` with `spec` and confirms its limits `fields` (as the leading
+/// controller does once every Leased job holds a slot): the object as made.
+async fn confirmed_queue(
+    queues: &Api<LeasedQueue>,
+    name: &str,
+    spec: Value,
+    fields: &str,
+) -> LeasedQueue {
+    let made: LeasedQueue = serde_json::from_value(json!({
+        "apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedQueue",
+        "metadata": {"name": name}, "spec": spec,
+    }))
+    .unwrap();
+    let made = queues
+        .create(&kube::api::PostParams::default(), &made)
+        .await
+        .unwrap();
+    let confirm = json!({"status": {"slotsAdopted": format!("{}:{fields}", made.uid().unwrap())}});
+    queues
+        .patch_status(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&confirm),
+        )
+        .await
+        .unwrap();
+    made
+}
+
+/// A claim that swapped a slot of its claimer's own records the LeasedQueue's generation with
+/// its limits (`<uid>/<generation>:...`), and the API server accepts it only while its own
+/// copy of the LeasedQueue is at that generation: a copy from before any change of the spec
+/// is refused, even when the limits came back to the same values (`limits-obeyed`), since a
+/// swap skips the list that would have shown slots taken under the limits in between.
+#[tokio::test]
+async fn a_swapped_claim_is_accepted_only_at_the_generation_it_records() {
+    let w = World::new(fixture!("adm-swap"), &[]).await;
+    let queues: Api<LeasedQueue> = Api::namespaced(w.admin.clone(), &w.ns.name);
+    let spec = json!({"maxLeasedPerKey": 2});
+    let made = confirmed_queue(&queues, "q", spec, "maxLeasedPerKey").await;
+    let uid = made.uid().unwrap();
+    let swapped = |copy: LeasedQueue, job: String| {
+        let w = &w;
+        async move {
+            w.create_job(&job).await;
+            let snapshot = w.job(&job).await;
+            let token = Token::issue(snapshot.attempt() + 1);
+            let jobs = w.jobs(&w.a);
+            let taken = leasehold_core::slots::SlotsTaken {
+                swapped: true,
+                key: Some(0),
+                queue: None,
+            };
+            leasehold_kube::claim::claim_taking(
+                &jobs,
+                &snapshot,
+                "pod-a",
+                Some(&copy),
+                token,
+                taken,
+            )
+            .await
+        }
+    };
+    // Accepted at its generation, once the API server's copy shows the confirmation.
+    let first = made.metadata.generation.unwrap();
+    let mut probes = 0;
+    let (claimed, _) = wait_for(
+        "the swapped claim accepted",
+        Duration::from_secs(30),
+        || {
+            probes += 1;
+            swapped(made.clone(), format!("ok-{probes}")).map(|r| r.ok())
+        },
+    )
+    .await;
+    assert_eq!(
+        claimed.status.unwrap().limits.unwrap(),
+        format!("{uid}/{first}:maxLeasedPerKey=2")
+    );
+    // The limit raised and lowered back: the same values at a later generation.
+    for limit in [4, 2] {
+        queues
+            .patch(
+                "q",
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&json!({"spec": {"maxLeasedPerKey": limit}})),
+            )
+            .await
+            .unwrap();
+    }
+    let now = queues.get("q").await.unwrap();
+    assert_eq!(now.metadata.generation, Some(first + 2));
+    let refused = wait_for(
+        "the old generation refused",
+        Duration::from_secs(30),
+        || {
+            probes += 1;
+            swapped(made.clone(), format!("old-{probes}")).map(|r| match r {
+                Err(leasehold_kube::claim::ClaimError::OutsideLimits { message, .. }) => {
+                    Some(message)
+                }
+                _ => None,
+            })
+        },
+    )
+    .await;
+    assert!(
+        refused.contains("leasehold rule limits-obeyed"),
+        "{refused}"
+    );
+    assert!(
+        w.job(&format!("old-{probes}")).await.status.is_none(),
+        "a refused claim wrote"
+    );
+    // The copy at the present generation is accepted, and so is the plain form (a claim that
+    // listed the scope) from the old copy, whose values are the present ones.
+    let (claimed, _) = swapped(now, "new".into())
+        .await
+        .expect("a swap at the present generation");
+    let recorded = claimed.status.unwrap().limits.unwrap();
+    assert_eq!(recorded, format!("{uid}/{}:maxLeasedPerKey=2", first + 2));
+    w.create_job("plain").await;
+    let jobs = w.jobs(&w.a);
+    leasehold_kube::claim::claim(&jobs, &w.job("plain").await, "pod-a", Some(&made))
+        .await
+        .expect("a claim that listed, under the same values");
+}
+
 /// Under a LeasedQueue's limits the API server refuses a worker's claim that does not record
 /// them (its sidecar had not seen them: `limits-obeyed`), and one made before the controller
 /// confirmed them (`limits-adopted`); the claim that records them, once confirmed, is
@@ -458,25 +588,7 @@ async fn claims_under_limits_record_them_once_they_are_confirmed() {
             "maxLeased,maxLeasedPerKey",
         ),
     ] {
-        let made: LeasedQueue = serde_json::from_value(json!({
-            "apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedQueue",
-            "metadata": {"name": name}, "spec": spec,
-        }))
-        .unwrap();
-        let made = queues
-            .create(&kube::api::PostParams::default(), &made)
-            .await
-            .unwrap();
-        let confirm =
-            json!({"status": {"slotsAdopted": format!("{}:{fields}", made.uid().unwrap())}});
-        queues
-            .patch_status(
-                name,
-                &kube::api::PatchParams::default(),
-                &kube::api::Patch::Merge(&confirm),
-            )
-            .await
-            .unwrap();
+        confirmed_queue(&queues, name, spec, fields).await;
     }
     let queue: LeasedQueue = serde_json::from_value(json!({
         "apiVersion": "leasehold.dev/v1alpha1", "kind": "LeasedQueue",

@@ -291,11 +291,31 @@ async fn offers_go_in_claim_order_never_twice_and_only_to_those_who_may_claim() 
             "invalid_request",
         ),
         (
-            json!({"namespace": ns.name, "queue": "q", "worker": "x".repeat(5000), "waitMs": 1}),
+            json!({"namespace": ns.name, "queue": "q", "worker": "x".repeat(20_000), "waitMs": 1}),
             413,
             "too_large",
         ),
     ];
+    // A poll's ownSlots: at most 64, keys of 1 to 128 characters, indices below 1,000, and no
+    // other field.
+    let own = |slots: serde_json::Value| json!({"namespace": ns.name, "queue": "q", "worker": "x", "waitMs": 1, "ownSlots": slots});
+    let many: Vec<_> = (0..65).map(|i| json!({"index": i})).collect();
+    let bad_bodies: Vec<_> = bad_bodies
+        .into_iter()
+        .chain(
+            [
+                json!(many),
+                json!([{"key": "", "index": 0}]),
+                json!([{"key": "k".repeat(129), "index": 0}]),
+                json!([{"key": "a", "index": 1000}]),
+                json!([{"key": "a", "index": -1}]),
+                json!([{"key": "a", "index": 0, "extra": 1}]),
+                json!({"key": "a", "index": 0}),
+            ]
+            .into_iter()
+            .map(|slots| (own(slots), 400, "invalid_request")),
+        )
+        .collect();
     for (body, status, code) in bad_bodies {
         let answer = post(&address, "/v1/dispatch/poll", c, body.clone()).await;
         assert_eq!(

@@ -463,6 +463,108 @@ async fn claims_take_the_slots_the_dispatcher_suggests() {
     }
 }
 
+/// A claimer that ended its job swaps that job's slot for its next claim of the key, through
+/// the dispatcher: no second slot is made, the claim records the LeasedQueue's generation
+/// with its limits, and the key's limit holds with another claimer taking the other slot. A
+/// change of the queue's spec (a new generation) ends the swaps: the next claim lists.
+#[tokio::test]
+async fn a_claimer_swaps_its_own_slot_for_its_next_job_of_the_key() {
+    let Fixture { client, ns } = fixture!("limits-swap");
+    let controller = controller(&ns.name);
+    advertised(&client, &ns.name).await;
+    apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 2})).await;
+    let token = dispatch_token_file(&ns.name);
+    let extra = ["--dispatch-token-file", token.to_str().unwrap()];
+    let first = Sidecar::start(&ns.name, "q", "pod-0", &extra).await;
+    let second = Sidecar::start(&ns.name, "q", "pod-1", &extra).await;
+    let names: Vec<String> = (0..5).map(|i| format!("a-{i}")).collect();
+    for name in &names[..4] {
+        create_keyed(&client, &ns.name, name, "a").await;
+    }
+    let waiting: Vec<&str> = names[..4].iter().map(String::as_str).collect();
+    wait_queued(&client, &ns.name, &waiting).await;
+    dispatcher_sees(controller.port.unwrap(), 4).await;
+    let queues: Api<LeasedQueue> = Api::namespaced(client.clone(), &ns.name);
+    let queue = queues.get("q").await.unwrap();
+    let (uid, generation) = (queue.uid().unwrap(), queue.metadata.generation.unwrap());
+    let plain = format!("{uid}:maxLeasedPerKey=2");
+    let swapped = format!("{uid}/{generation}:maxLeasedPerKey=2");
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    // The first claim takes slot 0 (a list, a judging read if need be); its end frees it.
+    let (job, token) = claim_named(&first).await;
+    assert_eq!(
+        (job.as_str(), limits_of(&jobs, &job).await),
+        ("a-0", plain.clone())
+    );
+    completed(&first, &job, &token).await;
+    // The next claim of the key swaps it: still one slot, now a-1's.
+    let (job, token_1) = claim_named(&first).await;
+    assert_eq!(
+        (job.as_str(), limits_of(&jobs, &job).await),
+        ("a-1", swapped.clone())
+    );
+    let want: Vec<(u32, String)> = vec![(0, "a-1".into())];
+    assert_eq!(key_slots(&client, &ns.name, "a").await, want);
+    // Another claimer takes the other slot; the key is full.
+    let (job, token_2) = claim_named(&second).await;
+    assert_eq!(
+        (job.as_str(), limits_of(&jobs, &job).await),
+        ("a-2", plain.clone())
+    );
+    let (status, answer) = second.claim(1).await;
+    assert_eq!(
+        status, 204,
+        "a third job of key a under a limit of 2: {answer}"
+    );
+    // a-1 ends, and its claimer swaps its slot again for a-3.
+    completed(&first, "a-1", &token_1).await;
+    let (job, token_3) = claim_named(&first).await;
+    assert_eq!(
+        (job.as_str(), limits_of(&jobs, &job).await),
+        ("a-3", swapped.clone())
+    );
+    let want: Vec<(u32, String)> = vec![(0, "a-3".into()), (1, "a-2".into())];
+    assert_eq!(key_slots(&client, &ns.name, "a").await, want);
+    // A change of the spec (a weight) is a new generation: a-3's slot is not swapped under it.
+    queues
+        .patch(
+            "q",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"weights": {"a": 2}}})),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    completed(&first, "a-3", &token_3).await;
+    create_keyed(&client, &ns.name, "a-4", "a").await;
+    let (job, _) = claim_named(&first).await;
+    assert_eq!((job.as_str(), limits_of(&jobs, &job).await), ("a-4", plain));
+    completed(&second, "a-2", &token_2).await;
+}
+
+/// Claims a job with `sidecar`: its name and token.
+async fn claim_named(sidecar: &Sidecar) -> (String, String) {
+    let (claim, token) = sidecar.claim_ok(20).await;
+    (claim["name"].as_str().unwrap().to_string(), token)
+}
+
+/// Completes the job `name` that `sidecar` holds with `token`.
+async fn completed(sidecar: &Sidecar, name: &str, token: &str) {
+    let (status, body) = sidecar.complete(name, token, json!("done")).await;
+    assert_eq!(status, 200, "{body}");
+}
+
+/// The limits the latest claim of job `name` recorded (`status.limits`).
+async fn limits_of(jobs: &Api<LeasedJob>, name: &str) -> String {
+    jobs.get(name)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .limits
+        .unwrap()
+}
+
 /// A fake dispatcher's state: the job it offers (none while empty), and how often it was
 /// asked.
 #[derive(Default)]
@@ -576,9 +678,17 @@ async fn take(client: &kube::Client, ns: &str, copy: &LeasedJob, pod: &str) -> T
     let token = Token::issue(copy.attempt() + 1);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
     let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
-    let acquired = slots::acquire(&leases, &jobs, &queue, copy, pod, &token, Preferred::NONE)
-        .await
-        .unwrap();
+    let acquired = slots::acquire(
+        &leases,
+        &jobs,
+        &queue,
+        copy,
+        pod,
+        &token,
+        slots::Hints::default(),
+    )
+    .await
+    .unwrap();
     match acquired {
         Acquired::All(taken) => TakenFor {
             slots: Some(taken.into_iter().map(|t| t.name).collect()),
@@ -597,6 +707,82 @@ async fn claim_ok(jobs: &Api<LeasedJob>, copy: &LeasedJob, pod: &str, token: Tok
 struct TakenFor {
     slots: Option<Vec<String>>,
     token: Token,
+}
+
+/// A claimer's own free slot, swapped: refused when anyone wrote the slot since (the claim
+/// then takes another slot, listing the scope as usual), and taken when nobody did.
+#[tokio::test]
+async fn a_swap_of_a_slot_written_since_is_refused_and_the_claim_takes_another() {
+    let Fixture { client, ns } = fixture!("limits-swap-stale");
+    apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 2})).await;
+    for name in ["j", "k", "m", "n"] {
+        create_keyed(&client, &ns.name, name, "a").await;
+    }
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.name);
+    let queues: Api<LeasedQueue> = Api::namespaced(client.clone(), &ns.name);
+    let queue = queues.get("q").await.unwrap();
+    let slot = |i| Preferred {
+        queue: None,
+        key: Some(i),
+    };
+    // Takes the slots of a claim of job `name`, as pod `pod` with its free slots `own`.
+    let acquire = |name: &'static str, pod: &'static str, prefer: Preferred, own| {
+        let (jobs, leases, queue) = (jobs.clone(), leases.clone(), queue.clone());
+        async move {
+            let copy = jobs.get(name).await.unwrap();
+            let token = Token::issue(copy.attempt() + 1);
+            let hints = slots::Hints {
+                prefer,
+                swap: prefer,
+                own,
+            };
+            let got = slots::acquire(&leases, &jobs, &queue, &copy, pod, &token, hints)
+                .await
+                .unwrap();
+            let Acquired::All(taken) = got else {
+                panic!("{name}: the key is full")
+            };
+            (copy, token, taken)
+        }
+    };
+    // Claims `copy` with `token` after taking `taken`, then ends the attempt.
+    let claim_and_end = |copy: LeasedJob, token: Token, taken: Vec<slots::Taken>| {
+        let (jobs, queue) = (jobs.clone(), queue.clone());
+        async move {
+            let summary = slots::summary(&taken);
+            let queue = Some(&queue);
+            let pod = "pod-a";
+            leasehold_kube::claim::claim_taking(&jobs, &copy, pod, queue, token, summary)
+                .await
+                .unwrap();
+            let done = json!({"status": {"phase": "Succeeded"}});
+            let name = copy.name_any();
+            jobs.patch_status(&name, &PatchParams::default(), &Patch::Merge(&done))
+                .await
+                .unwrap();
+        }
+    };
+    // pod-a takes slot 0 for j, claims j, and j ends: slot 0 is pod-a's, free.
+    let (j, token, taken) = acquire("j", "pod-a", slot(0), Vec::new()).await;
+    assert_eq!((taken[0].index, taken[0].swapped), (0, false));
+    let own = taken[0].own.clone().expect("a take is kept to swap");
+    claim_and_end(j, token, taken).await;
+    // pod-b takes that very slot for k (free, and judged so): pod-a's copy of it is stale.
+    let (_, _, taken) = acquire("k", "pod-b", slot(0), Vec::new()).await;
+    assert_eq!(taken[0].index, 0);
+    // pod-a's swap of slot 0 for m is refused (409), and m's claim takes slot 1 instead.
+    let (m, token, taken) = acquire("m", "pod-a", slot(0), vec![own]).await;
+    assert_eq!((taken[0].index, taken[0].swapped), (1, false));
+    let want: Vec<(u32, String)> = vec![(0, "k".into()), (1, "m".into())];
+    assert_eq!(key_slots(&client, &ns.name, "a").await, want);
+    // m is claimed and ends; pod-a swaps slot 1, unwritten since, for n.
+    let own = taken[0].own.clone().unwrap();
+    claim_and_end(m, token, taken).await;
+    let (_, _, taken) = acquire("n", "pod-a", slot(1), vec![own]).await;
+    assert_eq!((taken[0].index, taken[0].swapped), (1, true));
+    let want: Vec<(u32, String)> = vec![(0, "k".into()), (1, "n".into())];
+    assert_eq!(key_slots(&client, &ns.name, "a").await, want);
 }
 
 /// A claim from a stale copy takes a slot and loses its write to a claim from a newer copy of

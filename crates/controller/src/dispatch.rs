@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use leasehold_core::claim_index::Change;
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::dispatch::{
-    key_of, Dispatch, Hint, QueueKey, ADDRESS_ANNOTATION, ADVERT_LEASE,
+    key_of, Dispatch, Hint, OwnSlot, QueueKey, ADDRESS_ANNOTATION, ADVERT_LEASE,
 };
 
 use crate::leader::Leadership;
@@ -221,7 +221,13 @@ impl Dispatcher {
     /// or its caller went away) therefore wakes the next in line, which looks and waits for
     /// it in its place. The end of a (re-)list, and a change of the path check,
     /// still wake every poll.
-    pub async fn poll(&self, queue: &QueueKey, worker: &str, wait: Duration) -> Answer {
+    pub async fn poll(
+        &self,
+        queue: &QueueKey,
+        worker: &str,
+        wait: Duration,
+        own: &[OwnSlot],
+    ) -> Answer {
         let deadline = Instant::now() + wait.min(MAX_POLL_WAIT);
         let line = self.line(queue);
         let mut relisted = self.relists.subscribe();
@@ -251,7 +257,7 @@ impl Dispatcher {
                 if !state.has_listed() {
                     break Answer::NotListed;
                 }
-                if let Some(hint) = state.offer(queue, worker, now) {
+                if let Some(hint) = state.offer_fitting(queue, worker, now, own) {
                     // More jobs may wait: the next poll in line looks.
                     pass_on.armed = true;
                     break Answer::Offer(hint);
@@ -505,7 +511,7 @@ mod tests {
         wait: Duration,
     ) -> tokio::task::JoinHandle<Answer> {
         let (d, worker) = (Arc::clone(d), worker.to_string());
-        let poll = tokio::spawn(async move { d.poll(&q(), &worker, wait).await });
+        let poll = tokio::spawn(async move { d.poll(&q(), &worker, wait, &[]).await });
         tokio::task::yield_now().await;
         poll
     }
@@ -643,11 +649,11 @@ mod tests {
         assert_eq!(answer, Answer::Stale);
         // A job it sees meanwhile is not offered while the path is in doubt ...
         d.observe(&watcher::Event::Apply(queued("j")));
-        assert_eq!(d.poll(&q(), "w", Duration::ZERO).await, Answer::Stale);
+        assert_eq!(d.poll(&q(), "w", Duration::ZERO, &[]).await, Answer::Stale);
         // ... and is once a check passes.
         assert!(d.set_fresh(true));
         assert!(matches!(
-            d.poll(&q(), "w", Duration::ZERO).await,
+            d.poll(&q(), "w", Duration::ZERO, &[]).await,
             Answer::Offer(h) if h.name == "j"
         ));
     }

@@ -55,6 +55,20 @@ pub fn obeyed(queue: &LeasedQueue) -> Option<String> {
     Some(format!("{uid}:{}", limits.join(",")))
 }
 
+/// What a claim that swapped a slot ([`crate::slots::may_swap`]) records in `status.limits`:
+/// [`obeyed`] with the LeasedQueue's generation after its uid,
+/// `<metadata.uid>/<metadata.generation>:maxLeased=<n>,...`; `None` when it sets no limit or
+/// the copy has no generation. The chart's admission policy accepts it only while its own copy
+/// of the LeasedQueue is at that generation (rule `limits-obeyed`): a swap skips the list of
+/// the scope's slots, so it must not outlive the limits its chain's first take listed under,
+/// even when they were changed and changed back.
+pub fn obeyed_at_generation(queue: &LeasedQueue) -> Option<String> {
+    let obeyed = obeyed(queue)?;
+    let generation = queue.metadata.generation?;
+    let (uid, limits) = obeyed.split_once(':')?;
+    Some(format!("{uid}/{generation}:{limits}"))
+}
+
 /// Whether claims under `queue`'s limits may be made: it sets none, or its status says every
 /// job Leased before they existed holds a slot ([`adoption_of`]). Until then a claimer makes
 /// no claim of the queue (docs/protocol.md, "Limits": jobs Leased before a limit).
@@ -219,6 +233,16 @@ mod tests {
         assert_eq!(
             obeyed(&q).as_deref(),
             Some("u1:maxLeased=10,maxLeasedPerKey=2")
+        );
+        assert_eq!(
+            obeyed_at_generation(&q),
+            None,
+            "a copy without a generation"
+        );
+        q.metadata.generation = Some(7);
+        assert_eq!(
+            obeyed_at_generation(&q).as_deref(),
+            Some("u1/7:maxLeased=10,maxLeasedPerKey=2")
         );
     }
 

@@ -42,6 +42,13 @@ pub(crate) struct Place {
     name: Arc<str>,
 }
 
+impl Place {
+    /// The job's spec.priority.
+    pub(crate) fn priority(&self) -> i32 {
+        self.priority.0
+    }
+}
+
 /// A creationTimestamp as a sort key in the order of `Option<Timestamp>`: none first, then by
 /// second and nanosecond.
 fn created_key(created: Option<Timestamp>) -> (i64, i32) {

@@ -377,13 +377,28 @@ pub struct LeasedJobStatus {
     pub pending_slot_freed: Option<String>,
 
     /// The limits the latest claim was made under, as the claimer read its LeasedQueue:
-    /// `<uid>:maxLeased=<n>,maxLeasedPerKey=<m>` (those set); absent when the claimer saw no
+    /// `<uid>:maxLeased=<n>,maxLeasedPerKey=<m>` (those set), or `<uid>/<generation>:...` for a
+    /// claim that swapped a slot of its claimer's own; absent when the claimer saw no
     /// limits. The claimer took a slot of each limited scope before this write.
     /// With the chart's admission policy the API server refuses a worker's claim that does not
     /// name the limits its own copy of the LeasedQueue sets, and confirms (docs/security.md,
     /// rule `limits-obeyed`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limits: Option<String>,
+
+    /// The index of the slot of the queue's `maxLeased` that the latest claim took (slot Lease
+    /// `lhq-<queue>-q-<index>`); absent when it took none. Advice for the dispatcher, which
+    /// suggests other slots to the next claims (docs/protocol.md, "Limits"); the slot Leases
+    /// alone decide.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 999))]
+    pub queue_slot: Option<i32>,
+
+    /// The index of the slot of its concurrency key's `maxLeasedPerKey` that the latest claim
+    /// took; absent when it took none. Advice, as `queueSlot`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 999))]
+    pub key_slot: Option<i32>,
 }
 
 /// One failed attempt.

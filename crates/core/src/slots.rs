@@ -331,6 +331,59 @@ impl Preferred {
     }
 }
 
+/// The slots a claim took under its queue's limits, as its write records them
+/// (`status.queueSlot`, `status.keySlot`), and whether it swapped one ([`may_swap`]: the
+/// write then records the LeasedQueue's generation with its limits).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SlotsTaken {
+    /// The index of the slot of the queue's scope (`maxLeased`), if it took one.
+    pub queue: Option<u32>,
+    /// The index of the slot of the job's key's scope (`maxLeasedPerKey`), if it took one.
+    pub key: Option<u32>,
+    /// Whether any of them was swapped.
+    pub swapped: bool,
+}
+
+/// Where a chain of swaps of one slot began: the LeasedQueue object (its uid) and the
+/// `metadata.generation` under which its first take listed the scope (docs/protocol.md,
+/// "Limits": swapping one's own slot).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chain {
+    /// metadata.uid of the LeasedQueue.
+    pub queue_uid: String,
+    /// Its metadata.generation as the claimer's copy had it.
+    pub generation: i64,
+}
+
+impl Chain {
+    /// The chain a take under `queue` (the claimer's copy) begins; `None` for a copy without a
+    /// uid or generation (never one read from the API server).
+    pub fn of(queue: &LeasedQueue) -> Option<Chain> {
+        Some(Chain {
+            queue_uid: queue.metadata.uid.clone()?,
+            generation: queue.metadata.generation?,
+        })
+    }
+}
+
+/// Whether a claimer may swap its own free slot `index` of a scope limited to `limit` under
+/// `queue` (its copy now), the slot's chain having begun under `chain`, the dispatcher's
+/// offer suggesting `suggested` for that scope as the claimer's own to swap: the same
+/// LeasedQueue object at the same generation (so the same limits, and the same object the
+/// chain's first take judged the scope under), an index below the limit, and the very slot
+/// the offer suggests swapping (the dispatcher's view holds it for no other offer, and saw
+/// nobody else take it; a claimer choosing on its own never swaps).
+/// docs/protocol.md, "Limits": swapping one's own slot.
+pub fn may_swap(
+    chain: &Chain,
+    index: u32,
+    limit: u32,
+    queue: &LeasedQueue,
+    suggested: Option<u32>,
+) -> bool {
+    Chain::of(queue).as_ref() == Some(chain) && index < limit && suggested == Some(index)
+}
+
 /// The plan of a claim whose slots name `mine`, in a scope limited to `limit` whose slots are
 /// `listed` (any order; missing indices are slots never made). `prefer`: a slot to try before
 /// the others ([`Preferred`]); ignored at or above the limit.
@@ -736,5 +789,31 @@ pub(crate) mod tests {
             limit_of(&q, &Scope::Key("a".into()).label()),
             Some(MAX_LIMIT as u32)
         );
+    }
+
+    #[test]
+    fn a_slot_is_swapped_only_under_its_chain_s_queue_and_generation_and_as_suggested() {
+        let mut q = LeasedQueue::new("q", LeasedQueueSpec::default());
+        q.spec.max_leased_per_key = Some(2);
+        assert_eq!(Chain::of(&q), None, "a copy without uid and generation");
+        q.metadata.uid = Some("u1".into());
+        q.metadata.generation = Some(3);
+        let chain = Chain::of(&q).unwrap();
+        assert!(may_swap(&chain, 1, 2, &q, Some(1)));
+        assert!(!may_swap(&chain, 1, 2, &q, None), "choosing on its own");
+        assert!(
+            !may_swap(&chain, 1, 2, &q, Some(0)),
+            "another slot suggested"
+        );
+        assert!(!may_swap(&chain, 2, 2, &q, Some(2)), "at the limit");
+        let mut later = q.clone();
+        later.metadata.generation = Some(4);
+        assert!(
+            !may_swap(&chain, 1, 2, &later, Some(1)),
+            "another generation"
+        );
+        let mut other = q.clone();
+        other.metadata.uid = Some("u2".into());
+        assert!(!may_swap(&chain, 1, 2, &other, Some(1)), "another object");
     }
 }

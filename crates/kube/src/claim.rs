@@ -8,9 +8,11 @@ use kube::api::PostParams;
 use kube::{Api, ResourceExt};
 use thiserror::Error;
 
+use leasehold_core::adoption::obeyed_at_generation;
 use leasehold_core::claim::{claimable, claimed_status};
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::queue::LeasedQueue;
+use leasehold_core::slots::SlotsTaken;
 use leasehold_core::token::Token;
 
 use crate::api::is_status;
@@ -111,6 +113,24 @@ pub async fn claim_with(
     queue: Option<&LeasedQueue>,
     token: Token,
 ) -> Result<(LeasedJob, Token), ClaimError> {
+    claim_taking(api, snapshot, holder, queue, token, SlotsTaken::default()).await
+}
+
+/// [`claim_with`], for a claim that took the slots `taken`: its status records their indices
+/// (`queueSlot`, `keySlot`), and when one was swapped ([`leasehold_core::slots::may_swap`]),
+/// its `status.limits` name the LeasedQueue's generation too ([`obeyed_at_generation`]), so
+/// that the API server's admission refuses it under any other generation of the queue.
+///
+/// # Errors
+/// As [`claim_with`].
+pub async fn claim_taking(
+    api: &Api<LeasedJob>,
+    snapshot: &LeasedJob,
+    holder: &str,
+    queue: Option<&LeasedQueue>,
+    token: Token,
+    taken: SlotsTaken,
+) -> Result<(LeasedJob, Token), ClaimError> {
     let job = snapshot.reference();
     if snapshot.guarding_version().is_none() {
         return Err(ClaimError::Unversioned { job });
@@ -123,13 +143,14 @@ pub async fn claim_with(
         });
     }
     let mut next = snapshot.clone();
-    next.status = Some(claimed_status(
-        snapshot,
-        &token,
-        holder,
-        Timestamp::now(),
-        queue,
-    ));
+    let mut status = claimed_status(snapshot, &token, holder, Timestamp::now(), queue);
+    if taken.swapped {
+        status.limits = queue.and_then(obeyed_at_generation);
+    }
+    let index = |i: Option<u32>| i.and_then(|i| i32::try_from(i).ok());
+    status.queue_slot = index(taken.queue);
+    status.key_slot = index(taken.key);
+    next.status = Some(status);
     match api
         .replace_status(&snapshot.name_any(), &PostParams::default(), &next)
         .await

@@ -20,8 +20,8 @@ use crate::api::is_status;
 use leasehold_core::crd::LeasedJob;
 use leasehold_core::queue::LeasedQueue;
 use leasehold_core::slots::{
-    self, Listed, Named, Preferred, Scope, SlotHolder, SlotState, CLAIMS_ANNOTATION, SLOT_OF_LABEL,
-    SLOT_SCOPE_LABEL,
+    self, Chain, Listed, Named, Preferred, Scope, SlotHolder, SlotState, SlotsTaken,
+    CLAIMS_ANNOTATION, SLOT_OF_LABEL, SLOT_SCOPE_LABEL,
 };
 use leasehold_core::token::Token;
 
@@ -33,6 +33,50 @@ pub struct Taken {
     /// Its resourceVersion after the take (to release it conditionally); None when the claim
     /// reused a slot already naming its copy (another claim of that copy may use it).
     pub written: Option<String>,
+    /// Its scope.
+    pub scope: Scope,
+    /// Its index.
+    pub index: u32,
+    /// The slot as this take wrote it, which its claimer may swap once it has ended the
+    /// attempt itself ([`Own`]); None for a reuse, and for a copy of the LeasedQueue without a
+    /// uid or generation.
+    pub own: Option<Own>,
+    /// Whether it was taken by a swap ([`slots::may_swap`]): the claim then records the
+    /// LeasedQueue's generation with its limits
+    /// ([`leasehold_core::adoption::obeyed_at_generation`]).
+    pub swapped: bool,
+}
+
+/// A slot a claimer wrote itself, as it wrote it: once the attempt it took the slot for has
+/// ended by the claimer's own write (answered 200), the slot is free by the busy rule, and
+/// the claimer knows it without a read. A replace conditional on the resourceVersion here
+/// then takes it for the claimer's next claim in the same scope with no list and no judging
+/// read, if nobody wrote the slot since (docs/protocol.md, "Limits": swapping one's own slot).
+#[derive(Clone, Debug)]
+pub struct Own {
+    /// The slot's scope.
+    pub scope: Scope,
+    /// Its index.
+    pub index: u32,
+    /// The slot Lease as the API server answered the write that took it.
+    pub lease: Box<Lease>,
+    /// Where its chain of swaps began.
+    pub chain: Chain,
+}
+
+/// What a claim's slots are taken with, besides the claim itself.
+#[derive(Clone, Debug, Default)]
+pub struct Hints {
+    /// The slot of each scope to try first (the dispatcher's suggestion;
+    /// [`Preferred::NONE`] for the claimer's own order).
+    pub prefer: Preferred,
+    /// The slot of each scope the dispatcher suggested as the claimer's own, to swap.
+    pub swap: Preferred,
+    /// Slots the claimer took itself and whose attempts it has ended since: the one of a
+    /// scope is swapped, with no list or judging read, where [`slots::may_swap`] allows it
+    /// (given `swap`), and the scope is taken as usual when it does not or the swap loses
+    /// (the slot was written since). Own slots of other scopes are dropped.
+    pub own: Vec<Own>,
 }
 
 /// What [`acquire`] got.
@@ -59,8 +103,8 @@ pub struct SlotError {
 /// Takes, for a claim of `job` (the copy the claim will be guarded by) that will write
 /// `token`, a slot of every scope `queue` limits it in ([`slots::scopes`]), through `leases`
 /// and `jobs` (the job's namespace), each marked with the token's [`slots::mark_of`]. `holder`
-/// is the claimer's pod, recorded on the slots it writes. `prefer`: the slot of each scope to
-/// try first (the dispatcher's suggestion; [`Preferred::NONE`] for the claimer's own order).
+/// is the claimer's pod, recorded on the slots it writes. `hints`: the slots to try first and
+/// to swap ([`Hints`]).
 ///
 /// # Errors
 /// [`SlotError`] when a list, read or write failed for another reason than a lost race;
@@ -72,8 +116,13 @@ pub async fn acquire(
     job: &LeasedJob,
     holder: &str,
     token: &Token,
-    prefer: Preferred,
+    hints: Hints,
 ) -> Result<Acquired, SlotError> {
+    let Hints {
+        prefer,
+        swap: swaps,
+        mut own,
+    } = hints;
     let Some(mine) = SlotHolder::of_claim(job) else {
         // A copy without a name or resourceVersion is never claimed: the claim refuses it
         // before any write (`ClaimError::Unversioned`). No slot is taken for it.
@@ -86,6 +135,24 @@ pub async fn acquire(
     };
     let mut taken = Vec::new();
     for (scope, limit) in slots::scopes(queue, job) {
+        let mine = own
+            .iter()
+            .position(|o| o.scope == scope)
+            .map(|i| own.swap_remove(i))
+            .filter(|o| slots::may_swap(&o.chain, o.index, limit, queue, swaps.of(&scope)));
+        if let Some(mine) = mine {
+            match swap(leases, queue, mine, &claim).await {
+                Ok(Some(t)) => {
+                    taken.push(t);
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    release(leases, &taken).await;
+                    return Err(e);
+                }
+            }
+        }
         let mut took = Ok(Take::ListAgain);
         for _ in 0..REUSE_TRIES {
             let first = prefer.of(&scope);
@@ -107,6 +174,65 @@ pub async fn acquire(
         }
     }
     Ok(Acquired::All(taken))
+}
+
+/// Swaps the slot `own` for `claim`: replaces it, as the claimer's own last write left it,
+/// conditional on that write's resourceVersion. `Ok(None)` when it was written since (409) or
+/// is gone (404): the scope is then taken as usual.
+async fn swap(
+    leases: &Api<Lease>,
+    queue: &LeasedQueue,
+    own: Own,
+    claim: &Claim<'_>,
+) -> Result<Option<Taken>, SlotError> {
+    let Own {
+        scope,
+        index,
+        mut lease,
+        chain,
+    } = own;
+    let name = lease.name_any();
+    let taken = Named::taken(claim.mine.clone(), claim.mark.clone());
+    stamp(&mut lease, queue, &taken, claim.pod);
+    match leases.replace(&name, &PostParams::default(), &lease).await {
+        Ok(written) => {
+            tracing::debug!(slot = %name, pod = claim.pod, "Swapped slot Lease {name} for the claim {}", claim.mine.render());
+            Ok(Some(Taken {
+                name,
+                written: written.metadata.resource_version.clone(),
+                scope: scope.clone(),
+                index,
+                own: Some(Own {
+                    scope,
+                    index,
+                    lease: Box::new(written),
+                    chain,
+                }),
+                swapped: true,
+            }))
+        }
+        Err(e) if is_status(&e, 409) || is_status(&e, 404) => {
+            tracing::debug!(slot = %name, pod = claim.pod, "Slot Lease {name} was written since this claimer's own write: not swapped; taking a slot as usual");
+            Ok(None)
+        }
+        Err(source) => Err(SlotError {
+            what: format!("swapping slot Lease {name}"),
+            source,
+        }),
+    }
+}
+
+/// What a claim write records of the slots `taken` ([`SlotsTaken`]).
+pub fn summary(taken: &[Taken]) -> SlotsTaken {
+    let mut out = SlotsTaken::default();
+    for t in taken {
+        match t.scope {
+            Scope::Queue => out.queue = Some(t.index),
+            Scope::Key(_) => out.key = Some(t.index),
+        }
+        out.swapped |= t.swapped;
+    }
+    out
 }
 
 /// Gives back the slots `taken` wrote (an update to no holder, conditional on the version
@@ -191,6 +317,10 @@ async fn take_one(
         let reused = Taken {
             name: name.clone(),
             written: None,
+            scope: scope.clone(),
+            index,
+            own: None,
+            swapped: false,
         };
         // Marked too, before the claim write, so that the slot counts this claim if it wins.
         let (Some(marked), Some(mut lease)) =
@@ -236,13 +366,27 @@ async fn take_one(
         };
         match written {
             Ok(lease) => {
+                tracing::debug!(slot = %name, pod = claim.pod, suggested = ?first, "Took slot Lease {name} for the claim {}", claim.mine.render());
+                let own = Chain::of(queue).map(|chain| Own {
+                    scope: scope.clone(),
+                    index,
+                    lease: Box::new(lease.clone()),
+                    chain,
+                });
                 return Ok(Take::Done(Some(Taken {
                     name,
                     written: lease.metadata.resource_version,
-                })))
+                    scope: scope.clone(),
+                    index,
+                    own,
+                    swapped: false,
+                })));
             }
             // Another claimer took or made it first: the next one.
-            Err(e) if is_status(&e, 409) => continue,
+            Err(e) if is_status(&e, 409) => {
+                tracing::debug!(slot = %name, pod = claim.pod, suggested = ?first, "Slot Lease {name} was taken or made by another claimer first; trying the next");
+                continue;
+            }
             Err(source) => {
                 return Err(SlotError {
                     what: format!("taking slot Lease {name}"),

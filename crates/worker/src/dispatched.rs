@@ -91,6 +91,19 @@ pub struct Hint {
     /// as `queue_slot` is.
     #[serde(default, deserialize_with = "slot_index")]
     pub key_slot: Option<u32>,
+    /// Whether `queue_slot` is this claimer's own free slot, suggested for it to swap
+    /// (docs/protocol.md, "Limits": swapping one's own slot); anything but `true` reads as no.
+    #[serde(default, deserialize_with = "flag")]
+    pub own_queue_slot: bool,
+    /// Whether `key_slot` is, read as `own_queue_slot`.
+    #[serde(default, deserialize_with = "flag")]
+    pub own_key_slot: bool,
+}
+
+/// Reads a flag: `true`, anything else false.
+fn flag<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    let value = Option::<serde_json::Value>::deserialize(d)?;
+    Ok(value == Some(serde_json::Value::Bool(true)))
 }
 
 /// Reads a suggested slot index: a whole number from 0 to `u32::MAX`, anything else none.
@@ -119,6 +132,14 @@ impl Hint {
         Preferred {
             queue: self.queue_slot,
             key: self.key_slot,
+        }
+    }
+
+    /// Those of them suggested as this claimer's own free slots, to swap.
+    pub fn swappable(&self) -> Preferred {
+        Preferred {
+            queue: self.queue_slot.filter(|_| self.own_queue_slot),
+            key: self.key_slot.filter(|_| self.own_key_slot),
         }
     }
 }
@@ -277,8 +298,16 @@ impl Dispatched {
     /// Asks the dispatcher at `address` for a job of the [`Asker`]'s queue, waiting up to
     /// `wait` (at most [`POLL_WAIT`]). `Ok(None)` when none came in time; an error (including
     /// a silence of [`SILENCE_BOUND`] while it waits) sets the dispatcher aside.
-    pub async fn poll(&self, address: &str, wait: Duration) -> Result<Option<Hint>, Unusable> {
-        let answer = self.ask(address, wait).await;
+    /// `own`: the free slots of this claimer's own to name (concurrency key, or none for the
+    /// queue's scope; index), so that the dispatcher may offer a job they fit and suggest them
+    /// (docs/protocol.md, "Limits": swapping one's own slot); none are named when empty.
+    pub async fn poll(
+        &self,
+        address: &str,
+        wait: Duration,
+        own: Vec<(Option<String>, u32)>,
+    ) -> Result<Option<Hint>, Unusable> {
+        let answer = self.ask(address, wait, own).await;
         // An empty answer shows a working dispatcher; an offer shows that only once it can be
         // claimed ([`Dispatched::answered`] from the claim), or a dispatcher offering jobs that
         // cannot be claimed would start again at one strike at each offer.
@@ -288,16 +317,31 @@ impl Dispatched {
         answer
     }
 
-    async fn ask(&self, address: &str, wait: Duration) -> Result<Option<Hint>, Unusable> {
+    async fn ask(
+        &self,
+        address: &str,
+        wait: Duration,
+        own: Vec<(Option<String>, u32)>,
+    ) -> Result<Option<Hint>, Unusable> {
         let wait = wait.min(POLL_WAIT);
         let Asker {
             namespace,
             queue,
             worker,
         } = &self.asker;
-        let body = json!({"namespace": namespace, "queue": queue, "worker": worker,
+        let mut body = json!({"namespace": namespace, "queue": queue, "worker": worker,
             "waitMs": u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
             "keepAliveMs": u64::try_from(KEEP_ALIVE.as_millis()).unwrap_or(250)});
+        if !own.is_empty() {
+            let slots: Vec<_> = own
+                .into_iter()
+                .map(|(key, index)| match key {
+                    Some(key) => json!({"key": key, "index": index}),
+                    None => json!({"index": index}),
+                })
+                .collect();
+            body["ownSlots"] = json!(slots);
+        }
         let sent = self.post(address, "/v1/dispatch/poll", body, None);
         let response = match tokio::time::timeout(SILENCE_BOUND, sent).await {
             Ok(Ok(response)) => response,
@@ -457,6 +501,8 @@ mod tests {
             resource_version: version.into(),
             queue_slot: None,
             key_slot: None,
+            own_queue_slot: false,
+            own_key_slot: false,
         };
         assert!(hint("job-1", "7").is_well_formed());
         assert!(hint("a.b-c", &"9".repeat(64)).is_well_formed());
@@ -509,5 +555,27 @@ mod tests {
         }
         // The rest of the answer is read as before.
         assert!(serde_json::from_str::<Hint>(r#"{"name": 3, "resourceVersion": "7"}"#).is_err());
+    }
+
+    #[test]
+    fn only_a_slot_marked_as_the_claimer_s_own_is_to_swap() {
+        let read = |text: &str| {
+            let text = format!(r#"{{"name": "j", "resourceVersion": "7"{text}}}"#);
+            serde_json::from_str::<Hint>(&text).unwrap().swappable()
+        };
+        assert_eq!(read(r#", "keySlot": 2"#), Preferred::NONE);
+        let key = Preferred {
+            queue: None,
+            key: Some(2),
+        };
+        assert_eq!(
+            read(r#", "keySlot": 2, "queueSlot": 1, "ownKeySlot": true"#),
+            key
+        );
+        for not in ["false", "1", r#""true""#, "null"] {
+            let got = read(&format!(r#", "keySlot": 2, "ownKeySlot": {not}"#));
+            assert_eq!(got, Preferred::NONE, "{not}");
+        }
+        assert_eq!(read(r#", "ownKeySlot": true"#), Preferred::NONE, "no slot");
     }
 }

@@ -357,6 +357,8 @@ impl Worker {
         if let Some(h) = self.inner.held.lock().unwrap().remove(name) {
             mark_ended(&h);
         }
+        // Its slots are free now: the next claim in their scopes may swap them.
+        self.inner.own_slots.ended(name, token.as_str());
         self.inner.ended.notify_waiters();
         if let Some(claimed) = job.status.as_ref().and_then(|s| s.claimed_time.as_ref()) {
             let ran = Timestamp::now().duration_since(claimed.0).as_secs_f64();

@@ -43,6 +43,7 @@ mod heartbeat;
 pub mod held_watch;
 mod limited;
 mod listed;
+mod own_slots;
 mod paused;
 mod pick;
 mod renew;
@@ -341,6 +342,8 @@ struct Inner {
     full_keys: limited::FullKeys,
     /// The last claim the API server refused as outside the queue's limits ([`limited`]).
     outside_limits: limited::OutsideLimits,
+    /// The slots this claimer took itself, held and ended ([`own_slots`]).
+    own_slots: own_slots::OwnSlots,
     /// Lets unit tests, whose watches are never answered, say what the LeasedQueue is.
     #[cfg(test)]
     queue_object_tx: watch::Sender<leasehold_kube::queue_object::Known>,
@@ -505,6 +508,7 @@ impl Worker {
             queue_object,
             full_keys: limited::FullKeys::default(),
             outside_limits: limited::OutsideLimits::default(),
+            own_slots: own_slots::OwnSlots::default(),
             #[cfg(test)]
             queue_object_tx,
         };

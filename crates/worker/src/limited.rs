@@ -174,7 +174,9 @@ impl Worker {
     /// claim write (empty when the queue sets no limit for the job); `Ok(None)` when a limit
     /// is reached, or when the queue was paused (or its LeasedQueue became unreadable) while
     /// they were taken: then they are given back. `prefer`: the slots to try first (the
-    /// dispatcher's suggestion with its offer).
+    /// dispatcher's suggestion with its offer); `swap`: those of them suggested as this
+    /// claimer's own free slots, which it swaps where [`leasehold_core::slots::may_swap`]
+    /// allows it ([`crate::own_slots`]).
     ///
     /// # Errors
     /// [`WorkerError::Unavailable`] when the slots could not be listed, judged or written.
@@ -184,9 +186,19 @@ impl Worker {
         snapshot: &LeasedJob,
         token: &Token,
         prefer: Preferred,
+        swap: Preferred,
     ) -> Result<Option<Vec<Taken>>, WorkerError> {
         let Some(queue) = queue.filter(|q| q.spec.limits()) else {
             return Ok(Some(Vec::new()));
+        };
+        let scopes: Vec<Scope> = leasehold_core::slots::scopes(queue, snapshot)
+            .into_iter()
+            .map(|(scope, _)| scope)
+            .collect();
+        let hints = slots::Hints {
+            prefer,
+            swap,
+            own: self.inner.own_slots.take(&scopes),
         };
         let acquired = slots::acquire(
             &self.inner.leases,
@@ -195,7 +207,7 @@ impl Worker {
             snapshot,
             &self.inner.config.identity,
             token,
-            prefer,
+            hints,
         )
         .await
         .map_err(|e| {

@@ -37,7 +37,7 @@ use leasehold_core::slots::Preferred;
 use leasehold_core::token::Token;
 use leasehold_core::trace;
 use leasehold_kube::api::error_chain;
-use leasehold_kube::claim::{claim_with, ClaimError};
+use leasehold_kube::claim::{claim_taking, ClaimError};
 use leasehold_kube::queue_watch;
 
 use crate::window::MAX_WINDOW_FACTOR;
@@ -332,7 +332,7 @@ impl Worker {
                 return Ok(Dispatch::Nothing);
             }
             asked = true;
-            let poll = dispatched.poll(&address, remaining);
+            let poll = dispatched.poll(&address, remaining, self.inner.own_slots.advertised());
             let hint = tokio::select! {
                 answer = poll => match answer {
                     Ok(Some(hint)) => hint,
@@ -419,7 +419,10 @@ impl Worker {
         let Some(snapshot) = read else {
             return Ok(Offer::Declined);
         };
-        match self.try_claim(&snapshot, Some(hint.preferred())).await? {
+        match self
+            .try_claim(&snapshot, Some((hint.preferred(), hint.swappable())))
+            .await?
+        {
             Tried::Claimed(claimed) => Ok(Offer::Claimed(claimed)),
             // An offer of a scope at its limit counts against the dispatcher, which knows the
             // limits: one that keeps making such offers is set aside.
@@ -580,7 +583,7 @@ impl Worker {
     pub(crate) async fn try_claim(
         &self,
         snapshot: &LeasedJob,
-        offered: Option<Preferred>,
+        offered: Option<(Preferred, Preferred)>,
     ) -> Result<Tried, WorkerError> {
         if self.paused_now() {
             return Ok(Tried::HeldBack);
@@ -603,9 +606,9 @@ impl Worker {
         }
         // A limited queue: a slot of each limit first, marked with the claim's token.
         let fresh = Token::issue(snapshot.attempt() + 1);
-        let prefer = offered.unwrap_or(Preferred::NONE);
+        let (prefer, swap) = offered.unwrap_or((Preferred::NONE, Preferred::NONE));
         let Some(slots) = self
-            .take_slots(queue.as_deref(), snapshot, &fresh, prefer)
+            .take_slots(queue.as_deref(), snapshot, &fresh, prefer, swap)
             .await?
         else {
             return Ok(Tried::HeldBack);
@@ -621,11 +624,13 @@ impl Worker {
         // is still seen through: if it got through after all, it is given back.
         // Taken before the write can be sent: the lease runs from the claim (see take_lease).
         let started = Instant::now();
+        let taken = leasehold_kube::slots::summary(&slots);
         let mut write = {
             let (me, snapshot) = (self.clone(), snapshot.clone());
             tokio::spawn(async move {
                 let identity = &me.inner.config.identity;
-                claim_with(&me.inner.jobs, &snapshot, identity, queue.as_deref(), fresh).await
+                let queue = queue.as_deref();
+                claim_taking(&me.inner.jobs, &snapshot, identity, queue, fresh, taken).await
             })
         };
         let claimed = match tokio::time::timeout(bound, &mut write).await {
@@ -746,6 +751,9 @@ impl Worker {
             Some(slim),
             started,
         );
+        self.inner
+            .own_slots
+            .held(&job.name_any(), token.as_str(), &slots);
         let trace = trace_context(&job);
         Ok(Tried::Claimed(Box::new(Claimed {
             namespace: self.inner.config.namespace.clone(),

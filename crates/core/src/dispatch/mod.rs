@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
-use crate::claim_index::{Change, ClaimIndex};
+use crate::claim_index::{Change, ClaimIndex, Place};
 use crate::crd::LeasedJob;
 use crate::queue;
 use crate::slots::Preferred;
@@ -67,6 +67,22 @@ pub struct Hint {
     /// that no job Leased through an offer holds and no other standing offer was suggested
     /// (advice, as the rest: [`Preferred`]).
     pub slots: Preferred,
+    /// Those of `slots` suggested as the asker's own free slot, which it may swap
+    /// ([`OwnSlot`]); the others it takes as usual.
+    pub swaps: Preferred,
+}
+
+/// A free slot a worker names when it asks: one it took itself and whose attempt it has
+/// since ended by its own write, which it may swap for its next claim in that scope
+/// ([`crate::slots::may_swap`]; docs/protocol.md, "Limits": swapping one's own slot). Advice
+/// about which job and slot to offer it, never more: a wrong one costs its claim the usual
+/// take (a list and a read).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnSlot {
+    /// The slot's concurrency key; None for the queue's scope (`maxLeased`).
+    pub key: Option<String>,
+    /// Its index.
+    pub index: u32,
 }
 
 /// One standing offer.
@@ -95,6 +111,8 @@ struct Held {
     /// The slots suggested with the offer this attempt was claimed from, if it was offered:
     /// the slots it most likely holds (its claimer may have taken others).
     slots: Preferred,
+    /// The worker that offer was made to, if it was offered.
+    worker: Option<String>,
 }
 
 /// The claimable jobs of one concurrency key of a queue, and its turn.
@@ -192,7 +210,32 @@ pub struct Dispatch {
     leased: HashMap<QueueKey, HashMap<String, Held>>,
     /// Bumped at each (re-)list: entries of `leased` not seen by the list are dropped at its end.
     epoch: u32,
+    /// Who took each slot of each queue last: a worker naming a free slot of its own is
+    /// suggested it only while nobody else took it since (else its swap would be refused),
+    /// and other workers are suggested such slots last.
+    owners: HashMap<QueueKey, Owners>,
+    /// Claims seen so far (the clock of [`Owner::seen`]).
+    claims_seen: u64,
 }
+
+/// Who took each slot of a queue last, as far as the view knows ([`Dispatch`]'s `owners`), by
+/// (concurrency key, or None for the queue's scope; index): the worker whose claim from an
+/// offer took it (None for a claim made without one), and when, by the count of claims the
+/// view had seen.
+type Owners = HashMap<(Option<String>, u32), Owner>;
+
+/// Who took a slot last ([`Owners`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Owner {
+    /// The worker of the claim, if it came from an offer.
+    worker: Option<String>,
+    /// The view's count of claims seen when it saw this one.
+    seen: u64,
+}
+
+/// The most slots whose last worker the view keeps per queue ([`Dispatch`]'s `owners`); past
+/// it they are forgotten at once, which costs swaps, never a limit.
+const MAX_OWNERS: usize = 100_000;
 
 /// What a queue's LeasedQueue sets that the dispatcher follows ([`crate::queue`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -313,6 +356,9 @@ impl Dispatch {
                 // Queues left with no job and no offer cost nothing to forget.
                 self.queues
                     .retain(|_, v| !v.lanes.is_empty() || !v.offers.is_empty());
+                let (queues, leased) = (&self.queues, &self.leased);
+                self.owners
+                    .retain(|q, _| queues.contains_key(q) || leased.contains_key(q));
             }
         }
     }
@@ -325,20 +371,30 @@ impl Dispatch {
 
     /// What [`Dispatch::offer`] would offer at `now` from `queue`, recording nothing: the
     /// concurrency key, the job's name and the key's pass.
-    fn next_offer(&self, queue: &QueueKey, now: Timestamp) -> Option<(String, String, u64)> {
-        self.next_offers(queue, now, 1, None).pop()
+    fn next_offer(
+        &self,
+        queue: &QueueKey,
+        now: Timestamp,
+        asker: (&str, &[OwnSlot]),
+    ) -> Option<(String, String, u64)> {
+        self.next_offers(queue, now, 1, None, asker).pop()
     }
 
     /// The next `n` offers (at most) that [`Dispatch::offer`] would make at `now` from `queue`
     /// to `n` workers asking one after another, each offer standing when the next is made,
     /// recording nothing: (concurrency key, job name, the key's pass) of each, in order. Stops
-    /// early after the job `until` when given.
+    /// early after the job `until` when given. Among the keys whose turn it is (the lowest
+    /// pass) with heads of the same priority, those the asker (`asker`: the worker and the
+    /// free slots it names) names a free slot of that it took last come first:
+    /// which of them goes first is free in the stride schedule, and the asker can then swap
+    /// its slot. Exact shares and priorities stay as they are.
     fn next_offers(
         &self,
         queue: &QueueKey,
         now: Timestamp,
         n: usize,
         until: Option<&str>,
+        asker: (&str, &[OwnSlot]),
     ) -> Vec<(String, String, u64)> {
         let mut next = Vec::new();
         let Some(view) = self.queues.get(queue) else {
@@ -361,6 +417,21 @@ impl Dispatch {
             }
         }
         let room = |max: Option<u32>, n: usize| max.is_none_or(|m| n < m as usize);
+        // A key the asker holds a free slot of (only keys have slots of their own).
+        // A key the asker names a free slot of that it took last (only keys have slots of
+        // their own): the slot it could swap.
+        let (worker, own) = asker;
+        let owners = self.owners.get(queue);
+        let fits = |key: &str| {
+            per_key.is_some()
+                && !key.is_empty()
+                && own.iter().any(|o| {
+                    o.key.as_deref() == Some(key)
+                        && owners
+                            .and_then(|w| w.get(&(Some(key.to_string()), o.index)))
+                            .is_some_and(|o| o.worker.as_deref() == Some(worker))
+                })
+        };
         // The offers told so far, as `offer` would have recorded them.
         let mut told: HashSet<String> = HashSet::new();
         let mut passes: HashMap<&str, u64> = HashMap::new();
@@ -383,7 +454,16 @@ impl Dispatch {
                     let pass = passes.get(key.as_str()).copied().unwrap_or(lane.pass);
                     Some((pass.max(vtime), place, key, name))
                 })
-                .min_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
+                .min_by(|a, b| {
+                    let order = |(pass, place, key, _): &(u64, &Place, &String, &str)| {
+                        (
+                            *pass,
+                            std::cmp::Reverse(place.priority()),
+                            !fits(key.as_str()),
+                        )
+                    };
+                    order(a).cmp(&order(b)).then_with(|| a.1.cmp(b.1))
+                })
                 .map(|(pass, _, key, name)| (pass, key, name.to_string()))
             else {
                 break;
@@ -407,7 +487,7 @@ impl Dispatch {
     /// Whether the job `name` is among the next `n` offers from `queue` at `now`: `n` workers
     /// asking now, one after another, would be offered it.
     pub fn offers_within(&self, queue: &QueueKey, name: &str, now: Timestamp, n: usize) -> bool {
-        self.next_offers(queue, now, n, Some(name))
+        self.next_offers(queue, now, n, Some(name), ("", &[]))
             .iter()
             .any(|(_, next, _)| next == name)
     }
@@ -419,7 +499,21 @@ impl Dispatch {
     /// claimed. (An offer whose answer was lost lapses after [`OFFER_TTL_MS`].) `None` when
     /// every claimable job stands offered, or none is claimable.
     pub fn offer(&mut self, queue: &QueueKey, worker: &str, now: Timestamp) -> Option<Hint> {
-        let (key, name, pass) = self.next_offer(queue, now)?;
+        self.offer_fitting(queue, worker, now, &[])
+    }
+
+    /// [`Dispatch::offer`] to a worker that names `own`, free slots it may swap
+    /// ([`OwnSlot`]): among the keys whose turn it is, a job of a key it holds a slot of
+    /// first, and that slot suggested where the view has it held for no other worker's job
+    /// or offer.
+    pub fn offer_fitting(
+        &mut self,
+        queue: &QueueKey,
+        worker: &str,
+        now: Timestamp,
+        own: &[OwnSlot],
+    ) -> Option<Hint> {
+        let (key, name, pass) = self.next_offer(queue, now, (worker, own))?;
         let policy = self.policies.get(queue);
         let leased = self.leased.get(queue);
         let view = self.queues.get_mut(queue)?;
@@ -428,10 +522,13 @@ impl Dispatch {
         lane.pass = pass + STRIDE / u64::from(weight.max(1));
         view.vtime = pass;
         let resource_version = lane.index.resource_version(&name)?;
-        let slots = match policy {
-            Some(p) => suggest(p, leased, &view.offers, &key, now),
-            None => Preferred::NONE,
+        let no_owners = Owners::new();
+        let owners = self.owners.get(queue).unwrap_or(&no_owners);
+        let (slots, swaps) = match policy {
+            Some(p) => suggest(p, leased, &view.offers, (&key, worker, own, owners), now),
+            None => (Preferred::NONE, Preferred::NONE),
         };
+
         // Lanes kept only for their place in the turns, whose turn has now come, go.
         view.lanes
             .retain(|_, l| !l.index.is_empty() || l.pass > pass);
@@ -448,6 +545,7 @@ impl Dispatch {
             name,
             resource_version,
             slots,
+            swaps,
         })
     }
 
@@ -511,12 +609,45 @@ impl Dispatch {
             return;
         };
         if job.phase() == crate::crd::Phase::Leased {
-            let offered = self
-                .queues
+            let offer = self.queues.get(&queue).and_then(|v| v.offers.get(name));
+            let worker = offer.map(|o| o.worker.clone());
+            // The slots its claim recorded taking, else those its offer suggested.
+            let status = job.status.as_ref();
+            let index = |i: Option<i32>| i.and_then(|i| u32::try_from(i).ok());
+            let recorded = Preferred {
+                queue: index(status.and_then(|s| s.queue_slot)),
+                key: index(status.and_then(|s| s.key_slot)),
+            };
+            let offered = match recorded {
+                Preferred::NONE => offer.map(|o| o.slots),
+                recorded => Some(recorded),
+            };
+            // Whose they are now, once per attempt: the claim's worker if it came from an offer.
+            let attempt = job.attempt();
+            let new_attempt = self
+                .leased
                 .get(&queue)
-                .and_then(|v| v.offers.get(name))
-                .map(|o| o.slots);
-            let (epoch, attempt) = (self.epoch, job.attempt());
+                .and_then(|l| l.get(name))
+                .is_none_or(|h| h.attempt != attempt);
+            if let (Some(slots), true) = (offered, new_attempt) {
+                self.claims_seen += 1;
+                let key = lane_key(job);
+                let owner = Owner {
+                    worker: worker.clone(),
+                    seen: self.claims_seen,
+                };
+                let owners = self.owners.entry(queue.clone()).or_default();
+                if owners.len() >= MAX_OWNERS {
+                    owners.clear();
+                }
+                if let Some(i) = slots.queue {
+                    owners.insert((None, i), owner.clone());
+                }
+                if let (Some(i), false) = (slots.key, key.is_empty()) {
+                    owners.insert((Some(key.to_string()), i), owner);
+                }
+            }
+            let epoch = self.epoch;
             let held = self
                 .leased
                 .entry(queue)
@@ -527,12 +658,14 @@ impl Dispatch {
                     seen: epoch,
                     attempt,
                     slots: offered.unwrap_or_default(),
+                    worker: worker.clone(),
                 });
             // Leased again at a later attempt without a change seen in between (a re-list
             // spanned it): the slots of that attempt's offer, if any.
             if held.attempt != attempt {
                 held.attempt = attempt;
                 held.slots = offered.unwrap_or_default();
+                held.worker = worker;
             }
             held.seen = epoch;
             held.key = lane_key(job).to_string();
@@ -563,43 +696,84 @@ impl Dispatch {
 }
 
 /// The slots to suggest with an offer of a job of concurrency key `key` (the empty key for
-/// none) under `policy`: in each limited scope, the lowest index below the limit that no
-/// Leased job of the scope was suggested with its offer (`leased`) and no offer standing at
-/// `now` was suggested (`offers`). None where every index is so taken (jobs Leased without
-/// an offer hold slots the dispatcher cannot place: the claimer finds the free one itself).
+/// none) to `worker`, which names the free slots `own`, under `policy`, `owners` saying who
+/// took each slot last. In each limited scope, among the indices below the limit that no
+/// Leased job of the scope holds (`leased`: by the slots its claim recorded, else those its
+/// offer suggested) and no offer standing at `now` was suggested (`offers`): the worker's own
+/// free slot if it names one that it took last (its own Leased job may still hold it in the
+/// view, which learns of the job's end after the worker does); else one it took last; else
+/// the one taken longest ago (never, first; then the lowest index). None where every index is
+/// so taken (jobs Leased without a recorded slot hold slots the dispatcher cannot place: the
+/// claimer finds the free one itself). Returns the slots, and those of them suggested as the
+/// worker's own, to swap ([`Hint::swaps`]): the worker swaps only those, so a slot it names
+/// that another took since is taken as usual if suggested, never swapped and refused.
 fn suggest(
     policy: &Policy,
     leased: Option<&HashMap<String, Held>>,
     offers: &HashMap<String, Offer>,
-    key: &str,
+    (key, worker, own, owners): (&str, &str, &[OwnSlot], &Owners),
     now: Timestamp,
-) -> Preferred {
-    let held = leased
-        .into_iter()
-        .flat_map(|l| l.values().map(|h| (h.key.as_str(), h.slots)));
+) -> (Preferred, Preferred) {
+    let held = leased.into_iter().flat_map(|l| {
+        l.values()
+            .map(|h| (h.key.as_str(), h.slots, h.worker.as_deref() == Some(worker)))
+    });
     let offered = offers
         .values()
         .filter(|o| o.until > now)
-        .map(|o| (o.key.as_str(), o.slots));
-    let mut in_queue = HashSet::new();
-    let mut in_key = HashSet::new();
-    for (k, slots) in held.chain(offered) {
+        .map(|o| (o.key.as_str(), o.slots, false));
+    // Taken by anyone, and by anyone but this worker's Leased jobs.
+    let (mut in_queue, mut in_key) = (HashSet::new(), HashSet::new());
+    let (mut others_queue, mut others_key) = (HashSet::new(), HashSet::new());
+    for (k, slots, its_own) in held.chain(offered) {
         in_queue.extend(slots.queue);
+        if !its_own {
+            others_queue.extend(slots.queue);
+        }
         if k == key {
             in_key.extend(slots.key);
+            if !its_own {
+                others_key.extend(slots.key);
+            }
         }
     }
-    let lowest = |limit: Option<u32>, taken: &HashSet<u32>| {
-        let limit = limit?.min(crate::slots::MAX_LIMIT.unsigned_abs());
-        (0..limit).find(|i| !taken.contains(i))
-    };
-    Preferred {
-        queue: lowest(policy.max_leased, &in_queue),
-        key: match key {
-            "" => None,
-            _ => lowest(policy.max_leased_per_key, &in_key),
-        },
+    let cap = |limit: Option<u32>| limit.map(|l| l.min(crate::slots::MAX_LIMIT.unsigned_abs()));
+    let pick =
+        |limit: Option<u32>, scope: Option<&str>, taken: &HashSet<u32>, others: &HashSet<u32>| {
+            let limit = cap(limit)?;
+            let owner = |i: u32| owners.get(&(scope.map(str::to_string), i));
+            let its = |i: u32| owner(i).is_some_and(|o| o.worker.as_deref() == Some(worker));
+            let mine = own
+                .iter()
+                .filter(|o| o.key.as_deref() == scope)
+                .map(|o| o.index)
+                .find(|i| *i < limit && !others.contains(i) && its(*i));
+            // Else a free one it took last itself, else the one taken longest ago (never is
+            // longest): its taker is the least likely to come back for it now, and the API
+            // server's watch cache has long shown its last write to the claimer's list.
+            let free = || (0..limit).filter(|i| !taken.contains(i));
+            let other = free()
+                .find(|i| its(*i))
+                .or_else(|| free().min_by_key(|i| (owner(*i).map_or(0, |o| o.seen), *i)));
+            Some(match mine {
+                Some(i) => (Some(i), Some(i)),
+                None => (other, None),
+            })
+        };
+    let (queue, queue_swap) =
+        pick(policy.max_leased, None, &in_queue, &others_queue).unwrap_or_default();
+    let (key, key_swap) = match key {
+        "" => None,
+        _ => pick(policy.max_leased_per_key, Some(key), &in_key, &others_key),
     }
+    .unwrap_or_default();
+    (
+        Preferred { queue, key },
+        Preferred {
+            queue: queue_swap,
+            key: key_swap,
+        },
+    )
 }
 
 /// The queue of `job`: its namespace and `spec.queue` (`None` without a namespace, which a

@@ -271,11 +271,14 @@ fn offers_suggest_slots_no_standing_offer_or_job_leased_from_one_was_suggested()
     let next = d.offer(&q("ns"), "w5", now).unwrap();
     let got = |h: &Hint| (h.name.clone(), h.slots.queue, h.slots.key);
     assert_eq!(got(&next), ("a2".into(), Some(1), Some(2)));
-    // a0 ends: its slots go back (queue slot 0 is the lowest free again).
+    // a0 ends: its slots go back, and are suggested to others after those no claim from an
+    // offer took (w1, a0's claimer, may name them in its next poll to swap them).
     a0.status.as_mut().unwrap().phase = Some(Phase::Succeeded);
     d.observe(Change::Applied(&a0));
     let next = d.offer(&q("ns"), "w6", now).unwrap();
-    assert_eq!(got(&next), ("b0".into(), Some(0), Some(0)));
+    assert_eq!(got(&next), ("b0".into(), Some(4), Some(0)));
+    let next = d.offer(&q("ns"), "w1", now).unwrap();
+    assert_eq!(got(&next), ("a3".into(), Some(0), Some(0)), "w1's own");
     // A job Leased without an offer counts against the limits, but holds no known slot.
     let mut d = Dispatch::new();
     let mut other = keyed("x", "a", 0);
@@ -312,6 +315,166 @@ fn offers_suggest_slots_no_standing_offer_or_job_leased_from_one_was_suggested()
     a9.status.as_mut().unwrap().attempt = 2;
     d.observe(Change::Applied(&a9));
     assert_eq!(d.offer(&q("ns"), "w", now).unwrap().slots.key, Some(0));
+}
+
+#[test]
+fn a_worker_naming_its_free_slot_gets_a_job_of_its_key_when_that_key_s_turn_ties() {
+    let mut d = Dispatch::new();
+    for (i, key) in ["a", "b", "c"].iter().enumerate() {
+        for n in 0..3 {
+            let name = format!("{key}{n}");
+            d.observe(Change::Applied(&keyed(&name, key, 10 * n + i as i64)));
+        }
+    }
+    d.set_policy(
+        &q("ns"),
+        Some(Policy {
+            max_leased_per_key: Some(4),
+            ..Policy::default()
+        }),
+    );
+    let now = at_ms(1_000_000);
+    let own = |key: &str, index: u32| OwnSlot {
+        key: Some(key.into()),
+        index,
+    };
+    let set = |d: &mut Dispatch, name: &str, phase: Phase| {
+        let mut job = keyed(name, &name[..1], 0);
+        job.status.as_mut().unwrap().phase = Some(phase);
+        d.observe(Change::Applied(&job));
+    };
+    let got = |h: Hint| (h.name, h.slots.key);
+    // The first round, in claim order: each key's slot 0, each claimed.
+    for (worker, want) in [("w1", "a0"), ("w2", "b0"), ("w3", "c0")] {
+        let hint = d.offer_fitting(&q("ns"), worker, now, &[]).unwrap();
+        assert_eq!(got(hint), (want.to_string(), Some(0)));
+        set(&mut d, want, Phase::Leased);
+    }
+    // w3 ended c0 (the view has not seen it yet) and names its slot: all three keys' turns
+    // tie, so it gets c1 ahead of a1, the oldest, with its slot suggested.
+    let hint = d
+        .offer_fitting(&q("ns"), "w3", now, &[own("c", 0)])
+        .unwrap();
+    assert_eq!(hint.swaps.key, Some(0), "to swap");
+    assert_eq!(got(hint), ("c1".to_string(), Some(0)));
+    // A worker naming a slot it was not the last to be suggested (another claimer took it
+    // since, as far as the view knows) is not suggested it; the round goes on in claim order.
+    let hint = d
+        .offer_fitting(&q("ns"), "w2", now, &[own("a", 0)])
+        .unwrap();
+    assert_eq!(hint.swaps, Preferred::NONE);
+    assert_eq!(got(hint), ("a1".to_string(), Some(1)), "a0 holds slot 0");
+    // The next round: c waits its turn even for a worker naming a slot of c; shares stay
+    // one each per round.
+    let hint = d
+        .offer_fitting(&q("ns"), "w1", now, &[own("c", 0)])
+        .unwrap();
+    assert_eq!(hint.name, "b1");
+    // c0 and c1 end, as the view sees it: c's slot 0 (w3's) is free, and another worker is
+    // suggested a slot nobody was suggested first, so w3's stays its own.
+    set(&mut d, "c0", Phase::Succeeded);
+    set(&mut d, "c1", Phase::Leased);
+    set(&mut d, "c1", Phase::Succeeded);
+    let c2 = (0..3)
+        .filter_map(|_| d.offer_fitting(&q("ns"), "w4", now, &[]))
+        .find(|h| h.name == "c2")
+        .unwrap();
+    assert_eq!(c2.slots.key, Some(1), "not w3's slot 0");
+    // A slot at or above the limit is never suggested; a higher priority is never passed over.
+    let mut d = Dispatch::new();
+    let mut urgent = keyed("a-urgent", "a", 99);
+    urgent.spec.priority = 5;
+    d.observe(Change::Applied(&urgent));
+    d.observe(Change::Applied(&keyed("c9", "c", 1)));
+    d.set_policy(
+        &q("ns"),
+        Some(Policy {
+            max_leased_per_key: Some(4),
+            ..Policy::default()
+        }),
+    );
+    let hint = d
+        .offer_fitting(&q("ns"), "w1", now, &[own("c", 0)])
+        .unwrap();
+    assert_eq!(hint.name, "a-urgent", "priority first");
+    let hint = d
+        .offer_fitting(&q("ns"), "w1", now, &[own("c", 9)])
+        .unwrap();
+    assert_eq!(got(hint), ("c9".to_string(), Some(0)));
+}
+
+#[test]
+fn the_slots_a_claim_recorded_count_over_those_its_offer_suggested() {
+    let mut d = Dispatch::new();
+    for i in 0..4 {
+        d.observe(Change::Applied(&keyed(&format!("a{i}"), "a", i)));
+    }
+    d.set_policy(
+        &q("ns"),
+        Some(Policy {
+            max_leased_per_key: Some(3),
+            ..Policy::default()
+        }),
+    );
+    let now = at_ms(1_000_000);
+    let leased = |name: &str, key_slot: i32| {
+        let mut job = keyed(name, "a", 0);
+        let status = job.status.as_mut().unwrap();
+        status.phase = Some(Phase::Leased);
+        status.key_slot = Some(key_slot);
+        job
+    };
+    // Offered with slot 0, a0's claim took slot 2 (0 was busy): 2 is a0's, 0 is free.
+    let hint = d.offer(&q("ns"), "w1", now).unwrap();
+    assert_eq!((hint.name.as_str(), hint.slots.key), ("a0", Some(0)));
+    d.observe(Change::Applied(&leased("a0", 2)));
+    let hint = d.offer(&q("ns"), "w2", now).unwrap();
+    assert_eq!((hint.name.as_str(), hint.slots.key), ("a1", Some(0)));
+    d.declined(&q("ns"), "a1", "w2");
+    // A job claimed without an offer, in slot 1: nobody's to swap, and suggested to no one
+    // while it is Leased.
+    d.observe(Change::Applied(&leased("a3", 1)));
+    let own = [OwnSlot {
+        key: Some("a".into()),
+        index: 1,
+    }];
+    let hint = d.offer_fitting(&q("ns"), "w3", now, &own).unwrap();
+    assert_eq!((hint.name.as_str(), hint.slots.key), ("a1", Some(0)));
+    // a3 ends: slot 1 is free, last taken without an offer, so w3 naming it is still not
+    // suggested it (its swap would be refused), and w1, whose a0 holds slot 2, is.
+    let mut ended = leased("a3", 1);
+    ended.status.as_mut().unwrap().phase = Some(Phase::Succeeded);
+    d.observe(Change::Applied(&ended));
+    d.declined(&q("ns"), "a1", "w3");
+    let hint = d.offer_fitting(&q("ns"), "w3", now, &own).unwrap();
+    assert_eq!(hint.slots.key, Some(0), "{hint:?}");
+    d.declined(&q("ns"), "a1", "w3");
+    // When it is the only free one, it is suggested, but not as w3's own: w3 takes it as
+    // usual (a swap would be refused).
+    let mut a9 = keyed("a9", "a", 0);
+    a9.status.as_mut().unwrap().phase = Some(Phase::Leased);
+    a9.status.as_mut().unwrap().key_slot = Some(0);
+    d.observe(Change::Applied(&a9));
+    let hint = d.offer_fitting(&q("ns"), "w3", now, &own).unwrap();
+    assert_eq!(
+        (hint.slots.key, hint.swaps.key),
+        (Some(1), None),
+        "{hint:?}"
+    );
+    d.declined(&q("ns"), "a1", "w3");
+    a9.status.as_mut().unwrap().phase = Some(Phase::Succeeded);
+    d.observe(Change::Applied(&a9));
+    let mine = [OwnSlot {
+        key: Some("a".into()),
+        index: 2,
+    }];
+    let hint = d.offer_fitting(&q("ns"), "w1", now, &mine).unwrap();
+    let own = (hint.slots.key, hint.swaps.key);
+    assert_eq!(
+        own,
+        (Some(2), Some(2)),
+        "w1's own, its a0 still Leased in the view"
+    );
 }
 
 #[test]
@@ -507,7 +670,7 @@ fn the_next_offers_told_are_the_offers_then_made() {
             .map(|h| h.name)
             .collect();
         let got: Vec<String> = told
-            .next_offers(&q("ns"), now, 20, None)
+            .next_offers(&q("ns"), now, 20, None, ("", &[]))
             .into_iter()
             .map(|(_, name, _)| name)
             .collect();
