@@ -90,8 +90,9 @@ struct OwnSlotBody {
     index: u32,
 }
 
-/// The most `ownSlots` a poll may name (a sidecar remembers at most 64).
-pub const MAX_OWN_SLOTS: usize = 64;
+/// The most `ownSlots` a poll may name (a sidecar names its newest 16): 16 of the longest keys,
+/// escaped, still fit in [`MAX_BODY_BYTES`].
+pub const MAX_OWN_SLOTS: usize = 16;
 
 /// Checks a poll's `ownSlots`: at most [`MAX_OWN_SLOTS`], each key 1 to 128 characters (as
 /// `spec.concurrencyKey`) and each index below 1000 (the largest limit). The error names the

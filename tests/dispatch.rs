@@ -296,10 +296,10 @@ async fn offers_go_in_claim_order_never_twice_and_only_to_those_who_may_claim() 
             "too_large",
         ),
     ];
-    // A poll's ownSlots: at most 64, keys of 1 to 128 characters, indices below 1,000, and no
+    // A poll's ownSlots: at most 16, keys of 1 to 128 characters, indices below 1,000, and no
     // other field.
     let own = |slots: serde_json::Value| json!({"namespace": ns.name, "queue": "q", "worker": "x", "waitMs": 1, "ownSlots": slots});
-    let many: Vec<_> = (0..65).map(|i| json!({"index": i})).collect();
+    let many: Vec<_> = (0..17).map(|i| json!({"index": i})).collect();
     let bad_bodies: Vec<_> = bad_bodies
         .into_iter()
         .chain(

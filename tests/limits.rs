@@ -534,6 +534,18 @@ async fn a_claimer_swaps_its_own_slot_for_its_next_job_of_the_key() {
         )
         .await
         .unwrap();
+    // The controller has seen the new generation (its status says so), and so, a moment after
+    // it, has the sidecar's watch of the same LeasedQueue.
+    let new_generation = generation + 1;
+    wait_for("the new generation seen", Duration::from_secs(20), || {
+        let queues = queues.clone();
+        async move {
+            let queue = queues.get("q").await.ok()?;
+            let seen = queue.status.as_ref()?.observed_generation?;
+            (seen >= new_generation).then_some(())
+        }
+    })
+    .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     completed(&first, "a-3", &token_3).await;
     create_keyed(&client, &ns.name, "a-4", "a").await;

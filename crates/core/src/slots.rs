@@ -366,8 +366,16 @@ impl Chain {
     }
 }
 
+/// The longest a chain of swaps goes on from the list its first take made: past it, the
+/// claimer's next claim in the scope takes a slot as usual, listing the scope. Within one
+/// generation of the LeasedQueue a slot at or above the limit can still become busy (a claim
+/// reusing its own pending slot above a lowered limit, the controller adopting a job claimed
+/// without a slot); takes stop at once while one is, and swaps within this.
+pub const MAX_CHAIN_AGE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Whether a claimer may swap its own free slot `index` of a scope limited to `limit` under
-/// `queue` (its copy now), the slot's chain having begun under `chain`, the dispatcher's
+/// `queue` (its copy now), the slot's chain having begun under `chain` `listed_ago` ago
+/// (less than [`MAX_CHAIN_AGE`]), the dispatcher's
 /// offer suggesting `suggested` for that scope as the claimer's own to swap: the same
 /// LeasedQueue object at the same generation (so the same limits, and the same object the
 /// chain's first take judged the scope under), an index below the limit, and the very slot
@@ -375,13 +383,16 @@ impl Chain {
 /// nobody else take it; a claimer choosing on its own never swaps).
 /// docs/protocol.md, "Limits": swapping one's own slot.
 pub fn may_swap(
-    chain: &Chain,
+    (chain, listed_ago): (&Chain, std::time::Duration),
     index: u32,
     limit: u32,
     queue: &LeasedQueue,
     suggested: Option<u32>,
 ) -> bool {
-    Chain::of(queue).as_ref() == Some(chain) && index < limit && suggested == Some(index)
+    Chain::of(queue).as_ref() == Some(chain)
+        && listed_ago < MAX_CHAIN_AGE
+        && index < limit
+        && suggested == Some(index)
 }
 
 /// The plan of a claim whose slots name `mine`, in a scope limited to `limit` whose slots are
@@ -799,21 +810,24 @@ pub(crate) mod tests {
         q.metadata.uid = Some("u1".into());
         q.metadata.generation = Some(3);
         let chain = Chain::of(&q).unwrap();
-        assert!(may_swap(&chain, 1, 2, &q, Some(1)));
-        assert!(!may_swap(&chain, 1, 2, &q, None), "choosing on its own");
+        let fresh = (&chain, std::time::Duration::from_secs(1));
+        assert!(may_swap(fresh, 1, 2, &q, Some(1)));
+        assert!(!may_swap(fresh, 1, 2, &q, None), "choosing on its own");
         assert!(
-            !may_swap(&chain, 1, 2, &q, Some(0)),
+            !may_swap(fresh, 1, 2, &q, Some(0)),
             "another slot suggested"
         );
-        assert!(!may_swap(&chain, 2, 2, &q, Some(2)), "at the limit");
+        assert!(!may_swap(fresh, 2, 2, &q, Some(2)), "at the limit");
+        let old = (&chain, MAX_CHAIN_AGE);
+        assert!(!may_swap(old, 1, 2, &q, Some(1)), "listed too long ago");
         let mut later = q.clone();
         later.metadata.generation = Some(4);
         assert!(
-            !may_swap(&chain, 1, 2, &later, Some(1)),
+            !may_swap(fresh, 1, 2, &later, Some(1)),
             "another generation"
         );
         let mut other = q.clone();
         other.metadata.uid = Some("u2".into());
-        assert!(!may_swap(&chain, 1, 2, &other, Some(1)), "another object");
+        assert!(!may_swap(fresh, 1, 2, &other, Some(1)), "another object");
     }
 }

@@ -62,6 +62,8 @@ pub struct Own {
     pub lease: Box<Lease>,
     /// Where its chain of swaps began.
     pub chain: Chain,
+    /// When the take that began the chain listed the scope ([`slots::MAX_CHAIN_AGE`]).
+    pub listed_at: std::time::Instant,
 }
 
 /// What a claim's slots are taken with, besides the claim itself.
@@ -139,7 +141,10 @@ pub async fn acquire(
             .iter()
             .position(|o| o.scope == scope)
             .map(|i| own.swap_remove(i))
-            .filter(|o| slots::may_swap(&o.chain, o.index, limit, queue, swaps.of(&scope)));
+            .filter(|o| {
+                let chain = (&o.chain, o.listed_at.elapsed());
+                slots::may_swap(chain, o.index, limit, queue, swaps.of(&scope))
+            });
         if let Some(mine) = mine {
             match swap(leases, queue, mine, &claim).await {
                 Ok(Some(t)) => {
@@ -190,6 +195,7 @@ async fn swap(
         index,
         mut lease,
         chain,
+        listed_at,
     } = own;
     let name = lease.name_any();
     let taken = Named::taken(claim.mine.clone(), claim.mark.clone());
@@ -207,6 +213,7 @@ async fn swap(
                     index,
                     lease: Box::new(written),
                     chain,
+                    listed_at,
                 }),
                 swapped: true,
             }))
@@ -292,6 +299,7 @@ async fn take_one(
         "{SLOT_OF_LABEL}={queue_name},{SLOT_SCOPE_LABEL}={}",
         scope.label()
     );
+    let listed_at = std::time::Instant::now();
     let mut existing: HashMap<u32, Lease> = HashMap::new();
     let mut listed = Vec::new();
     let mut foreign = HashSet::new();
@@ -372,6 +380,7 @@ async fn take_one(
                     index,
                     lease: Box::new(lease.clone()),
                     chain,
+                    listed_at,
                 });
                 return Ok(Take::Done(Some(Taken {
                     name,

@@ -171,6 +171,9 @@ pub struct Dispatched {
     http: reqwest::Client,
     /// The address set aside after a failure, until when, and its failures in a row.
     aside: Mutex<Option<Aside>>,
+    /// The address of a dispatcher that refused a poll naming `ownSlots` (one older than
+    /// them, whose polls refuse unknown fields): polls to it name none from then on.
+    own_refused: Mutex<Option<String>>,
 }
 
 /// A dispatcher's address set aside.
@@ -232,6 +235,7 @@ impl Dispatched {
                 address,
                 http,
                 aside: Mutex::new(None),
+                own_refused: Mutex::new(None),
             },
             follow,
         )
@@ -332,7 +336,9 @@ impl Dispatched {
         let mut body = json!({"namespace": namespace, "queue": queue, "worker": worker,
             "waitMs": u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
             "keepAliveMs": u64::try_from(KEEP_ALIVE.as_millis()).unwrap_or(250)});
-        if !own.is_empty() {
+        let refused = self.own_refused.lock().unwrap().as_deref() == Some(address);
+        let names_own = !own.is_empty() && !refused;
+        if names_own {
             let slots: Vec<_> = own
                 .into_iter()
                 .map(|(key, index)| match key {
@@ -367,6 +373,10 @@ impl Dispatched {
         let text = self.read_answer(address, response).await?;
         if !status.is_success() {
             let text: String = text.chars().take(300).collect();
+            if names_own && status == reqwest::StatusCode::BAD_REQUEST {
+                // Most likely a dispatcher from before ownSlots: ask it without them.
+                *self.own_refused.lock().unwrap() = Some(address.to_string());
+            }
             return Err(self.unusable(address, format!("refused a poll with {status}: {text}")));
         }
         let answer: serde_json::Value = serde_json::from_str(&text).map_err(|e| {

@@ -198,7 +198,7 @@ impl Worker {
         let hints = slots::Hints {
             prefer,
             swap,
-            own: self.inner.own_slots.take(&scopes),
+            own: self.inner.own_slots.take(&scopes, swap),
         };
         let acquired = slots::acquire(
             &self.inner.leases,

@@ -2,8 +2,9 @@
 //! kept with the attempt they were taken for while it runs, and remembered as free once this
 //! claimer ended that attempt by a write the API server answered. The next claim in the same
 //! scope swaps such a slot instead of listing the scope and judging a slot by a read, when
-//! the dispatcher's offer suggests that very slot, which it does when the poll names it
-//! ([`OwnSlots::advertised`]). docs/protocol.md, "Limits": swapping one's own slot.
+//! the dispatcher's offer suggests that very slot as this claimer's own, which it does when
+//! the poll names it ([`OwnSlots::advertised`]) and the dispatcher saw nobody else take it
+//! since. docs/protocol.md, "Limits": swapping one's own slot.
 //!
 //! Only advice about which slot to write: the swap is a replace conditional on the
 //! resourceVersion this claimer's own write left, so a slot written by anyone since is not
@@ -12,7 +13,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use leasehold_core::slots::Scope;
+use leasehold_core::slots::{Preferred, Scope};
 use leasehold_kube::slots::{Own, Taken};
 
 /// At most this many attempts' slots are kept (the attempts this claimer holds, and those it
@@ -77,12 +78,13 @@ impl OwnSlots {
         }
     }
 
-    /// Takes out the free slots of the scopes `scopes`, for a claim to swap.
-    pub(crate) fn take(&self, scopes: &[Scope]) -> Vec<Own> {
+    /// Takes out the free slots of the scopes `scopes` that the dispatcher's offer suggested
+    /// swapping (`swap`), for a claim to swap; the others stay.
+    pub(crate) fn take(&self, scopes: &[Scope], swap: Preferred) -> Vec<Own> {
         let mut state = self.state.lock().unwrap();
         let (mine, rest) = std::mem::take(&mut state.free)
             .into_iter()
-            .partition(|f| scopes.contains(&f.scope));
+            .partition(|f| scopes.contains(&f.scope) && swap.of(&f.scope) == Some(f.index));
         state.free = rest;
         mine
     }
@@ -123,6 +125,7 @@ mod tests {
                     queue_uid: "u".into(),
                     generation: 1,
                 },
+                listed_at: std::time::Instant::now(),
             }),
             swapped: false,
         }
@@ -142,10 +145,17 @@ mod tests {
         assert!(own.advertised().is_empty(), "another attempt ended");
         own.ended("j1", "1.aa");
         assert_eq!(own.advertised(), vec![(Some("a".into()), 2), (None, 0)]);
-        let got = own.take(std::slice::from_ref(&key));
+        let swap = |key: Option<u32>| Preferred { queue: None, key };
+        let scopes = std::slice::from_ref(&key);
+        assert!(own.take(scopes, swap(None)).is_empty(), "not to swap");
+        assert!(
+            own.take(scopes, swap(Some(1))).is_empty(),
+            "another slot to swap"
+        );
+        let got = own.take(scopes, swap(Some(2)));
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].index, 2);
-        assert!(own.take(&[key]).is_empty(), "taken once");
+        assert!(own.take(&[key], swap(Some(2))).is_empty(), "taken once");
         assert_eq!(own.advertised(), vec![(None, 0)]);
     }
 
@@ -178,7 +188,14 @@ mod tests {
         let newest = format!("k{}", MAX_FREE + 4);
         assert_eq!(told.last().unwrap().0.as_deref(), Some(newest.as_str()));
         let key = |i: usize| Scope::Key(format!("k{i}"));
-        assert!(own.take(&[key(4)]).is_empty(), "the oldest went first");
-        assert_eq!(own.take(&[key(5)]).len(), 1);
+        let swap = Preferred {
+            queue: None,
+            key: Some(0),
+        };
+        assert!(
+            own.take(&[key(4)], swap).is_empty(),
+            "the oldest went first"
+        );
+        assert_eq!(own.take(&[key(5)], swap).len(), 1);
     }
 }

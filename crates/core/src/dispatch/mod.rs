@@ -64,8 +64,8 @@ pub struct Hint {
     /// metadata.resourceVersion of the job as the dispatcher saw it.
     pub resource_version: String,
     /// In a queue with limits, the slot of each limited scope of the job to try first: one
-    /// that no job Leased through an offer holds and no other standing offer was suggested
-    /// (advice, as the rest: [`Preferred`]).
+    /// that no Leased job holds as far as the view knows and no other standing offer was
+    /// suggested (advice, as the rest: [`Preferred`]; the order: `suggest`).
     pub slots: Preferred,
     /// Those of `slots` suggested as the asker's own free slot, which it may swap
     /// ([`OwnSlot`]); the others it takes as usual.
@@ -417,16 +417,15 @@ impl Dispatch {
             }
         }
         let room = |max: Option<u32>, n: usize| max.is_none_or(|m| n < m as usize);
-        // A key the asker holds a free slot of (only keys have slots of their own).
-        // A key the asker names a free slot of that it took last (only keys have slots of
-        // their own): the slot it could swap.
+        // A key the asker names a free slot of, below the limit, that it took last (only keys
+        // have slots of their own): the slot it could swap.
         let (worker, own) = asker;
         let owners = self.owners.get(queue);
         let fits = |key: &str| {
-            per_key.is_some()
-                && !key.is_empty()
+            !key.is_empty()
                 && own.iter().any(|o| {
                     o.key.as_deref() == Some(key)
+                        && per_key.is_some_and(|limit| o.index < limit)
                         && owners
                             .and_then(|w| w.get(&(Some(key.to_string()), o.index)))
                             .is_some_and(|o| o.worker.as_deref() == Some(worker))
@@ -503,9 +502,10 @@ impl Dispatch {
     }
 
     /// [`Dispatch::offer`] to a worker that names `own`, free slots it may swap
-    /// ([`OwnSlot`]): among the keys whose turn it is, a job of a key it holds a slot of
-    /// first, and that slot suggested where the view has it held for no other worker's job
-    /// or offer.
+    /// ([`OwnSlot`]): among the keys whose turn it is (with heads of equal priority), a job
+    /// of a key it names a slot of that it took last (below the limit) first, and that slot
+    /// suggested to swap ([`Hint::swaps`]) where the view has it held for no other worker's
+    /// job or standing offer.
     pub fn offer_fitting(
         &mut self,
         queue: &QueueKey,
@@ -610,9 +610,16 @@ impl Dispatch {
         };
         if job.phase() == crate::crd::Phase::Leased {
             let offer = self.queues.get(&queue).and_then(|v| v.offers.get(name));
-            let worker = offer.map(|o| o.worker.clone());
-            // The slots its claim recorded taking, else those its offer suggested.
+            // The worker the offer stood for, if its claim is that worker's: a job offered to
+            // one sidecar may be claimed by another choosing on its own. The HTTP edge names a
+            // worker `<caller>|<name>`, the name being the sidecar's, which its claim records
+            // as the holder.
             let status = job.status.as_ref();
+            let holder = status.and_then(|s| s.holder.as_deref());
+            let worker = offer.map(|o| o.worker.clone()).filter(|w| {
+                holder.is_none_or(|h| w == h || w.strip_suffix(h).is_some_and(|c| c.ends_with('|')))
+            });
+            // The slots its claim recorded taking, else those its offer suggested.
             let index = |i: Option<i32>| i.and_then(|i| u32::try_from(i).ok());
             let recorded = Preferred {
                 queue: index(status.and_then(|s| s.queue_slot)),

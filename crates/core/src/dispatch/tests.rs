@@ -364,12 +364,12 @@ fn a_worker_naming_its_free_slot_gets_a_job_of_its_key_when_that_key_s_turn_ties
         .unwrap();
     assert_eq!(hint.swaps, Preferred::NONE);
     assert_eq!(got(hint), ("a1".to_string(), Some(1)), "a0 holds slot 0");
-    // The next round: c waits its turn even for a worker naming a slot of c; shares stay
-    // one each per round.
+    // c's turn in this round is taken (c1): even its slot's owner gets b1, whose turn it is;
+    // shares stay one each per round.
     let hint = d
-        .offer_fitting(&q("ns"), "w1", now, &[own("c", 0)])
+        .offer_fitting(&q("ns"), "w3", now, &[own("c", 0)])
         .unwrap();
-    assert_eq!(hint.name, "b1");
+    assert_eq!((hint.name.as_str(), hint.swaps.key), ("b1", None));
     // c0 and c1 end, as the view sees it: c's slot 0 (w3's) is free, and another worker is
     // suggested a slot nobody was suggested first, so w3's stays its own.
     set(&mut d, "c0", Phase::Succeeded);
@@ -380,27 +380,66 @@ fn a_worker_naming_its_free_slot_gets_a_job_of_its_key_when_that_key_s_turn_ties
         .find(|h| h.name == "c2")
         .unwrap();
     assert_eq!(c2.slots.key, Some(1), "not w3's slot 0");
-    // A slot at or above the limit is never suggested; a higher priority is never passed over.
-    let mut d = Dispatch::new();
-    let mut urgent = keyed("a-urgent", "a", 99);
-    urgent.spec.priority = 5;
-    d.observe(Change::Applied(&urgent));
-    d.observe(Change::Applied(&keyed("c9", "c", 1)));
-    d.set_policy(
-        &q("ns"),
-        Some(Policy {
-            max_leased_per_key: Some(4),
-            ..Policy::default()
-        }),
-    );
+    // A higher priority is never passed over for an owned slot, nor is a slot at or above
+    // the limit suggested or preferred: w1 owns c's slots 0 and 9 (the latter taken under a
+    // higher limit, as the claim recorded).
+    let setup = || {
+        let mut d = Dispatch::new();
+        d.set_policy(
+            &q("ns"),
+            Some(Policy {
+                max_leased_per_key: Some(4),
+                ..Policy::default()
+            }),
+        );
+        for (name, recorded) in [("c0", 0), ("c1", 9)] {
+            d.observe(Change::Applied(&keyed(name, "c", 0)));
+            let hint = d.offer_fitting(&q("ns"), "w1", now, &[]).unwrap();
+            assert_eq!(hint.name, name);
+            let mut job = keyed(name, "c", 0);
+            let status = job.status.as_mut().unwrap();
+            status.phase = Some(Phase::Leased);
+            status.key_slot = Some(recorded);
+            d.observe(Change::Applied(&job));
+            job.status.as_mut().unwrap().phase = Some(Phase::Succeeded);
+            d.observe(Change::Applied(&job));
+        }
+        let mut urgent = keyed("a-urgent", "a", 99);
+        urgent.spec.priority = 5;
+        d.observe(Change::Applied(&urgent));
+        for (name, key) in [("b8", "b"), ("b9", "b"), ("c9", "c")] {
+            d.observe(Change::Applied(&keyed(name, key, 1)));
+        }
+        d
+    };
+    let mut d = setup();
     let hint = d
         .offer_fitting(&q("ns"), "w1", now, &[own("c", 0)])
         .unwrap();
     assert_eq!(hint.name, "a-urgent", "priority first");
+    // c's turn is behind (two offers of c): b8 first; then b's and c's turns tie, b9 ahead in
+    // claim order.
+    let tied = |d: &mut Dispatch| {
+        assert_eq!(d.offer(&q("ns"), "w8", now).unwrap().name, "a-urgent");
+        assert_eq!(d.offer(&q("ns"), "w9", now).unwrap().name, "b8");
+    };
+    let mut d = setup();
+    tied(&mut d);
+    assert_eq!(d.offer(&q("ns"), "w7", now).unwrap().name, "b9");
+    // w1's slot 9 of c is above the limit: no preference, no swap.
+    let mut d = setup();
+    tied(&mut d);
     let hint = d
         .offer_fitting(&q("ns"), "w1", now, &[own("c", 9)])
         .unwrap();
-    assert_eq!(got(hint), ("c9".to_string(), Some(0)));
+    assert_eq!((hint.name.as_str(), hint.swaps.key), ("b9", None));
+    // With its slot 0 named, c9 comes first, and slot 0 is w1's to swap.
+    let mut d = setup();
+    tied(&mut d);
+    let hint = d
+        .offer_fitting(&q("ns"), "w1", now, &[own("c", 9), own("c", 0)])
+        .unwrap();
+    assert_eq!((hint.name.as_str(), hint.swaps.key), ("c9", Some(0)));
 }
 
 #[test]
