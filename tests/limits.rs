@@ -778,7 +778,8 @@ async fn a_swap_of_a_slot_written_since_is_refused_and_the_claim_takes_another()
     // pod-a takes slot 0 for j, claims j, and j ends: slot 0 is pod-a's, free.
     let (j, token, taken) = acquire("j", "pod-a", slot(0), Vec::new()).await;
     assert_eq!((taken[0].index, taken[0].swapped), (0, false));
-    let own = taken[0].own.clone().expect("a take is kept to swap");
+    let own = taken[0].clone();
+    assert!(own.own.is_some(), "a take is kept to swap");
     claim_and_end(j, token, taken).await;
     // pod-b takes that very slot for k (free, and judged so): pod-a's copy of it is stale.
     let (_, _, taken) = acquire("k", "pod-b", slot(0), Vec::new()).await;
@@ -789,7 +790,7 @@ async fn a_swap_of_a_slot_written_since_is_refused_and_the_claim_takes_another()
     let want: Vec<(u32, String)> = vec![(0, "k".into()), (1, "m".into())];
     assert_eq!(key_slots(&client, &ns.name, "a").await, want);
     // m is claimed and ends; pod-a swaps slot 1, unwritten since, for n.
-    let own = taken[0].own.clone().unwrap();
+    let own = taken[0].clone();
     claim_and_end(m, token, taken).await;
     let (_, _, taken) = acquire("n", "pod-a", slot(1), vec![own]).await;
     assert_eq!((taken[0].index, taken[0].swapped), (1, true));

@@ -47,17 +47,14 @@ pub struct Taken {
     pub swapped: bool,
 }
 
-/// A slot a claimer wrote itself, as it wrote it: once the attempt it took the slot for has
-/// ended by the claimer's own write (answered 200), the slot is free by the busy rule, and
-/// the claimer knows it without a read. A replace conditional on the resourceVersion here
-/// then takes it for the claimer's next claim in the same scope with no list and no judging
-/// read, if nobody wrote the slot since (docs/protocol.md, "Limits": swapping one's own slot).
+/// What a claimer keeps of a slot it wrote itself (the [`Taken`] that carries it names the
+/// scope and index): once the attempt it took the slot for has ended by the claimer's own
+/// write (answered 200), the slot is free by the busy rule, and the claimer knows it without a
+/// read. A replace conditional on the resourceVersion here then takes it for the claimer's
+/// next claim in the same scope with no list and no judging read, if nobody wrote the slot
+/// since (docs/protocol.md, "Limits": swapping one's own slot).
 #[derive(Clone, Debug)]
 pub struct Own {
-    /// The slot's scope.
-    pub scope: Scope,
-    /// Its index.
-    pub index: u32,
     /// The slot Lease as the API server answered the write that took it.
     pub lease: Box<Lease>,
     /// Where its chain of swaps began.
@@ -74,11 +71,11 @@ pub struct Hints {
     pub prefer: Preferred,
     /// The slot of each scope the dispatcher suggested as the claimer's own, to swap.
     pub swap: Preferred,
-    /// Slots the claimer took itself and whose attempts it has ended since: the one of a
-    /// scope is swapped, with no list or judging read, where [`slots::may_swap`] allows it
-    /// (given `swap`), and the scope is taken as usual when it does not or the swap loses
-    /// (the slot was written since). Own slots of other scopes are dropped.
-    pub own: Vec<Own>,
+    /// Slots the claimer took itself (each with its [`Own`]) and whose attempts it has ended
+    /// since: the one of a scope is swapped, with no list or judging read, where
+    /// [`slots::may_swap`] allows it (given `swap`), and the scope is taken as usual when it
+    /// does not or the swap loses (the slot was written since). Others are dropped.
+    pub own: Vec<Taken>,
 }
 
 /// What [`acquire`] got.
@@ -139,11 +136,13 @@ pub async fn acquire(
     for (scope, limit) in slots::scopes(queue, job) {
         let mine = own
             .iter()
-            .position(|o| o.scope == scope)
+            .position(|t| t.scope == scope)
             .map(|i| own.swap_remove(i))
-            .filter(|o| {
-                let chain = (&o.chain, o.listed_at.elapsed());
-                slots::may_swap(chain, o.index, limit, queue, swaps.of(&scope))
+            .filter(|t| {
+                t.own.as_ref().is_some_and(|o| {
+                    let chain = (&o.chain, o.listed_at.elapsed());
+                    slots::may_swap(chain, t.index, limit, queue, swaps.of(&scope))
+                })
             });
         if let Some(mine) = mine {
             match swap(leases, queue, mine, &claim).await {
@@ -181,23 +180,30 @@ pub async fn acquire(
     Ok(Acquired::All(taken))
 }
 
-/// Swaps the slot `own` for `claim`: replaces it, as the claimer's own last write left it,
-/// conditional on that write's resourceVersion. `Ok(None)` when it was written since (409) or
-/// is gone (404): the scope is then taken as usual.
+/// Swaps the slot `mine` (taken by this claimer, with its [`Own`]) for `claim`: replaces it,
+/// as the claimer's own last write left it, conditional on that write's resourceVersion.
+/// `Ok(None)` when it was written since (409) or is gone (404), or carries no [`Own`]: the
+/// scope is then taken as usual.
 async fn swap(
     leases: &Api<Lease>,
     queue: &LeasedQueue,
-    own: Own,
+    mine: Taken,
     claim: &Claim<'_>,
 ) -> Result<Option<Taken>, SlotError> {
-    let Own {
+    let Taken {
+        name,
         scope,
         index,
-        mut lease,
-        chain,
-        listed_at,
-    } = own;
-    let name = lease.name_any();
+        own: Some(Own {
+            mut lease,
+            chain,
+            listed_at,
+        }),
+        ..
+    } = mine
+    else {
+        return Ok(None);
+    };
     let taken = Named::taken(claim.mine.clone(), claim.mark.clone());
     stamp(&mut lease, queue, &taken, claim.pod);
     match leases.replace(&name, &PostParams::default(), &lease).await {
@@ -206,11 +212,9 @@ async fn swap(
             Ok(Some(Taken {
                 name,
                 written: written.metadata.resource_version.clone(),
-                scope: scope.clone(),
+                scope,
                 index,
                 own: Some(Own {
-                    scope,
-                    index,
                     lease: Box::new(written),
                     chain,
                     listed_at,
@@ -376,8 +380,6 @@ async fn take_one(
             Ok(lease) => {
                 tracing::debug!(slot = %name, pod = claim.pod, suggested = ?first, "Took slot Lease {name} for the claim {}", claim.mine.render());
                 let own = Chain::of(queue).map(|chain| Own {
-                    scope: scope.clone(),
-                    index,
                     lease: Box::new(lease.clone()),
                     chain,
                     listed_at,

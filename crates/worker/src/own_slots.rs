@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use leasehold_core::slots::{Preferred, Scope};
-use leasehold_kube::slots::{Own, Taken};
+use leasehold_kube::slots::Taken;
 
 /// At most this many attempts' slots are kept (the attempts this claimer holds, and those it
 /// lost without ending them, whose slots it forgets); past it they are forgotten at once.
@@ -35,17 +35,18 @@ pub(crate) struct OwnSlots {
 
 #[derive(Default)]
 struct State {
-    /// Job name -> the token of the attempt holding them, and the slots.
-    held: HashMap<String, (String, Vec<Own>)>,
+    /// Job name -> the token of the attempt holding them, and the slots (each with its
+    /// [`leasehold_kube::slots::Own`]).
+    held: HashMap<String, (String, Vec<Taken>)>,
     /// Free slots, oldest first, at most one per scope.
-    free: Vec<Own>,
+    free: Vec<Taken>,
 }
 
 impl OwnSlots {
     /// Attempt `token` of job `job` holds `taken` (its claim landed): those this claimer
     /// wrote itself are kept with it.
     pub(crate) fn held(&self, job: &str, token: &str, taken: &[Taken]) {
-        let own: Vec<Own> = taken.iter().filter_map(|t| t.own.clone()).collect();
+        let own: Vec<Taken> = taken.iter().filter(|t| t.own.is_some()).cloned().collect();
         if own.is_empty() {
             return;
         }
@@ -80,7 +81,7 @@ impl OwnSlots {
 
     /// Takes out the free slots of the scopes `scopes` that the dispatcher's offer suggested
     /// swapping (`swap`), for a claim to swap; the others stay.
-    pub(crate) fn take(&self, scopes: &[Scope], swap: Preferred) -> Vec<Own> {
+    pub(crate) fn take(&self, scopes: &[Scope], swap: Preferred) -> Vec<Taken> {
         let mut state = self.state.lock().unwrap();
         let (mine, rest) = std::mem::take(&mut state.free)
             .into_iter()
@@ -110,6 +111,7 @@ impl OwnSlots {
 mod tests {
     use super::*;
     use leasehold_core::slots::Chain;
+    use leasehold_kube::slots::Own;
 
     fn taken(scope: Scope, index: u32) -> Taken {
         Taken {
@@ -118,8 +120,6 @@ mod tests {
             scope: scope.clone(),
             index,
             own: Some(Own {
-                scope,
-                index,
                 lease: Box::default(),
                 chain: Chain {
                     queue_uid: "u".into(),

@@ -219,10 +219,10 @@ pub struct Dispatch {
 }
 
 /// Who took each slot of a queue last, as far as the view knows ([`Dispatch`]'s `owners`), by
-/// (concurrency key, or None for the queue's scope; index): the worker whose claim from an
-/// offer took it (None for a claim made without one), and when, by the count of claims the
-/// view had seen.
-type Owners = HashMap<(Option<String>, u32), Owner>;
+/// scope (its concurrency key, or the empty key for the queue's own, `maxLeased`: keys are
+/// never empty) and index: the worker whose claim from an offer took it (None for a claim
+/// made without one), and when, by the count of claims the view had seen.
+type Owners = HashMap<String, HashMap<u32, Owner>>;
 
 /// Who took a slot last ([`Owners`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -233,9 +233,10 @@ struct Owner {
     seen: u64,
 }
 
-/// The most slots whose last worker the view keeps per queue ([`Dispatch`]'s `owners`); past
-/// it they are forgotten at once, which costs swaps, never a limit.
-const MAX_OWNERS: usize = 100_000;
+/// The most scopes whose slots' last workers the view keeps per queue ([`Dispatch`]'s
+/// `owners`; each has at most [`crate::slots::MAX_LIMIT`] slots); past it they are forgotten
+/// at once, which costs swaps, never a limit.
+const MAX_OWNER_SCOPES: usize = 10_000;
 
 /// What a queue's LeasedQueue sets that the dispatcher follows ([`crate::queue`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -427,7 +428,7 @@ impl Dispatch {
                     o.key.as_deref() == Some(key)
                         && per_key.is_some_and(|limit| o.index < limit)
                         && owners
-                            .and_then(|w| w.get(&(Some(key.to_string()), o.index)))
+                            .and_then(|w| w.get(key)?.get(&o.index))
                             .is_some_and(|o| o.worker.as_deref() == Some(worker))
                 })
         };
@@ -644,14 +645,17 @@ impl Dispatch {
                     seen: self.claims_seen,
                 };
                 let owners = self.owners.entry(queue.clone()).or_default();
-                if owners.len() >= MAX_OWNERS {
+                if owners.len() >= MAX_OWNER_SCOPES {
                     owners.clear();
                 }
                 if let Some(i) = slots.queue {
-                    owners.insert((None, i), owner.clone());
+                    owners
+                        .entry(String::new())
+                        .or_default()
+                        .insert(i, owner.clone());
                 }
                 if let (Some(i), false) = (slots.key, key.is_empty()) {
-                    owners.insert((Some(key.to_string()), i), owner);
+                    owners.entry(key.to_string()).or_default().insert(i, owner);
                 }
             }
             let epoch = self.epoch;
@@ -748,7 +752,8 @@ fn suggest(
     let pick =
         |limit: Option<u32>, scope: Option<&str>, taken: &HashSet<u32>, others: &HashSet<u32>| {
             let limit = cap(limit)?;
-            let owner = |i: u32| owners.get(&(scope.map(str::to_string), i));
+            let of_scope = owners.get(scope.unwrap_or_default());
+            let owner = |i: u32| of_scope?.get(&i);
             let its = |i: u32| owner(i).is_some_and(|o| o.worker.as_deref() == Some(worker));
             let mine = own
                 .iter()
