@@ -352,13 +352,34 @@ pub fn http_client() -> reqwest::Client {
         .expect("HTTP client")
 }
 
-/// A free loopback port (bound, then released).
+/// The ports [`free_port`] hands out: below Linux's default ephemeral range (32768-60999, from
+/// which the kernel picks the local port of every outgoing connection and of every bind to
+/// port 0) and below Kubernetes' NodePort range (30000-32767).
+const FREE_PORTS: std::ops::Range<u16> = 20000..30000;
+
+/// A free loopback port for a process the test starts, which binds it itself.
+///
+/// The port is bound to check that it is free, then released. It is taken from [`FREE_PORTS`],
+/// outside the kernel's ephemeral range, so no outgoing connection of any process and no bind
+/// to port 0 can take it between this check and the child's bind (with a port from bind to
+/// port 0 they could, and a controller then failed with "Address already in use"). Within
+/// one test binary no port is handed out twice; test binaries running at once start at
+/// different points of the range (by process id).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let span = u32::from(FREE_PORTS.end - FREE_PORTS.start);
+    // The first call places this process in the range; later calls walk on from there.
+    let start = std::process::id().wrapping_mul(2_654_435_761) % span;
+    let _ = NEXT.compare_exchange(u32::MAX, start, Ordering::Relaxed, Ordering::Relaxed);
+    for _ in 0..span {
+        let offset = NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        let port = FREE_PORTS.start + offset as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port in {FREE_PORTS:?}")
 }
 
 /// The token of a claim's answer (`{"token": ...}`); panics if it has none.
