@@ -354,17 +354,20 @@ pub fn http_client() -> reqwest::Client {
 
 /// The ports [`free_port`] hands out: below Linux's default ephemeral range (32768-60999, from
 /// which the kernel picks the local port of every outgoing connection and of every bind to
-/// port 0) and below Kubernetes' NodePort range (30000-32767).
-const FREE_PORTS: std::ops::Range<u16> = 20000..30000;
+/// port 0), below the range from which tests/controlplane/start.sh and tests/node/start.sh
+/// pick theirs (20000-31999: an API server or etcd restarted by a fault test binds its port
+/// again, which must not have been handed out meanwhile), and above the ports of a node's own
+/// components (10248-10259).
+const FREE_PORTS: std::ops::Range<u16> = 12000..20000;
 
 /// A free loopback port for a process the test starts, which binds it itself.
 ///
-/// The port is bound to check that it is free, then released. It is taken from [`FREE_PORTS`],
-/// outside the kernel's ephemeral range, so no outgoing connection of any process and no bind
-/// to port 0 can take it between this check and the child's bind (with a port from bind to
-/// port 0 they could, and a controller then failed with "Address already in use"). Within
-/// one test binary no port is handed out twice; test binaries running at once start at
-/// different points of the range (by process id).
+/// The port is bound to check that it is free, then released. It is taken from `FREE_PORTS`
+/// (12000-19999), which nothing else picks from, so no outgoing connection, no bind to port
+/// 0 and no restarted control-plane component can take it between this check and the
+/// child's bind (with a port from a bind to port 0 they could, and a controller then failed
+/// with "Address already in use"). Within one test binary no port is handed out twice; test
+/// binaries running at once start at different points of the range (by process id).
 pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
