@@ -6,7 +6,8 @@
 //! the head of the queue does not hold back the other keys; a claim that lost to a claim of a
 //! newer copy of its job leaves no slot busy; jobs Leased before a limit existed count against
 //! it from its first claim; a slot left pending by a claimer that died before its claim write
-//! is freed by the controller.
+//! is freed by the controller; a dispatcher that suggests a busy slot, or marks one as the
+//! claimer's own to swap, breaks no limit.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -552,6 +553,17 @@ async fn a_claimer_swaps_its_own_slot_for_its_next_job_of_the_key() {
     let (job, _) = claim_named(&first).await;
     assert_eq!((job.as_str(), limits_of(&jobs, &job).await), ("a-4", plain));
     completed(&second, "a-2", &token_2).await;
+    // The first claimer's slot writes: a-0's and a-4's takes, a-1's and a-3's swaps.
+    let metrics = reqwest::get(format!("{}/metrics", first.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for (kind, n) in [("take", 2.0), ("swap", 2.0)] {
+        let series = format!(r#"leasehold_slot_writes_total{{kind="{kind}",result="written"}}"#);
+        assert_eq!(sample(&metrics, &series), Some(n), "{series}: {metrics}");
+    }
 }
 
 /// Claims a job with `sidecar`: its name and token.
@@ -623,29 +635,7 @@ async fn a_dispatcher_suggesting_a_busy_slot_does_not_break_a_limit() {
     // A dispatcher that offers the job the test names, always suggesting key slot 0, and
     // queue slot 3 (the queue has no such limit).
     let liar = Arc::new(Liar::default());
-    let router = {
-        let liar = Arc::clone(&liar);
-        axum::Router::new()
-            .route(
-                "/v1/dispatch/poll",
-                axum::routing::post(move || {
-                    liar.polls.fetch_add(1, Ordering::SeqCst);
-                    let name = liar.offers.lock().unwrap().clone();
-                    async move {
-                        if name.is_empty() {
-                            tokio::time::sleep(Duration::from_millis(100)).await;
-                            return axum::Json(json!({}));
-                        }
-                        axum::Json(json!({"name": name, "resourceVersion": "1",
-                                          "keySlot": 0, "queueSlot": 3}))
-                    }
-                }),
-            )
-            .route(
-                "/v1/dispatch/declined",
-                axum::routing::post(|| async { axum::http::StatusCode::NO_CONTENT }),
-            )
-    };
+    let router = liar_router(&liar, json!({"keySlot": 0, "queueSlot": 3}));
     let token = fake_dispatcher(&client, &ns.name, router).await;
     let token = token.to_str().unwrap();
     let mut held = Vec::new();
@@ -682,6 +672,102 @@ async fn a_dispatcher_suggesting_a_busy_slot_does_not_break_a_limit() {
     assert_eq!(key_slots(&client, &ns.name, "a").await, want);
 }
 
+/// A dispatcher that marks every slot it suggests as the claimer's own, a lie once another
+/// claimer took that slot, does not break a limit: the claimer's swap is refused (its own
+/// write is no longer the slot's last), and it takes the key as usual and finds it full.
+#[tokio::test]
+async fn a_dispatcher_marking_a_busy_slot_as_the_claimers_own_does_not_break_a_limit() {
+    let Fixture { client, ns } = fixture!("limits-own-liar");
+    let _controller = controller_with(&ns.name, "test-controller", &["--dispatch", "false"]);
+    apply_queue(&client, &ns.name, json!({"maxLeasedPerKey": 1})).await;
+    let liar = Arc::new(Liar::default());
+    let router = liar_router(&liar, json!({"keySlot": 0, "ownKeySlot": true}));
+    let token = fake_dispatcher(&client, &ns.name, router).await;
+    let token = token.to_str().unwrap();
+    let mine = Sidecar::start(&ns.name, "q", "pod-w", &["--dispatch-token-file", token]).await;
+    let other = Sidecar::start(&ns.name, "q", "pod-x", &[]).await;
+    // Made first, so that the swap below comes well within a chain's 5 s: a-1 is the one the
+    // other claimer, choosing on its own, takes first (the higher priority).
+    for (name, priority) in [("a-1", 5), ("a-2", 0)] {
+        create_job(
+            &client,
+            &ns.name,
+            json!({"metadata": {"name": name},
+                   "spec": {"queue": "q", "concurrencyKey": "a", "priority": priority,
+                            "leaseDurationSeconds": 5}}),
+        )
+        .await;
+    }
+    wait_queued(&client, &ns.name, &["a-1", "a-2"]).await;
+    // The claimer takes slot 0 for a-0 (it remembers no slot yet: a list), and ends a-0: slot 0
+    // is its own, free.
+    let (mine, status, claim) = claim_through(&client, &ns.name, &liar, mine, "a-0", 20).await;
+    assert_eq!(
+        (status, claim["name"].as_str()),
+        (200, Some("a-0")),
+        "{claim}"
+    );
+    completed(&mine, "a-0", &token_of(&claim)).await;
+    // The other claimer takes slot 0 for a-1.
+    let (claim, token_1) = other.claim_ok(20).await;
+    assert_eq!(claim["name"], "a-1");
+    let want: Vec<(u32, String)> = vec![(0, "a-1".into())];
+    assert_eq!(key_slots(&client, &ns.name, "a").await, want);
+    // Offered a-2 with slot 0 marked as its own, the claimer swaps it: refused, and the key is
+    // full.
+    *liar.offers.lock().unwrap() = "a-2".into();
+    let (status, answer) = mine.claim(2).await;
+    liar.offers.lock().unwrap().clear();
+    assert_eq!(
+        status, 204,
+        "a second job of key a under a limit of 1: {answer}"
+    );
+    let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
+    assert_eq!(jobs.get("a-2").await.unwrap().phase(), Phase::Queued);
+    assert_eq!(key_slots(&client, &ns.name, "a").await, want);
+    let metrics = reqwest::get(format!("{}/metrics", mine.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let refused = r#"leasehold_slot_writes_total{kind="swap",result="refused"}"#;
+    assert!(sample(&metrics, refused) >= Some(1.0), "{metrics}");
+    // a-1 ends: the claimer takes the key's slot for a-2.
+    completed(&other, "a-1", &token_1).await;
+    *liar.offers.lock().unwrap() = "a-2".into();
+    let (claim, _) = mine.claim_ok(20).await;
+    assert_eq!(claim["name"], "a-2");
+}
+
+/// The fake dispatcher of `liar`: offers the job the test names (none while it names none),
+/// with `hint`'s fields, at resourceVersion "1", to every poll.
+fn liar_router(liar: &Arc<Liar>, hint: serde_json::Value) -> axum::Router {
+    let liar = Arc::clone(liar);
+    axum::Router::new()
+        .route(
+            "/v1/dispatch/poll",
+            axum::routing::post(move || {
+                liar.polls.fetch_add(1, Ordering::SeqCst);
+                let name = liar.offers.lock().unwrap().clone();
+                let mut offer = hint.clone();
+                async move {
+                    if name.is_empty() {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        return axum::Json(json!({}));
+                    }
+                    offer["name"] = json!(name);
+                    offer["resourceVersion"] = json!("1");
+                    axum::Json(offer)
+                }
+            }),
+        )
+        .route(
+            "/v1/dispatch/declined",
+            axum::routing::post(|| async { axum::http::StatusCode::NO_CONTENT }),
+        )
+}
+
 /// Takes the slots of a claim of `copy` with a fresh token, as a sidecar does before its
 /// claim write: the slot Leases taken (or reused), or None when a limit is reached.
 async fn take(client: &kube::Client, ns: &str, copy: &LeasedJob, pod: &str) -> TakenFor {
@@ -690,7 +776,7 @@ async fn take(client: &kube::Client, ns: &str, copy: &LeasedJob, pod: &str) -> T
     let token = Token::issue(copy.attempt() + 1);
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), ns);
     let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
-    let acquired = slots::acquire(
+    let (acquired, _) = slots::acquire(
         &leases,
         &jobs,
         &queue,
@@ -749,13 +835,13 @@ async fn a_swap_of_a_slot_written_since_is_refused_and_the_claim_takes_another()
                 swap: prefer,
                 own,
             };
-            let got = slots::acquire(&leases, &jobs, &queue, &copy, pod, &token, hints)
+            let (got, writes) = slots::acquire(&leases, &jobs, &queue, &copy, pod, &token, hints)
                 .await
                 .unwrap();
             let Acquired::All(taken) = got else {
                 panic!("{name}: the key is full")
             };
-            (copy, token, taken)
+            (copy, token, taken, writes)
         }
     };
     // Claims `copy` with `token` after taking `taken`, then ends the attempt.
@@ -776,24 +862,33 @@ async fn a_swap_of_a_slot_written_since_is_refused_and_the_claim_takes_another()
         }
     };
     // pod-a takes slot 0 for j, claims j, and j ends: slot 0 is pod-a's, free.
-    let (j, token, taken) = acquire("j", "pod-a", slot(0), Vec::new()).await;
+    let took = |taken, takes_refused, swapped, swaps_refused| slots::Writes {
+        taken,
+        takes_refused,
+        swapped,
+        swaps_refused,
+    };
+    let (j, token, taken, writes) = acquire("j", "pod-a", slot(0), Vec::new()).await;
     assert_eq!((taken[0].index, taken[0].swapped), (0, false));
+    assert_eq!(writes, took(1, 0, 0, 0));
     let own = taken[0].clone();
     assert!(own.own.is_some(), "a take is kept to swap");
     claim_and_end(j, token, taken).await;
     // pod-b takes that very slot for k (free, and judged so): pod-a's copy of it is stale.
-    let (_, _, taken) = acquire("k", "pod-b", slot(0), Vec::new()).await;
-    assert_eq!(taken[0].index, 0);
+    let (_, _, taken, writes) = acquire("k", "pod-b", slot(0), Vec::new()).await;
+    assert_eq!((taken[0].index, writes), (0, took(1, 0, 0, 0)));
     // pod-a's swap of slot 0 for m is refused (409), and m's claim takes slot 1 instead.
-    let (m, token, taken) = acquire("m", "pod-a", slot(0), vec![own]).await;
+    let (m, token, taken, writes) = acquire("m", "pod-a", slot(0), vec![own]).await;
     assert_eq!((taken[0].index, taken[0].swapped), (1, false));
+    assert_eq!(writes, took(1, 0, 0, 1), "the swap refused, then a take");
     let want: Vec<(u32, String)> = vec![(0, "k".into()), (1, "m".into())];
     assert_eq!(key_slots(&client, &ns.name, "a").await, want);
     // m is claimed and ends; pod-a swaps slot 1, unwritten since, for n.
     let own = taken[0].clone();
     claim_and_end(m, token, taken).await;
-    let (_, _, taken) = acquire("n", "pod-a", slot(1), vec![own]).await;
+    let (_, _, taken, writes) = acquire("n", "pod-a", slot(1), vec![own]).await;
     assert_eq!((taken[0].index, taken[0].swapped), (1, true));
+    assert_eq!(writes, took(0, 0, 1, 0), "a swap alone");
     let want: Vec<(u32, String)> = vec![(0, "k".into()), (1, "n".into())];
     assert_eq!(key_slots(&client, &ns.name, "a").await, want);
 }

@@ -9,13 +9,15 @@ use kube::api::{Patch, PatchParams};
 use kube::Api;
 use leasehold_core::crd::{LeasedJob, Phase};
 use leasehold_core::lease;
-use leasehold_metrics::{JobLabels, Metrics, OutcomeLabels, QueueLabel, QueueObjectLabels};
+use leasehold_metrics::{
+    JobLabels, Metrics, OutcomeLabels, QueueLabel, QueueObjectLabels, SlotWriteLabels,
+};
 use leasehold_testkit::*;
 use serde_json::json;
 
 /// Every metric the tests below prove to move when what it counts happens. Adding a metric
 /// means adding it here, to docs/protocol.md, and to a test that moves it.
-const MOVED: [&str; 22] = [
+const MOVED: [&str; 23] = [
     "leasehold_jobs",
     "leasehold_lease_expiries_total",
     "leasehold_leader",
@@ -41,6 +43,8 @@ const MOVED: [&str; 22] = [
     "leasehold_queue_paused",
     "leasehold_queue_paused_seconds",
     "leasehold_queue_oldest_queued_seconds",
+    // Moved by tests/limits.rs: a swap refused under a dispatcher's lie.
+    "leasehold_slot_writes_total",
     // Moved by tests/limits.rs: a key at its limit.
     "leasehold_queue_at_limit",
     "leasehold_queue_keys_at_limit",
@@ -262,6 +266,13 @@ fn every_metric_is_exercised() {
     c.queue_keys_at_limit.get_or_create(&object).set(0);
     metrics.heartbeat(true);
     metrics.undecodable("LeasedJob");
+    metrics
+        .slot_writes
+        .get_or_create(&SlotWriteLabels {
+            kind: "swap",
+            result: "refused",
+        })
+        .inc();
     metrics
         .jobs
         .get_or_create(&JobLabels {

@@ -34,6 +34,10 @@ pub trait Recorder: Send + Sync {
     }
     /// The watch of a claimer's queue stopped for want of claims.
     fn queue_watch_stopped(&self) {}
+    /// The slot writes a claim made to take or swap its slots ([`crate::slots::acquire`]).
+    fn slot_writes(&self, writes: &crate::slots::Writes) {
+        let _ = writes;
+    }
 }
 
 /// A [`Recorder`] that records nothing.

@@ -78,6 +78,23 @@ pub struct Hints {
     pub own: Vec<Taken>,
 }
 
+/// The slot writes one [`acquire`] made, by kind and by the API server's answer: what a
+/// sidecar counts in `leasehold_slot_writes_total`. Each is one conditional write; a refused
+/// one is a lost race (409, or 404 for a swap of a slot deleted since), never a broken limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Writes {
+    /// Takes applied: a free slot updated or a new one created for the claim, or the mark
+    /// added to a slot already naming the claim's copy.
+    pub taken: u32,
+    /// Takes refused: another claimer wrote or made that slot first.
+    pub takes_refused: u32,
+    /// Swaps of the claimer's own free slot applied (no list, no judging read).
+    pub swapped: u32,
+    /// Swaps refused: the slot was written since the claimer's own write, or is gone; the
+    /// scope was then taken as usual.
+    pub swaps_refused: u32,
+}
+
 /// What [`acquire`] got.
 #[derive(Debug)]
 pub enum Acquired {
@@ -105,9 +122,12 @@ pub struct SlotError {
 /// is the claimer's pod, recorded on the slots it writes. `hints`: the slots to try first and
 /// to swap ([`Hints`]).
 ///
+/// Also returns the slot writes it made ([`Writes`]).
+///
 /// # Errors
 /// [`SlotError`] when a list, read or write failed for another reason than a lost race;
-/// slots already taken are given back first (best effort).
+/// slots already taken are given back first (best effort). The writes made before are not
+/// reported then.
 pub async fn acquire(
     leases: &Api<Lease>,
     jobs: &Api<LeasedJob>,
@@ -116,22 +136,38 @@ pub async fn acquire(
     holder: &str,
     token: &Token,
     hints: Hints,
-) -> Result<Acquired, SlotError> {
+) -> Result<(Acquired, Writes), SlotError> {
     let Hints {
         prefer,
         swap: swaps,
-        mut own,
+        own,
     } = hints;
     let Some(mine) = SlotHolder::of_claim(job) else {
         // A copy without a name or resourceVersion is never claimed: the claim refuses it
         // before any write (`ClaimError::Unversioned`). No slot is taken for it.
-        return Ok(Acquired::All(Vec::new()));
+        return Ok((Acquired::All(Vec::new()), Writes::default()));
     };
     let claim = Claim {
         mine,
         mark: slots::mark_of(token.as_str()),
         pod: holder,
+        writes: std::sync::Mutex::default(),
     };
+    let acquired = take_scopes(leases, jobs, queue, job, &claim, (prefer, swaps, own)).await?;
+    let writes = *claim.writes.lock().unwrap();
+    Ok((acquired, writes))
+}
+
+/// [`acquire`]'s work, for `claim`: a slot of every scope, swapped from `own` where `swaps`
+/// allows it, else taken (trying `prefer` first).
+async fn take_scopes(
+    leases: &Api<Lease>,
+    jobs: &Api<LeasedJob>,
+    queue: &LeasedQueue,
+    job: &LeasedJob,
+    claim: &Claim<'_>,
+    (prefer, swaps, mut own): (Preferred, Preferred, Vec<Taken>),
+) -> Result<Acquired, SlotError> {
     let mut taken = Vec::new();
     for (scope, limit) in slots::scopes(queue, job) {
         let mine = own
@@ -145,7 +181,7 @@ pub async fn acquire(
                 })
             });
         if let Some(mine) = mine {
-            match swap(leases, queue, mine, &claim).await {
+            match swap(leases, queue, mine, claim).await {
                 Ok(Some(t)) => {
                     taken.push(t);
                     continue;
@@ -160,7 +196,7 @@ pub async fn acquire(
         let mut took = Ok(Take::ListAgain);
         for _ in 0..REUSE_TRIES {
             let first = prefer.of(&scope);
-            took = take_one(leases, jobs, queue, (&scope, limit, first), &claim).await;
+            took = take_one(leases, jobs, queue, (&scope, limit, first), claim).await;
             if !matches!(took, Ok(Take::ListAgain)) {
                 break;
             }
@@ -208,6 +244,7 @@ async fn swap(
     stamp(&mut lease, queue, &taken, claim.pod);
     match leases.replace(&name, &PostParams::default(), &lease).await {
         Ok(written) => {
+            claim.count(|w| w.swapped += 1);
             tracing::debug!(slot = %name, pod = claim.pod, "Swapped slot Lease {name} for the claim {}", claim.mine.render());
             Ok(Some(Taken {
                 name,
@@ -223,6 +260,7 @@ async fn swap(
             }))
         }
         Err(e) if is_status(&e, 409) || is_status(&e, 404) => {
+            claim.count(|w| w.swaps_refused += 1);
             tracing::debug!(slot = %name, pod = claim.pod, "Slot Lease {name} was written since this claimer's own write: not swapped; taking a slot as usual");
             Ok(None)
         }
@@ -274,6 +312,15 @@ struct Claim<'a> {
     mine: SlotHolder,
     mark: String,
     pod: &'a str,
+    /// The writes made so far (locked only to count, never across an await).
+    writes: std::sync::Mutex<Writes>,
+}
+
+impl Claim<'_> {
+    /// Counts one slot write with `count`.
+    fn count(&self, count: impl FnOnce(&mut Writes)) {
+        count(&mut self.writes.lock().unwrap());
+    }
 }
 
 /// How often a claim lists a scope again after a reuse lost its race (the slot changed
@@ -342,8 +389,14 @@ async fn take_one(
         };
         mark(&mut lease, &marked);
         return match leases.replace(&name, &PostParams::default(), &lease).await {
-            Ok(_) => Ok(Take::Done(Some(reused))),
-            Err(e) if is_status(&e, 409) => Ok(Take::ListAgain),
+            Ok(_) => {
+                claim.count(|w| w.taken += 1);
+                Ok(Take::Done(Some(reused)))
+            }
+            Err(e) if is_status(&e, 409) => {
+                claim.count(|w| w.takes_refused += 1);
+                Ok(Take::ListAgain)
+            }
             Err(source) => Err(SlotError {
                 what: format!("marking slot Lease {name}"),
                 source,
@@ -378,6 +431,7 @@ async fn take_one(
         };
         match written {
             Ok(lease) => {
+                claim.count(|w| w.taken += 1);
                 tracing::debug!(slot = %name, pod = claim.pod, suggested = ?first, "Took slot Lease {name} for the claim {}", claim.mine.render());
                 let own = Chain::of(queue).map(|chain| Own {
                     lease: Box::new(lease.clone()),
@@ -395,6 +449,7 @@ async fn take_one(
             }
             // Another claimer took or made it first: the next one.
             Err(e) if is_status(&e, 409) => {
+                claim.count(|w| w.takes_refused += 1);
                 tracing::debug!(slot = %name, pod = claim.pod, suggested = ?first, "Slot Lease {name} was taken or made by another claimer first; trying the next");
                 continue;
             }

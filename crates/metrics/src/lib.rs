@@ -38,6 +38,16 @@ pub struct ResultLabel {
     pub result: &'static str,
 }
 
+/// Labels of `leasehold_slot_writes_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SlotWriteLabels {
+    /// `take` (a slot listed and judged free, or a reused one marked) or `swap` (the
+    /// claimer's own free slot, with no list or read).
+    pub kind: &'static str,
+    /// `written`, or `refused` (another claimer wrote the slot first).
+    pub result: &'static str,
+}
+
 /// Label of `leasehold_undecodable_objects_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
@@ -215,6 +225,9 @@ pub struct Metrics {
     pub lease_expiries: Counter,
     /// Writes refused because the token was not the current holder's (sidecar).
     pub stale_token_refusals: Counter,
+    /// `leasehold_slot_writes_total{kind,result}`: the slot Lease writes claims in limited
+    /// queues made to take or swap their slots (sidecar; docs/protocol.md, "Limits").
+    pub slot_writes: Family<SlotWriteLabels, Counter>,
     /// Lease renewals by result, background and worker-initiated (sidecar).
     pub heartbeats: Family<ResultLabel, Counter>,
     /// Objects a watch skipped because they could not be decoded, by kind (both roles; counted
@@ -259,6 +272,7 @@ impl Metrics {
         let claim_conflicts = Counter::default();
         let lease_expiries = Counter::default();
         let stale_token_refusals = Counter::default();
+        let slot_writes = Family::<SlotWriteLabels, Counter>::default();
         let heartbeats = Family::<ResultLabel, Counter>::default();
         let undecodable_objects = Family::<KindLabel, Counter>::default();
         // 1 ms .. ~9 h, doubling.
@@ -287,6 +301,11 @@ impl Metrics {
             "stale_token_refusals",
             "Writes refused because the token was not the current holder's",
             stale_token_refusals.clone(),
+        );
+        registry.register(
+            "slot_writes",
+            "Slot Lease writes of claims in limited queues, by kind (take, swap) and result (written, refused)",
+            slot_writes.clone(),
         );
         registry.register("heartbeats", "Lease renewals by result", heartbeats.clone());
         registry.register(
@@ -322,6 +341,7 @@ impl Metrics {
             claim_conflicts,
             lease_expiries,
             stale_token_refusals,
+            slot_writes,
             heartbeats,
             undecodable_objects,
             queue_wait_seconds,
@@ -390,6 +410,21 @@ impl Recorder for Metrics {
     }
     fn queue_watch_stopped(&self) {
         self.queue_watch_stops.inc();
+    }
+    fn slot_writes(&self, writes: &leasehold_kube::slots::Writes) {
+        let counts = [
+            ("take", "written", writes.taken),
+            ("take", "refused", writes.takes_refused),
+            ("swap", "written", writes.swapped),
+            ("swap", "refused", writes.swaps_refused),
+        ];
+        for (kind, result, n) in counts {
+            if n > 0 {
+                self.slot_writes
+                    .get_or_create(&SlotWriteLabels { kind, result })
+                    .inc_by(u64::from(n));
+            }
+        }
     }
 }
 
@@ -479,5 +514,29 @@ mod tests {
             text.contains("leasehold_jobs{queue=\"q\",phase=\"Queued\"} 3"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn slot_writes_are_counted_by_kind_and_result_and_zeros_add_no_series() {
+        let m = Metrics::new();
+        let writes = |taken, takes_refused, swapped, swaps_refused| leasehold_kube::slots::Writes {
+            taken,
+            takes_refused,
+            swapped,
+            swaps_refused,
+        };
+        m.slot_writes(&writes(1, 0, 0, 1));
+        m.slot_writes(&writes(0, 0, 2, 0));
+        let text = m.render();
+        for (series, n) in [
+            ("{kind=\"take\",result=\"written\"}", 1),
+            ("{kind=\"swap\",result=\"refused\"}", 1),
+            ("{kind=\"swap\",result=\"written\"}", 2),
+        ] {
+            let line = format!("leasehold_slot_writes_total{series} {n}");
+            assert!(text.contains(&line), "{line}:\n{text}");
+        }
+        assert!(!text.contains("result=\"refused\"} 0"), "{text}");
+        assert!(!text.contains("kind=\"take\",result=\"refused\""), "{text}");
     }
 }

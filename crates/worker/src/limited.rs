@@ -200,7 +200,7 @@ impl Worker {
             swap,
             own: self.inner.own_slots.take(&scopes, swap),
         };
-        let acquired = slots::acquire(
+        let (acquired, writes) = slots::acquire(
             &self.inner.leases,
             &self.inner.jobs,
             queue,
@@ -216,6 +216,7 @@ impl Worker {
                 error_chain(&e),
             )
         })?;
+        self.inner.metrics.slot_writes(&writes);
         match acquired {
             // Paused, or the LeasedQueue became unreadable, while the slots were taken.
             Acquired::All(taken) if self.paused_now() => {
