@@ -90,8 +90,8 @@ pub struct Writes {
     pub takes_refused: u32,
     /// Swaps of the claimer's own free slot applied (no list, no judging read).
     pub swapped: u32,
-    /// Swaps refused: the slot was written since the claimer's own write, or is gone; the
-    /// scope was then taken as usual.
+    /// Swaps refused: the slot was written since the claimer's own write (409), or is gone
+    /// (404); the scope was then taken as usual.
     pub swaps_refused: u32,
 }
 
@@ -122,12 +122,12 @@ pub struct SlotError {
 /// is the claimer's pod, recorded on the slots it writes. `hints`: the slots to try first and
 /// to swap ([`Hints`]).
 ///
-/// Also returns the slot writes it made ([`Writes`]).
+/// Returns what it got, and the slot writes it made ([`Writes`]) whatever it got, failures
+/// included.
 ///
 /// # Errors
 /// [`SlotError`] when a list, read or write failed for another reason than a lost race;
-/// slots already taken are given back first (best effort). The writes made before are not
-/// reported then.
+/// slots already taken are given back first (best effort).
 pub async fn acquire(
     leases: &Api<Lease>,
     jobs: &Api<LeasedJob>,
@@ -136,7 +136,7 @@ pub async fn acquire(
     holder: &str,
     token: &Token,
     hints: Hints,
-) -> Result<(Acquired, Writes), SlotError> {
+) -> (Result<Acquired, SlotError>, Writes) {
     let Hints {
         prefer,
         swap: swaps,
@@ -145,7 +145,7 @@ pub async fn acquire(
     let Some(mine) = SlotHolder::of_claim(job) else {
         // A copy without a name or resourceVersion is never claimed: the claim refuses it
         // before any write (`ClaimError::Unversioned`). No slot is taken for it.
-        return Ok((Acquired::All(Vec::new()), Writes::default()));
+        return (Ok(Acquired::All(Vec::new())), Writes::default());
     };
     let claim = Claim {
         mine,
@@ -153,9 +153,9 @@ pub async fn acquire(
         pod: holder,
         writes: std::sync::Mutex::default(),
     };
-    let acquired = take_scopes(leases, jobs, queue, job, &claim, (prefer, swaps, own)).await?;
+    let acquired = take_scopes(leases, jobs, queue, job, &claim, (prefer, swaps, own)).await;
     let writes = *claim.writes.lock().unwrap();
-    Ok((acquired, writes))
+    (acquired, writes)
 }
 
 /// [`acquire`]'s work, for `claim`: a slot of every scope, swapped from `own` where `swaps`

@@ -44,7 +44,8 @@ pub struct SlotWriteLabels {
     /// `take` (a slot listed and judged free, or a reused one marked) or `swap` (the
     /// claimer's own free slot, with no list or read).
     pub kind: &'static str,
-    /// `written`, or `refused` (another claimer wrote the slot first).
+    /// `written`, or `refused` (another claimer wrote the slot first; for a swap, also a
+    /// slot deleted since).
     pub result: &'static str,
 }
 

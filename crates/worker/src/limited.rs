@@ -209,14 +209,15 @@ impl Worker {
             token,
             hints,
         )
-        .await
-        .map_err(|e| {
+        .await;
+        // Counted before a failure is answered: the writes made before it were made.
+        self.inner.metrics.slot_writes(&writes);
+        let acquired = acquired.map_err(|e| {
             WorkerError::unavailable(
                 format!("slots of LeasedJob {}", snapshot.reference()),
                 error_chain(&e),
             )
         })?;
-        self.inner.metrics.slot_writes(&writes);
         match acquired {
             // Paused, or the LeasedQueue became unreadable, while the slots were taken.
             Acquired::All(taken) if self.paused_now() => {

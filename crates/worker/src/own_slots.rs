@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use leasehold_core::slots::{Preferred, Scope};
+use leasehold_core::slots::{Preferred, Scope, MAX_CHAIN_AGE};
 use leasehold_kube::slots::Taken;
 
 /// At most this many attempts' slots are kept (the attempts this claimer holds, and those it
@@ -51,6 +51,9 @@ impl OwnSlots {
             return;
         }
         let mut state = self.state.lock().unwrap();
+        // A slot remembered free and now taken again (by a take, not a swap of it): no longer
+        // free, and its remembered version is stale.
+        state.free.retain(|f| !own.iter().any(|t| t.name == f.name));
         if state.held.len() >= MAX_HELD && !state.held.contains_key(job) {
             state.held.clear();
         }
@@ -83,6 +86,7 @@ impl OwnSlots {
     /// swapping (`swap`), for a claim to swap; the others stay.
     pub(crate) fn take(&self, scopes: &[Scope], swap: Preferred) -> Vec<Taken> {
         let mut state = self.state.lock().unwrap();
+        state.free.retain(swappable);
         let (mine, rest) = std::mem::take(&mut state.free)
             .into_iter()
             .partition(|f| scopes.contains(&f.scope) && swap.of(&f.scope) == Some(f.index));
@@ -93,7 +97,8 @@ impl OwnSlots {
     /// The free slots, as a poll names them to the dispatcher: (concurrency key, or none for
     /// the queue's scope; index), the newest [`MAX_ADVERTISED`] (a poll's body stays small).
     pub(crate) fn advertised(&self) -> Vec<(Option<String>, u32)> {
-        let state = self.state.lock().unwrap();
+        let mut state = self.state.lock().unwrap();
+        state.free.retain(swappable);
         let skip = state.free.len().saturating_sub(MAX_ADVERTISED);
         state
             .free
@@ -107,6 +112,15 @@ impl OwnSlots {
     }
 }
 
+/// Whether a free slot may still be swapped as far as its age goes: its chain's list is less
+/// than [`MAX_CHAIN_AGE`] old ([`leasehold_core::slots::may_swap`] refuses it after that, so
+/// it is neither named to the dispatcher nor kept).
+fn swappable(free: &Taken) -> bool {
+    free.own
+        .as_ref()
+        .is_some_and(|o| o.listed_at.elapsed() < MAX_CHAIN_AGE)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,7 +129,7 @@ mod tests {
 
     fn taken(scope: Scope, index: u32) -> Taken {
         Taken {
-            name: format!("slot-{index}"),
+            name: format!("slot-{scope:?}-{index}"),
             written: Some("1".into()),
             scope: scope.clone(),
             index,
@@ -172,6 +186,38 @@ mod tests {
         own.ended("j2", "1.cc");
         own.ended("j3", "1.dd");
         assert_eq!(own.advertised(), vec![(Some("a".into()), 3)]);
+    }
+
+    #[test]
+    fn a_free_slot_taken_again_or_past_its_chain_age_is_no_longer_named() {
+        let own = OwnSlots::default();
+        let key = Scope::Key("a".into());
+        own.held("j1", "1.aa", &[taken(key.clone(), 1)]);
+        own.ended("j1", "1.aa");
+        assert_eq!(own.advertised(), vec![(Some("a".into()), 1)]);
+        // Taken again by a take (its version is new): held, not free.
+        own.held("j2", "1.bb", &[taken(key.clone(), 1)]);
+        assert!(own.advertised().is_empty());
+        own.ended("j2", "1.bb");
+        assert_eq!(own.advertised(), vec![(Some("a".into()), 1)]);
+        // A chain whose list is MAX_CHAIN_AGE old cannot swap: forgotten.
+        let mut old = taken(key.clone(), 2);
+        if let Some(o) = old.own.as_mut() {
+            o.listed_at = std::time::Instant::now()
+                .checked_sub(MAX_CHAIN_AGE)
+                .expect("an instant 5 s back");
+        }
+        own.held("j3", "1.cc", &[old]);
+        own.ended("j3", "1.cc");
+        assert!(
+            own.advertised().is_empty(),
+            "one per scope, and that one too old"
+        );
+        let swap = Preferred {
+            queue: None,
+            key: Some(2),
+        };
+        assert!(own.take(&[key], swap).is_empty());
     }
 
     #[test]
