@@ -513,12 +513,7 @@ async fn claims_fall_back_while_the_dispatcher_is_frozen_and_use_it_again_after(
 
 /// The sidecar's `leasehold_claims_total` and `leasehold_claims_offered_total`.
 async fn claim_counts(sidecar: &Sidecar) -> (u64, u64) {
-    let text = reqwest::get(format!("{}/metrics", sidecar.base))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = sidecar.metrics().await;
     let value = |name: &str| {
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())

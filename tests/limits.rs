@@ -450,12 +450,7 @@ async fn claims_take_the_slots_the_dispatcher_suggests() {
     assert_eq!(key_slots(&client, &ns.name, "a").await, want);
     // Both through the dispatcher (not the fallback, which suggests nothing).
     for sidecar in &sidecars {
-        let metrics = reqwest::get(format!("{}/metrics", sidecar.base))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = sidecar.metrics().await;
         assert_eq!(
             sample(&metrics, "leasehold_claims_offered_total"),
             Some(1.0),
@@ -556,12 +551,7 @@ async fn a_claimer_swaps_its_own_slot_for_its_next_job_of_the_key() {
     // The first claimer's slot writes: a-1's and a-3's swaps (their records above say so),
     // and a take for each of a-0 and a-4, or more: a claim write that loses (409) to a change
     // of its job is made again, after a take of its own.
-    let metrics = reqwest::get(format!("{}/metrics", first.base))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = first.metrics().await;
     let written = |kind: &str| {
         let series = format!(r#"leasehold_slot_writes_total{{kind="{kind}",result="written"}}"#);
         sample(&metrics, &series).unwrap_or(0.0)
@@ -729,12 +719,7 @@ async fn a_dispatcher_marking_a_busy_slot_as_the_claimers_own_does_not_break_a_l
     let jobs: Api<LeasedJob> = Api::namespaced(client.clone(), &ns.name);
     assert_eq!(jobs.get("a-2").await.unwrap().phase(), Phase::Queued);
     assert_eq!(key_slots(&client, &ns.name, "a").await, want);
-    let metrics = reqwest::get(format!("{}/metrics", mine.base))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = mine.metrics().await;
     let refused = r#"leasehold_slot_writes_total{kind="swap",result="refused"}"#;
     assert!(sample(&metrics, refused) >= Some(1.0), "{metrics}");
     // a-1 ends: the claimer takes the key's slot for a-2.

@@ -137,6 +137,16 @@ impl Sidecar {
         (claimed, token)
     }
 
+    /// The sidecar's metrics page (`GET /metrics`), as text.
+    pub async fn metrics(&self) -> String {
+        reqwest::get(format!("{}/metrics", self.base))
+            .await
+            .expect("metrics served")
+            .text()
+            .await
+            .expect("metrics read")
+    }
+
     /// POST /v1/claim?wait=`wait`: the status and the answer.
     pub async fn claim(&self, wait: u64) -> (u16, Value) {
         self.post(&format!("/v1/claim?wait={wait}"), json!(null))
